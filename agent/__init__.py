@@ -1,0 +1,1 @@
+"""agent layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""

@@ -1,0 +1,57 @@
+"""Small value types shared by the controller's commands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    """What an agent supplies when it enrolls (already authenticated by token)."""
+
+    name: str
+    inventory: dict[str, Any]
+    agent_version: str
+    address: str
+    rpc_port: int
+    labels: dict[str, str]
+    credential_sha256: str
+    token_id: str
+    single_use_token: bool
+    slots: int = 1
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of generated text with its position in the job's stream."""
+
+    seq: int
+    text: str
+    tokens: int = 1
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class Submission:
+    model: str
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    stream: bool
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """The store position a command's events reached (for read-your-writes waits)."""
+
+    position: int
+    aggregate_id: UUID | None = None

@@ -1,0 +1,354 @@
+"""The controller application: one command per transition, over the event store.
+
+Each command loads the aggregates it needs, calls their guarded methods and saves every
+changed aggregate in one transaction. When another writer got there first (a version
+conflict), the command is re-run on freshly loaded aggregates a bounded number of times:
+its effect is neither lost nor applied twice, because the losing attempt recorded nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+from uuid import UUID, uuid4
+
+import orjson
+from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.domain import Aggregate
+from eventsourcing.persistence import RecordConflictError, Recording
+
+from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
+from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
+from domain.job import Job
+from domain.node import Node
+from domain.token_redemption import TokenRedemption, redemption_id
+
+T = TypeVar("T")
+
+#: How many times a command is re-run after losing a concurrency race.
+MAX_COMMAND_ATTEMPTS = 8
+
+SaveListener = Callable[[int], None]
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class Controller(Application[UUID]):
+    """Event-sourced controller state: nodes, jobs and token redemptions."""
+
+    name = "dacp"
+    snapshotting_intervals: ClassVar[dict[Any, int]] = {Node: 50}  # type: ignore[misc]
+    env: ClassVar[dict[str, str]] = {  # type: ignore[misc]
+        "AGGREGATE_CACHE_MAXSIZE": "2000",
+        "AGGREGATE_CACHE_FASTFORWARD": "y",
+    }
+
+    def __init__(self, env: Mapping[str, str] | None = None, *, record_content: bool = True):
+        super().__init__(env)
+        self.record_content = record_content
+        self._listeners: list[SaveListener] = []
+        self._listeners_lock = threading.Lock()
+
+    # ------------------------------------------------------------- plumbing
+
+    def add_save_listener(self, listener: SaveListener) -> None:
+        """Calls ``listener(position)`` after every save (projections wake on it)."""
+        with self._listeners_lock:
+            self._listeners.append(listener)
+
+    def remove_save_listener(self, listener: SaveListener) -> None:
+        with self._listeners_lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _notify(self, recordings: list[Recording[UUID]]) -> None:
+        if not recordings:
+            return
+        position = max(r.notification.id for r in recordings)
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(position)
+
+    def position(self) -> int:
+        """The store's current maximum notification id (0 when empty)."""
+        return self.recorder.max_notification_id() or 0
+
+    def _run(self, command: Callable[[], Sequence[Aggregate]]) -> int:
+        """Runs ``command`` (load + mutate) and saves, retrying on version conflicts."""
+        for _ in range(MAX_COMMAND_ATTEMPTS):
+            aggregates = command()
+            try:
+                recordings = self.save(*aggregates)
+            except RecordConflictError:
+                continue
+            if not recordings:
+                return self.position()
+            return max(r.notification.id for r in recordings)
+        raise ConcurrencyExhausted(
+            f"gave up after {MAX_COMMAND_ATTEMPTS} concurrent-write conflicts"
+        )
+
+    def _node(self, node_id: UUID | str) -> Node:
+        return self._get(Node, node_id, "node")
+
+    def _job(self, job_id: UUID | str) -> Job:
+        return self._get(Job, job_id, "job")
+
+    def _get(self, cls: type[T], ident: UUID | str, kind: str) -> T:
+        try:
+            uid = ident if isinstance(ident, UUID) else UUID(str(ident))
+        except ValueError as e:
+            raise NotFound(kind, ident) from e
+        try:
+            aggregate: Any = self.repository.get(uid)
+        except AggregateNotFoundError as e:
+            raise NotFound(kind, ident) from e
+        if not isinstance(aggregate, cls):
+            raise NotFound(kind, ident)
+        return aggregate
+
+    def get_node(self, node_id: UUID | str) -> Node:
+        return self._node(node_id)
+
+    def get_job(self, job_id: UUID | str) -> Job:
+        return self._job(job_id)
+
+    def _node_command(self, node_id: UUID | str, act: Callable[[Node], object]) -> int:
+        def command() -> list[Aggregate]:
+            node = self._node(node_id)
+            act(node)
+            return [node]
+
+        return self._run(command)
+
+    # ---------------------------------------------------------- node commands
+
+    def enroll(self, enrollment: Enrollment, node_id: UUID | None = None) -> CommandResult:
+        new_id = node_id or uuid4()
+
+        def command() -> list[Aggregate]:
+            saved: list[Aggregate] = []
+            if enrollment.single_use_token:
+                try:
+                    self.repository.get(redemption_id(enrollment.token_id))
+                except AggregateNotFoundError:
+                    saved.append(TokenRedemption.redeem(enrollment.token_id, str(new_id)))
+                else:
+                    raise TokenAlreadyUsed(enrollment.token_id)
+            node = Node.enroll(
+                node_id=new_id,
+                name=enrollment.name,
+                inventory=enrollment.inventory,
+                agent_version=enrollment.agent_version,
+                address=enrollment.address,
+                rpc_port=enrollment.rpc_port,
+                labels=enrollment.labels,
+                credential_sha256=enrollment.credential_sha256,
+                token_id=enrollment.token_id,
+                slots=enrollment.slots,
+            )
+            return [node, *saved]
+
+        return CommandResult(self._run(command), new_id)
+
+    def mark_ready(self, node_id: UUID | str) -> int:
+        return self._node_command(node_id, lambda n: n.become_ready())
+
+    def report_resources(
+        self, node_id: UUID | str, resources: dict[str, Any], local_models: list[dict[str, Any]]
+    ) -> int:
+        return self._node_command(node_id, lambda n: n.report_resources(resources, local_models))
+
+    def heartbeat_timeout(self, node_id: UUID | str, seconds_since_last: float) -> int:
+        return self._node_command(node_id, lambda n: n.heartbeat_timeout(seconds_since_last))
+
+    def mark_offline(self, node_id: UUID | str, reason: str) -> int:
+        return self._node_lost(node_id, lambda n: n.go_offline(reason), reason)
+
+    def report_node_error(self, node_id: UUID | str, message: str) -> int:
+        return self._node_lost(node_id, lambda n: n.report_error(message), message)
+
+    def _node_lost(self, node_id: UUID | str, act: Callable[[Node], None], reason: str) -> int:
+        """Offline or error: the node's jobs end with it, in the same transaction."""
+
+        def command() -> list[Aggregate]:
+            node = self._node(node_id)
+            lost = list(node.jobs)
+            act(node)
+            changed: dict[UUID, Aggregate] = {node.id: node}
+            for job_id in lost:
+                job = self._job(job_id)
+                if not job.terminal:
+                    job.fail(f"node {node.name} lost: {reason}", "node_lost")
+                    self._release_nodes(job, changed, outcome="failed")
+            node.complete_drain_if_idle()
+            return list(changed.values())
+
+        return self._run(command)
+
+    def mark_recovered(self, node_id: UUID | str, agent_version: str = "") -> int:
+        return self._node_command(node_id, lambda n: n.recover(agent_version))
+
+    def request_drain(self, node_id: UUID | str, requested_by: str = "admin") -> int:
+        def act(node: Node) -> None:
+            node.request_drain(requested_by)
+            node.complete_drain_if_idle()
+
+        return self._node_command(node_id, act)
+
+    def mark_drained(self, node_id: UUID | str) -> int:
+        """Records NODE_DRAINED if the node's drain is requested and it holds no job."""
+        return self._node_command(node_id, lambda n: n.complete_drain_if_idle())
+
+    def resume(self, node_id: UUID | str, requested_by: str = "admin") -> int:
+        return self._node_command(node_id, lambda n: n.resume(requested_by))
+
+    def rpc_worker_started(self, node_id: UUID | str, job_id: str, host: str, port: int) -> int:
+        return self._node_command(node_id, lambda n: n.rpc_worker_started(job_id, host, port))
+
+    def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
+        return self._node_command(node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
+
+    def security_violation(
+        self, node_id: UUID | str, address: str, reason: str, job_id: str = ""
+    ) -> int:
+        return self._node_command(node_id, lambda n: n.security_violation(address, reason, job_id))
+
+    # ----------------------------------------------------------- job commands
+
+    def submit(self, submission: Submission, job_id: UUID | None = None) -> CommandResult:
+        new_id = job_id or uuid4()
+        canonical = orjson.dumps(submission.messages, option=orjson.OPT_SORT_KEYS).decode()
+
+        def command() -> list[Aggregate]:
+            return [
+                Job.submit(
+                    job_id=new_id,
+                    model=submission.model,
+                    params=submission.params,
+                    messages=submission.messages if self.record_content else None,
+                    prompt_sha256=sha256_text(canonical),
+                    message_count=len(submission.messages),
+                    stream=submission.stream,
+                )
+            ]
+
+        return CommandResult(self._run(command), new_id)
+
+    def plan(self, job_id: UUID | str, plan: dict[str, Any]) -> int:
+        return self._job_command(job_id, lambda j: j.record_plan(plan))
+
+    def replan(
+        self, job_id: UUID | str, plan: dict[str, Any], reason: str, excluded_node: str = ""
+    ) -> int:
+        """Re-plans before execution; nodes of the old plan that were assigned are released."""
+
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            changed: dict[UUID, Aggregate] = {job.id: job}
+            self._release_nodes(job, changed, outcome="replanned")
+            job.replan(plan, reason, excluded_node)
+            return list(changed.values())
+
+        return self._run(command)
+
+    def dispatch(
+        self, job_id: UUID | str, roles: Mapping[str, str], *, allow_degraded: bool = False
+    ) -> int:
+        """Assigns the job to every node of its plan (``roles``: node id → role) and
+        records JOB_DISPATCHED, all or nothing."""
+
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            changed: list[Aggregate] = [job]
+            for node_id, role in roles.items():
+                node = self._node(node_id)
+                node.assign_job(str(job.id), role, allow_degraded=allow_degraded)
+                changed.append(node)
+            job.dispatch(list(roles))
+            return changed
+
+        return self._run(command)
+
+    def validate_setup(self, job_id: UUID | str) -> int:
+        return self._job_command(job_id, lambda j: j.validate_setup())
+
+    def record_token_chunks(self, chunks: Mapping[UUID | str, Sequence[Delta]]) -> int:
+        """Records one TOKEN_STREAM_CHUNK per job for many jobs in one transaction."""
+
+        def command() -> list[Aggregate]:
+            jobs: list[Aggregate] = []
+            for job_id, deltas in chunks.items():
+                if not deltas:
+                    continue
+                job = self._job(job_id)
+                job.record_chunk([self._delta_payload(d) for d in deltas])
+                jobs.append(job)
+            return jobs
+
+        return self._run(command)
+
+    def _delta_payload(self, delta: Delta) -> dict[str, Any]:
+        payload: dict[str, Any] = {"seq": delta.seq, "tokens": delta.tokens}
+        if self.record_content:
+            payload["text"] = delta.text
+        else:
+            payload["sha256"] = sha256_text(delta.text)
+            payload["chars"] = len(delta.text)
+        return payload
+
+    def complete(self, job_id: UUID | str, outcome: JobOutcome) -> int:
+        def act(job: Job) -> None:
+            job.complete(
+                finish_reason=outcome.finish_reason,
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                time_to_first_token_ms=outcome.time_to_first_token_ms,
+                tokens_per_second=outcome.tokens_per_second,
+            )
+
+        return self._ending(job_id, act, "completed")
+
+    def fail(self, job_id: UUID | str, reason: str, error_code: str = "") -> int:
+        return self._ending(job_id, lambda j: j.fail(reason, error_code), "failed")
+
+    def cancel(self, job_id: UUID | str, reason: str) -> int:
+        return self._ending(job_id, lambda j: j.cancel(reason), "cancelled")
+
+    def _ending(self, job_id: UUID | str, act: Callable[[Job], object], outcome: str) -> int:
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            act(job)
+            changed: dict[UUID, Aggregate] = {job.id: job}
+            self._release_nodes(job, changed, outcome=outcome)
+            return list(changed.values())
+
+        return self._run(command)
+
+    def _job_command(self, job_id: UUID | str, act: Callable[[Job], object]) -> int:
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            act(job)
+            return [job]
+
+        return self._run(command)
+
+    def _release_nodes(self, job: Job, changed: dict[UUID, Aggregate], outcome: str) -> None:
+        """Releases the job from every node still holding it; finishes pending drains."""
+        for node_id in _node_ids(job):
+            uid = UUID(node_id)
+            existing = changed.get(uid)
+            node = existing if isinstance(existing, Node) else self._node(uid)
+            if str(job.id) in node.jobs:
+                node.release_job(str(job.id), outcome)
+                node.complete_drain_if_idle()
+                changed[uid] = node
+
+
+def _node_ids(job: Job) -> Iterable[str]:
+    return list(dict.fromkeys(job.nodes))

@@ -1,0 +1,219 @@
+"""The read side (CQRS): pure functions from events to read-model rows, and the query port.
+
+Rows are plain JSON-safe dicts derived from events only (times come from the events, never
+from a clock), so rebuilding from position zero yields identical rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from domain.catalog import code_of
+from domain.job import Job
+from domain.node import Node
+from domain.states import NodeState
+
+
+def _free_memory_bytes(resources: dict[str, Any]) -> int:
+    """Usable memory of a node: its GPUs' free memory, else its free RAM."""
+    gpus = resources.get("gpus") or []
+    gpu_free = sum(int(g.get("memory_free_bytes", 0)) for g in gpus if isinstance(g, dict))
+    if gpu_free > 0:
+        return gpu_free
+    return int(resources.get("ram_free_bytes") or resources.get("ram_total_bytes") or 0)
+
+
+def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``nodes`` row after ``event`` (``None`` when the event is not a node event)."""
+    at = event.timestamp.isoformat()  # type: ignore[attr-defined]
+    if isinstance(event, Node.Enrolled):
+        return {
+            "node_id": str(event.originator_id),
+            "name": event.name,
+            "state": event.state,
+            "address": event.address,
+            "rpc_port": event.rpc_port,
+            "agent_version": event.agent_version,
+            "labels": event.labels,
+            "inventory": event.inventory,
+            "resources": event.inventory,
+            "local_models": [],
+            "slots": event.slots,
+            "current_jobs": [],
+            "rpc_workers": {},
+            "drain_requested": False,
+            "drained": False,
+            "error": None,
+            "security_violations": 0,
+            "enrolled_at": at,
+            "last_state_change": at,
+            "last_event": code_of(event),
+            "last_event_at": at,
+            "version": event.originator_version,
+        }
+    if not isinstance(event, Node.Event) or row is None:
+        return None
+    new = dict(row)
+    if event.state != row["state"]:
+        new["state"] = event.state
+        new["last_state_change"] = at
+    new["last_event"] = code_of(event)
+    new["last_event_at"] = at
+    new["version"] = event.originator_version
+    if isinstance(event, Node.ResourcesReported):
+        new["resources"] = event.resources
+        new["local_models"] = event.local_models
+    elif isinstance(event, Node.WentOffline | Node.ErrorReported):
+        new["current_jobs"] = []
+        new["rpc_workers"] = {}
+        if isinstance(event, Node.ErrorReported):
+            new["error"] = event.message
+    elif isinstance(event, Node.Recovered):
+        new["error"] = None
+        if event.agent_version:
+            new["agent_version"] = event.agent_version
+    elif isinstance(event, Node.DrainRequested):
+        new["drain_requested"], new["drained"] = True, False
+    elif isinstance(event, Node.Drained):
+        new["drained"] = True
+    elif isinstance(event, Node.Resumed):
+        new["drain_requested"], new["drained"] = False, False
+    elif isinstance(event, Node.RpcWorkerStarted):
+        new["rpc_workers"] = {**row["rpc_workers"], event.job_id: f"{event.host}:{event.port}"}
+    elif isinstance(event, Node.RpcWorkerStopped):
+        new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
+    elif isinstance(event, Node.SecurityViolation):
+        new["security_violations"] = row["security_violations"] + 1
+    elif isinstance(event, Node.JobAssigned):
+        new["current_jobs"] = sorted({*row["current_jobs"], event.job_id})
+    elif isinstance(event, Node.JobReleased):
+        new["current_jobs"] = [j for j in row["current_jobs"] if j != event.job_id]
+    return new
+
+
+def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``eligibility`` row of a node: what the scheduler reads (``None``: not eligible)."""
+    free_slots = int(node["slots"]) - len(node["current_jobs"])
+    if node["drain_requested"] or free_slots <= 0:
+        return None
+    if node["state"] == NodeState.READY:
+        fallback_only = False
+    elif node["state"] == NodeState.DEGRADED:
+        fallback_only = True
+    else:
+        return None
+    return {
+        "node_id": node["node_id"],
+        "name": node["name"],
+        "state": node["state"],
+        "fallback_only": fallback_only,
+        "address": node["address"],
+        "rpc_port": node["rpc_port"],
+        "free_slots": free_slots,
+        "free_memory_bytes": _free_memory_bytes(node["resources"]),
+        "local_models": sorted(
+            {str(m["sha256"]) for m in node["local_models"] if m.get("sha256")}
+        ),
+    }
+
+
+def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``jobs`` row after ``event`` (``None`` when the event is not a job event)."""
+    at = event.timestamp.isoformat()  # type: ignore[attr-defined]
+    if isinstance(event, Job.Submitted):
+        return {
+            "job_id": str(event.originator_id),
+            "state": "SUBMITTED",
+            "model": event.model,
+            "stream": event.stream,
+            "params": event.params,
+            "message_count": event.message_count,
+            "prompt_sha256": event.prompt_sha256,
+            "plan": None,
+            "nodes": [],
+            "replans": 0,
+            "submitted_at": at,
+            "planned_at": None,
+            "dispatched_at": None,
+            "validated_at": None,
+            "first_token_at": None,
+            "ended_at": None,
+            "chunks": 0,
+            "tokens_streamed": 0,
+            "text": "" if event.messages is not None else None,
+            "finish_reason": None,
+            "prompt_tokens": None,
+            "completion_tokens": None,
+            "time_to_first_token_ms": None,
+            "tokens_per_second": None,
+            "failure_phase": None,
+            "failure_reason": None,
+            "error_code": None,
+            "last_event": code_of(event),
+            "version": event.originator_version,
+        }
+    if not isinstance(event, Job.Event) or row is None:
+        return None
+    new = dict(row)
+    new["state"] = event.resulting_state.value
+    new["last_event"] = code_of(event)
+    new["version"] = event.originator_version
+    if isinstance(event, Job.Planned):
+        new["plan"], new["planned_at"] = event.plan, at
+    elif isinstance(event, Job.Replanned):
+        new["plan"], new["replans"] = event.plan, row["replans"] + 1
+    elif isinstance(event, Job.Dispatched):
+        new["nodes"], new["dispatched_at"] = list(event.nodes), at
+    elif isinstance(event, Job.SetupValidated):
+        new["validated_at"] = at
+    elif isinstance(event, Job.TokenStreamChunk):
+        new["chunks"] = row["chunks"] + 1
+        new["tokens_streamed"] = row["tokens_streamed"] + event.token_count
+        new["first_token_at"] = row["first_token_at"] or at
+        if row["text"] is not None:
+            new["text"] = row["text"] + "".join(str(d.get("text", "")) for d in event.deltas)
+    elif isinstance(event, Job.Completed):
+        new.update(
+            ended_at=at,
+            finish_reason=event.finish_reason,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            time_to_first_token_ms=event.time_to_first_token_ms,
+            tokens_per_second=event.tokens_per_second,
+        )
+    elif isinstance(event, Job.Failed):
+        new.update(
+            ended_at=at,
+            failure_phase=event.phase,
+            failure_reason=event.reason,
+            error_code=event.error_code,
+        )
+    elif isinstance(event, Job.Cancelled):
+        new.update(ended_at=at, failure_reason=event.reason, error_code="cancelled")
+    return new
+
+
+class ReadModel(Protocol):
+    """The query port over the projections (implemented in ``infrastructure``)."""
+
+    def get_node(self, node_id: str) -> dict[str, Any] | None: ...
+
+    def list_nodes(self) -> list[dict[str, Any]]: ...
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None: ...
+
+    def list_jobs(
+        self,
+        *,
+        state: str | None = None,
+        model: str | None = None,
+        node_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]: ...
+
+    def eligibility(self) -> list[dict[str, Any]]: ...
+
+    def position(self) -> int: ...
+
+    def wait(self, position: int, timeout: float = 5.0) -> None: ...

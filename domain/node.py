@@ -1,0 +1,408 @@
+"""The Node aggregate: one enrolled machine and its state machine (DESIGN.md §4).
+
+Every command checks its guard first and raises :class:`IllegalTransition` without
+triggering an event when the node's state does not allow it. Event ``apply`` methods
+only evolve state; they never check rules, so replay is always possible.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from eventsourcing.domain import Aggregate
+
+from domain.errors import IllegalTransition, InvalidCommand
+from domain.states import NodeState
+
+#: States that a node in service (not late, lost or broken) can be in.
+_IN_SERVICE = frozenset({NodeState.READY, NodeState.BUSY, NodeState.DRAINING})
+#: States from which a node can be recovered by a resumed heartbeat or stream.
+_RECOVERABLE = frozenset({NodeState.DEGRADED, NodeState.OFFLINE, NodeState.ERROR})
+#: States in which a node may run an RPC worker or hold a job.
+_CAN_WORK = _IN_SERVICE | {NodeState.DEGRADED}
+
+
+class Node(Aggregate):
+    """An enrolled machine. Its identity is the id given at enrollment."""
+
+    class Event(Aggregate.Event):
+        """A node event; ``state`` is the node's state once the event has happened."""
+
+        code: ClassVar[str] = ""
+        state: str
+
+        def apply(self, aggregate: Any) -> None:
+            node: Node = aggregate
+            self.evolve(node)
+            if node.state != self.state:
+                node.state = NodeState(self.state)
+                node.last_state_change = self.timestamp.isoformat()
+
+        def evolve(self, node: Node) -> None:
+            """Changes the node's state; overridden by each event."""
+
+    class Enrolled(Aggregate.Created):
+        """Created event; like every node event it carries ``state`` (REGISTERING)."""
+
+        code: ClassVar[str] = "NODE_ENROLLED"
+        name: str
+        inventory: dict[str, Any]
+        agent_version: str
+        address: str
+        rpc_port: int
+        labels: dict[str, str]
+        slots: int
+        credential_sha256: str
+        token_id: str
+
+    class BecameReady(Event):
+        code: ClassVar[str] = "NODE_READY"
+
+    class ResourcesReported(Event):
+        code: ClassVar[str] = "RESOURCES_REPORTED"
+        resources: dict[str, Any]
+        local_models: list[dict[str, Any]]
+
+        def evolve(self, node: Node) -> None:
+            node.resources = self.resources
+            node.local_models = self.local_models
+
+    class HeartbeatTimedOut(Event):
+        code: ClassVar[str] = "HEARTBEAT_TIMEOUT"
+        seconds_since_last: float
+
+    class WentOffline(Event):
+        code: ClassVar[str] = "NODE_OFFLINE"
+        reason: str
+        lost_jobs: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.jobs = []
+            node.rpc_workers = {}
+
+    class Recovered(Event):
+        code: ClassVar[str] = "NODE_RECOVERED"
+        agent_version: str
+
+        def evolve(self, node: Node) -> None:
+            if self.agent_version:
+                node.agent_version = self.agent_version
+            node.error = None
+
+    class DrainRequested(Event):
+        code: ClassVar[str] = "NODE_DRAIN_REQUESTED"
+        requested_by: str
+
+        def evolve(self, node: Node) -> None:
+            node.drain_requested = True
+            node.drained = False
+
+    class Drained(Event):
+        code: ClassVar[str] = "NODE_DRAINED"
+
+        def evolve(self, node: Node) -> None:
+            node.drained = True
+
+    class Resumed(Event):
+        code: ClassVar[str] = "NODE_RESUMED"
+        requested_by: str
+
+        def evolve(self, node: Node) -> None:
+            node.drain_requested = False
+            node.drained = False
+
+    class ErrorReported(Event):
+        code: ClassVar[str] = "NODE_ERROR"
+        message: str
+        lost_jobs: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.error = self.message
+            node.jobs = []
+            node.rpc_workers = {}
+
+    class RpcWorkerStarted(Event):
+        code: ClassVar[str] = "RPC_WORKER_STARTED"
+        job_id: str
+        host: str
+        port: int
+
+        def evolve(self, node: Node) -> None:
+            node.rpc_workers = {**node.rpc_workers, self.job_id: f"{self.host}:{self.port}"}
+
+    class RpcWorkerStopped(Event):
+        code: ClassVar[str] = "RPC_WORKER_STOPPED"
+        job_id: str
+        reason: str
+
+        def evolve(self, node: Node) -> None:
+            node.rpc_workers = {k: v for k, v in node.rpc_workers.items() if k != self.job_id}
+
+    class SecurityViolation(Event):
+        code: ClassVar[str] = "SECURITY_VIOLATION"
+        address: str
+        reason: str
+        job_id: str
+
+        def evolve(self, node: Node) -> None:
+            node.security_violations += 1
+
+    class JobAssigned(Event):
+        code: ClassVar[str] = "NODE_JOB_ASSIGNED"
+        job_id: str
+        role: str
+
+        def evolve(self, node: Node) -> None:
+            node.jobs = sorted({*node.jobs, self.job_id})
+
+    class JobReleased(Event):
+        code: ClassVar[str] = "NODE_JOB_RELEASED"
+        job_id: str
+        outcome: str
+
+        def evolve(self, node: Node) -> None:
+            node.jobs = [j for j in node.jobs if j != self.job_id]
+
+    def __init__(
+        self,
+        state: str,
+        name: str,
+        inventory: dict[str, Any],
+        agent_version: str,
+        address: str,
+        rpc_port: int,
+        labels: dict[str, str],
+        slots: int,
+        credential_sha256: str,
+        token_id: str,
+    ) -> None:
+        self.name = name
+        self.inventory = inventory
+        self.agent_version = agent_version
+        self.address = address
+        self.rpc_port = rpc_port
+        self.labels = labels
+        self.slots = slots
+        self.credential_sha256 = credential_sha256
+        self.token_id = token_id
+        self.state = NodeState(state)
+        self.last_state_change = self.created_on.isoformat()
+        self.drain_requested = False
+        self.drained = False
+        self.jobs: list[str] = []
+        self.rpc_workers: dict[str, str] = {}
+        self.resources: dict[str, Any] = {}
+        self.local_models: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self.security_violations = 0
+
+    # ----------------------------------------------------------------- queries
+
+    def settled_state(self, *, jobs: int | None = None, drain: bool | None = None) -> NodeState:
+        """The in-service state that a job count and drain flag call for (default: current)."""
+        return settled_state(
+            len(self.jobs) if jobs is None else jobs,
+            self.slots,
+            self.drain_requested if drain is None else drain,
+        )
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == NodeState.READY and len(self.jobs) < self.slots
+
+    @property
+    def drain_complete(self) -> bool:
+        return self.drain_requested and self.drained
+
+    def _refuse(self, command: str, detail: str = "") -> IllegalTransition:
+        return IllegalTransition("node", command, str(self.state), detail)
+
+    # ---------------------------------------------------------------- commands
+
+    @classmethod
+    def enroll(
+        cls,
+        *,
+        node_id: Any,
+        name: str,
+        inventory: dict[str, Any],
+        agent_version: str,
+        address: str,
+        rpc_port: int,
+        labels: dict[str, str],
+        credential_sha256: str,
+        token_id: str,
+        slots: int = 1,
+    ) -> Node:
+        if not name.strip():
+            raise InvalidCommand("a node needs a non-empty name")
+        if slots < 1:
+            raise InvalidCommand("a node needs at least one job slot")
+        return cls._create(
+            cls.Enrolled,
+            id=node_id,
+            state=NodeState.REGISTERING,
+            name=name,
+            inventory=inventory,
+            agent_version=agent_version,
+            address=address,
+            rpc_port=rpc_port,
+            labels=labels,
+            slots=slots,
+            credential_sha256=credential_sha256,
+            token_id=token_id,
+        )
+
+    def become_ready(self) -> None:
+        if self.state != NodeState.REGISTERING:
+            raise self._refuse("become ready", "only a registering node becomes ready")
+        self.trigger_event(self.BecameReady, state=self.settled_state())
+
+    def report_resources(
+        self, resources: dict[str, Any], local_models: list[dict[str, Any]]
+    ) -> bool:
+        """Records the report when it differs meaningfully; returns whether it did."""
+        if not resources_differ(self.resources, resources) and self.local_models == local_models:
+            return False
+        self.trigger_event(
+            self.ResourcesReported,
+            state=self.state,
+            resources=resources,
+            local_models=local_models,
+        )
+        return True
+
+    def heartbeat_timeout(self, seconds_since_last: float) -> None:
+        if self.state not in _IN_SERVICE:
+            raise self._refuse("time out", "only a node in service can become late")
+        self.trigger_event(
+            self.HeartbeatTimedOut, state=NodeState.DEGRADED, seconds_since_last=seconds_since_last
+        )
+
+    def go_offline(self, reason: str) -> None:
+        if self.state == NodeState.OFFLINE:
+            raise self._refuse("go offline", "already offline")
+        self.trigger_event(
+            self.WentOffline, state=NodeState.OFFLINE, reason=reason, lost_jobs=list(self.jobs)
+        )
+
+    def recover(self, agent_version: str = "") -> None:
+        if self.state not in _RECOVERABLE:
+            raise self._refuse("recover", "only a degraded, offline or failed node recovers")
+        self.trigger_event(
+            self.Recovered, state=self.settled_state(jobs=0), agent_version=agent_version
+        )
+
+    def request_drain(self, requested_by: str) -> None:
+        if self.drain_requested:
+            raise self._refuse("drain", "a drain is already requested")
+        if self.state == NodeState.REGISTERING:
+            raise self._refuse("drain", "the node has not finished registering")
+        state = NodeState.DRAINING if self.state in _IN_SERVICE else self.state
+        self.trigger_event(self.DrainRequested, state=state, requested_by=requested_by)
+
+    def complete_drain_if_idle(self) -> bool:
+        """Records NODE_DRAINED when a requested drain has no job left; returns whether."""
+        if not self.drain_requested or self.drained or self.jobs:
+            return False
+        self.trigger_event(self.Drained, state=self.state)
+        return True
+
+    def resume(self, requested_by: str) -> None:
+        if not self.drain_requested:
+            raise self._refuse("resume", "no drain was requested")
+        state = self.settled_state(drain=False) if self.state in _IN_SERVICE else self.state
+        self.trigger_event(self.Resumed, state=state, requested_by=requested_by)
+
+    def report_error(self, message: str) -> None:
+        if self.state in (NodeState.OFFLINE, NodeState.ERROR, NodeState.REGISTERING):
+            raise self._refuse("enter error", "the node is not running")
+        self.trigger_event(
+            self.ErrorReported, state=NodeState.ERROR, message=message, lost_jobs=list(self.jobs)
+        )
+
+    def rpc_worker_started(self, job_id: str, host: str, port: int) -> None:
+        if self.state not in _CAN_WORK:
+            raise self._refuse("start an RPC worker")
+        if job_id not in self.jobs:
+            raise self._refuse("start an RPC worker", f"job {job_id} is not assigned to it")
+        if not 0 < port < 65536:
+            raise InvalidCommand(f"invalid RPC port {port}")
+        self.trigger_event(
+            self.RpcWorkerStarted, state=self.state, job_id=job_id, host=host, port=port
+        )
+
+    def rpc_worker_stopped(self, job_id: str, reason: str) -> None:
+        if job_id not in self.rpc_workers:
+            raise self._refuse("stop an RPC worker", f"no worker runs for job {job_id}")
+        self.trigger_event(self.RpcWorkerStopped, state=self.state, job_id=job_id, reason=reason)
+
+    def security_violation(self, address: str, reason: str, job_id: str = "") -> None:
+        self.trigger_event(
+            self.SecurityViolation, state=self.state, address=address, reason=reason, job_id=job_id
+        )
+
+    def assign_job(self, job_id: str, role: str, *, allow_degraded: bool = False) -> None:
+        allowed = {NodeState.READY} | ({NodeState.DEGRADED} if allow_degraded else set())
+        if self.state not in allowed or self.drain_requested:
+            raise self._refuse("take a job", "it is not schedulable")
+        if job_id in self.jobs:
+            raise self._refuse("take a job", f"job {job_id} is already assigned")
+        if len(self.jobs) >= self.slots:
+            raise self._refuse("take a job", "every slot is taken")
+        state = (
+            self.settled_state(jobs=len(self.jobs) + 1) if self.state in _IN_SERVICE else self.state
+        )
+        self.trigger_event(self.JobAssigned, state=state, job_id=job_id, role=role)
+
+    def release_job(self, job_id: str, outcome: str) -> None:
+        if job_id not in self.jobs:
+            raise self._refuse("release a job", f"job {job_id} is not assigned to it")
+        state = (
+            self.settled_state(jobs=len(self.jobs) - 1) if self.state in _IN_SERVICE else self.state
+        )
+        self.trigger_event(self.JobReleased, state=state, job_id=job_id, outcome=outcome)
+
+
+def settled_state(jobs: int, slots: int, drain_requested: bool) -> NodeState:
+    """READY, BUSY or DRAINING: the state of a node in service."""
+    if drain_requested:
+        return NodeState.DRAINING
+    if jobs >= slots:
+        return NodeState.BUSY
+    return NodeState.READY
+
+
+#: Relative change in free memory that counts as meaningful for RESOURCES_REPORTED.
+MEANINGFUL_MEMORY_CHANGE = 0.10
+
+
+def resources_differ(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether a resource report is worth an event: anything but free-memory jitter.
+
+    Keys ending in ``_free_bytes`` change with every allocation; they count only when
+    they move by more than :data:`MEANINGFUL_MEMORY_CHANGE` of their previous value.
+    Any other difference (a GPU appears, a model file is added) always counts.
+    """
+    if before.keys() != after.keys():
+        return True
+    for key, old in before.items():
+        new = after[key]
+        if key.endswith("_free_bytes") and isinstance(old, int) and isinstance(new, int):
+            if abs(new - old) > MEANINGFUL_MEMORY_CHANGE * max(old, 1):
+                return True
+        elif isinstance(old, dict) and isinstance(new, dict):
+            if resources_differ(old, new):
+                return True
+        elif isinstance(old, list) and isinstance(new, list):
+            if len(old) != len(new):
+                return True
+            for a, b in zip(old, new, strict=True):
+                if isinstance(a, dict) and isinstance(b, dict):
+                    if resources_differ(a, b):
+                        return True
+                elif a != b:
+                    return True
+        elif old != new:
+            return True
+    return False

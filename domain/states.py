@@ -1,0 +1,41 @@
+"""Node and job states (DESIGN.md §4) as string enums, so they serialise as plain strings."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class NodeState(StrEnum):
+    UNINITIALIZED = "UNINITIALIZED"
+    REGISTERING = "REGISTERING"
+    READY = "READY"
+    BUSY = "BUSY"
+    DRAINING = "DRAINING"
+    DEGRADED = "DEGRADED"
+    OFFLINE = "OFFLINE"
+    ERROR = "ERROR"
+
+
+SCHEDULABLE_NODE_STATES = frozenset({NodeState.READY})
+FALLBACK_NODE_STATES = frozenset({NodeState.DEGRADED})
+
+
+class JobState(StrEnum):
+    SUBMITTED = "SUBMITTED"
+    PLANNED = "PLANNED"
+    DISPATCHED = "DISPATCHED"
+    SETUP_VALIDATED = "SETUP_VALIDATED"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+SETUP_PHASE_STATES = frozenset({JobState.SUBMITTED, JobState.PLANNED, JobState.DISPATCHED})
+EXECUTION_PHASE_STATES = frozenset({JobState.SETUP_VALIDATED, JobState.RUNNING})
+
+
+class FailurePhase(StrEnum):
+    SETUP = "setup"
+    EXECUTION = "execution"

@@ -1,0 +1,1 @@
+"""infrastructure layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""

@@ -1,0 +1,142 @@
+"""Keeps the read-model views following the event store, live.
+
+On Postgres the follower uses eventsourcing's LISTEN/NOTIFY subscription; SQLite has no
+subscription, so there it reads the notification log, woken at once by in-process saves and
+every ``poll_interval`` for writers in other processes. Either way each event is applied
+with its tracking record in one transaction: exactly once, resumable after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from eventsourcing.persistence import IntegrityError, Tracking
+
+from application.controller import Controller
+from infrastructure.read_model_store import ReadModelStore
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+
+
+class ProjectionFollower:
+    def __init__(
+        self, app: Controller, store: ReadModelStore, *, poll_interval: float = 0.5
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.poll_interval = poll_interval
+        self._position = store.max_tracking_id(store.view_name) or 0
+        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._subscription: Any = None
+        self.uses_subscription = app.factory.env.get("PERSISTENCE_MODULE") == (
+            "eventsourcing.postgres"
+        )
+
+    @property
+    def position(self) -> int:
+        """The last store position applied to the views."""
+        return self._position
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.app.add_save_listener(self._on_save)
+        self._thread = threading.Thread(target=self._run, name="projection-follower", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.app.remove_save_listener(self._on_save)
+        if self._subscription is not None:
+            self._subscription.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _on_save(self, position: int) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.uses_subscription:
+                    self._follow_subscription()
+                else:
+                    self._follow_log()
+            except Exception:
+                if self._stop.is_set():
+                    return
+                log.exception("projection follower failed; restarting in 1 s")
+                self._stop.wait(1.0)
+
+    def _follow_log(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            if self.catch_up() == 0:
+                self._wake.wait(self.poll_interval)
+
+    def _follow_subscription(self) -> None:
+        self.catch_up()
+        with self.app.recorder.subscribe(gt=self._position) as subscription:
+            self._subscription = subscription
+            for notification in subscription:
+                if self._stop.is_set():
+                    break
+                self._apply(notification)
+
+    # ------------------------------------------------------------- applying
+
+    def catch_up(self) -> int:
+        """Applies every recorded event not yet applied; returns how many it applied."""
+        applied = 0
+        while True:
+            notifications = self.app.recorder.select_notifications(
+                start=self._position + 1, limit=BATCH
+            )
+            if not notifications:
+                return applied
+            for notification in notifications:
+                self._apply(notification)
+                applied += 1
+
+    def _apply(self, notification: Any) -> None:
+        if notification.id <= self._position:
+            return
+        event = self.app.mapper.to_domain_event(notification)
+        try:
+            self.store.process_event(event, Tracking(self.store.view_name, notification.id))
+        except IntegrityError:
+            # Already applied (another follower or an earlier run): tracking says so.
+            log.debug("notification %s already applied", notification.id)
+        with self._cond:
+            self._position = notification.id
+            self._cond.notify_all()
+
+    def wait(self, position: int, timeout: float = 5.0) -> None:
+        """Blocks until the views reflect ``position`` (read-your-writes)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._position < position:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"read model at position {self._position} did not reach {position} "
+                        f"within {timeout:.1f} s"
+                    )
+                self._wake.set()
+                self._cond.wait(min(remaining, 0.25))
+
+
+def rebuild(app: Controller, store: ReadModelStore) -> int:
+    """Empties ``store`` and re-applies the whole store from position zero."""
+    store.clear()
+    follower = ProjectionFollower(app, store)
+    return follower.catch_up()

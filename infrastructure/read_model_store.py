@@ -1,0 +1,251 @@
+"""Projection views (``nodes``, ``jobs``, ``eligibility``) in the event store's database.
+
+Each event is applied in one transaction together with eventsourcing's tracking record,
+so a view sees every event exactly once, and restarts from its tracked position. The same
+SQL serves Postgres and SQLite: only the placeholder and the table qualification differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import orjson
+from eventsourcing.persistence import InfrastructureFactory, Tracking
+from eventsourcing.postgres import PostgresTrackingRecorder
+from eventsourcing.sqlite import SQLiteTrackingRecorder
+from eventsourcing.utils import Environment
+from psycopg.sql import SQL
+
+from application.read_models import eligibility_of, project_job, project_node
+
+VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes")
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _loads(raw: Any) -> Any:
+    return orjson.loads(raw) if raw is not None else None
+
+
+class _ReadModelViews:
+    """SQL of the views; mixed into a database-specific tracking recorder."""
+
+    ph = "?"
+    view_name = "dacp_readmodel"
+
+    def _transaction(self, *, commit: bool) -> contextlib.AbstractContextManager[Any]:
+        return cast(Any, self).datastore.transaction(commit=commit)  # type: ignore[no-any-return]
+
+    def _t(self, table: str) -> str:
+        return f"{self.view_name}_{table}"
+
+    def _sql(self, statement: str) -> str:
+        return statement.replace("?", self.ph)
+
+    def view_statements(self) -> list[str]:
+        return [
+            f"CREATE TABLE IF NOT EXISTS {self._t('nodes')} ("
+            "node_id TEXT PRIMARY KEY, name TEXT NOT NULL, state TEXT NOT NULL, "
+            "data TEXT NOT NULL)",
+            f"CREATE TABLE IF NOT EXISTS {self._t('eligibility')} ("
+            "node_id TEXT PRIMARY KEY, fallback_only INTEGER NOT NULL, "
+            "free_memory_bytes BIGINT NOT NULL, data TEXT NOT NULL)",
+            f"CREATE TABLE IF NOT EXISTS {self._t('jobs')} ("
+            "job_id TEXT PRIMARY KEY, state TEXT NOT NULL, model TEXT NOT NULL, "
+            "submitted_at TEXT NOT NULL, data TEXT NOT NULL)",
+            f"CREATE TABLE IF NOT EXISTS {self._t('job_nodes')} ("
+            "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
+            f"CREATE INDEX IF NOT EXISTS {self.view_name}_jobs_submitted "
+            f"ON {self._t('jobs')} (submitted_at)",
+        ]
+
+    # ------------------------------------------------------------------ writes
+
+    def process_event(self, event: object, tracking: Tracking) -> None:
+        """Applies one event to the views and records ``tracking``, atomically."""
+        with self._transaction(commit=True) as c:
+            self._apply(c, event)
+            cast(Any, self)._insert_tracking(c, tracking)
+
+    def _apply(self, c: Any, event: object) -> None:
+        ident = str(getattr(event, "originator_id", ""))
+        node_row = self._select_data(c, "nodes", "node_id", ident)
+        node = project_node(node_row, event)
+        if node is not None:
+            c.execute(
+                self._sql(
+                    f"INSERT INTO {self._t('nodes')} (node_id, name, state, data) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+                    "name = excluded.name, state = excluded.state, data = excluded.data"
+                ),
+                (ident, node["name"], node["state"], _dumps(node)),
+            )
+            eligible = eligibility_of(node)
+            if eligible is None:
+                c.execute(
+                    self._sql(f"DELETE FROM {self._t('eligibility')} WHERE node_id = ?"), (ident,)
+                )
+            else:
+                c.execute(
+                    self._sql(
+                        f"INSERT INTO {self._t('eligibility')} "
+                        "(node_id, fallback_only, free_memory_bytes, data) VALUES (?, ?, ?, ?) "
+                        "ON CONFLICT (node_id) DO UPDATE SET fallback_only = "
+                        "excluded.fallback_only, free_memory_bytes = excluded.free_memory_bytes, "
+                        "data = excluded.data"
+                    ),
+                    (
+                        ident,
+                        int(eligible["fallback_only"]),
+                        eligible["free_memory_bytes"],
+                        _dumps(eligible),
+                    ),
+                )
+            return
+        job_row = self._select_data(c, "jobs", "job_id", ident)
+        job = project_job(job_row, event)
+        if job is None:
+            return
+        c.execute(
+            self._sql(
+                f"INSERT INTO {self._t('jobs')} (job_id, state, model, submitted_at, data) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET "
+                "state = excluded.state, data = excluded.data"
+            ),
+            (ident, job["state"], job["model"], job["submitted_at"], _dumps(job)),
+        )
+        if job_row is None or job_row["nodes"] != job["nodes"]:
+            c.execute(self._sql(f"DELETE FROM {self._t('job_nodes')} WHERE job_id = ?"), (ident,))
+            for node_id in job["nodes"]:
+                c.execute(
+                    self._sql(
+                        f"INSERT INTO {self._t('job_nodes')} (job_id, node_id) VALUES (?, ?)"
+                    ),
+                    (ident, node_id),
+                )
+
+    def _select_data(self, c: Any, table: str, key: str, ident: str) -> dict[str, Any] | None:
+        c.execute(self._sql(f"SELECT data FROM {self._t(table)} WHERE {key} = ?"), (ident,))
+        row = c.fetchone()
+        return cast(dict[str, Any], _loads(row["data"])) if row is not None else None
+
+    def clear(self) -> None:
+        """Empties the views and forgets the tracked position (for a rebuild)."""
+        with self._transaction(commit=True) as c:
+            for table in VIEW_TABLES:
+                c.execute(f"DELETE FROM {self._t(table)}")
+            c.execute(
+                self._sql(f"DELETE FROM {self.tracking_table()} WHERE application_name = ?"),
+                (self.view_name,),
+            )
+
+    def tracking_table(self) -> str:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- queries
+
+    def _all(self, statement: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        with self._transaction(commit=False) as c:
+            c.execute(self._sql(statement), params)
+            return [cast(dict[str, Any], _loads(r["data"])) for r in c.fetchall()]
+
+    def get_node(self, node_id: str) -> dict[str, Any] | None:
+        rows = self._all(f"SELECT data FROM {self._t('nodes')} WHERE node_id = ?", (node_id,))
+        return rows[0] if rows else None
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self._all(f"SELECT data FROM {self._t('nodes')} ORDER BY name, node_id")
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        rows = self._all(f"SELECT data FROM {self._t('jobs')} WHERE job_id = ?", (job_id,))
+        return rows[0] if rows else None
+
+    def list_jobs(
+        self,
+        *,
+        state: str | None = None,
+        model: str | None = None,
+        node_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]:
+        where, params = [], []
+        if state:
+            where.append("state = ?")
+            params.append(state)
+        if model:
+            where.append("model = ?")
+            params.append(model)
+        if node_id:
+            where.append(f"job_id IN (SELECT job_id FROM {self._t('job_nodes')} WHERE node_id = ?)")
+            params.append(node_id)
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        return self._all(
+            f"SELECT data FROM {self._t('jobs')}{clause} "
+            f"ORDER BY submitted_at DESC, job_id LIMIT {int(limit)} OFFSET {int(offset)}",
+            tuple(params),
+        )
+
+    def eligibility(self) -> list[dict[str, Any]]:
+        return self._all(
+            f"SELECT data FROM {self._t('eligibility')} "
+            "ORDER BY fallback_only, free_memory_bytes DESC, node_id"
+        )
+
+    def dump(self) -> dict[str, list[dict[str, Any]]]:
+        """Every row of every view, in a stable order (rebuild comparisons)."""
+        out: dict[str, list[dict[str, Any]]] = {
+            "nodes": self._all(f"SELECT data FROM {self._t('nodes')} ORDER BY node_id"),
+            "eligibility": self._all(f"SELECT data FROM {self._t('eligibility')} ORDER BY node_id"),
+            "jobs": self._all(f"SELECT data FROM {self._t('jobs')} ORDER BY job_id"),
+        }
+        with self._transaction(commit=False) as c:
+            c.execute(
+                f"SELECT job_id, node_id FROM {self._t('job_nodes')} ORDER BY job_id, node_id"
+            )
+            out["job_nodes"] = [{"job_id": r["job_id"], "node_id": r["node_id"]} for r in c]
+        return out
+
+
+class SQLiteReadModel(_ReadModelViews, SQLiteTrackingRecorder):
+    ph = "?"
+
+    def construct_create_table_statements(self) -> list[str]:
+        return [*super().construct_create_table_statements(), *self.view_statements()]
+
+    def tracking_table(self) -> str:
+        return "tracking"
+
+
+class PostgresReadModel(_ReadModelViews, PostgresTrackingRecorder):
+    ph = "%s"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sql_create_statements.extend(SQL(s).format() for s in self.view_statements())  # type: ignore[arg-type]
+
+    def _t(self, table: str) -> str:
+        return f'"{self.datastore.schema}"."{self.view_name}_{table}"'
+
+    def tracking_table(self) -> str:
+        return f'"{self.datastore.schema}"."{self.tracking_table_name}"'
+
+
+ReadModelStore = SQLiteReadModel | PostgresReadModel
+
+
+def open_read_model(env: Mapping[str, str], view_name: str = "dacp_readmodel") -> ReadModelStore:
+    """Opens (creating on first use) the views named ``view_name`` in the store of ``env``."""
+    environment = Environment(name=view_name, env=dict(env))
+    factory = InfrastructureFactory.construct(environment)
+    is_pg = environment.get("PERSISTENCE_MODULE") == "eventsourcing.postgres"
+    cls: type[ReadModelStore] = PostgresReadModel if is_pg else SQLiteReadModel
+    # The view name must be known before the recorder builds its CREATE statements.
+    view_cls = type(cls.__name__, (cls,), {"view_name": view_name})
+    store = factory.tracking_recorder(view_cls)  # type: ignore[arg-type]
+    cast(Any, store).factory = factory  # keeps the connection pool alive with the store
+    return cast(ReadModelStore, store)

@@ -1,0 +1,106 @@
+"""Controller configuration from the environment (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_ALLOWED_PEER_CIDRS = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "127.0.0.0/8",
+    "::1/128",
+    "fc00::/7",
+)
+
+
+class SettingsError(ValueError):
+    """A configuration value is malformed; the message names the variable."""
+
+
+def _float(env: Mapping[str, str], key: str, default: float) -> float:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise SettingsError(f"{key} must be a number of seconds, got {raw!r}") from e
+    if value <= 0:
+        raise SettingsError(f"{key} must be positive, got {raw!r}")
+    return value
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise SettingsError(f"{key} must be an integer, got {raw!r}") from e
+
+
+def _bool(env: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = env.get(key, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "y", "on"):
+        return True
+    if raw in ("0", "false", "no", "n", "off"):
+        return False
+    raise SettingsError(f"{key} must be true or false, got {raw!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None = None
+    database_pool_size: int = 5
+    redis_url: str | None = None
+    ai_api_key: str | None = None
+    admin_api_key: str | None = None
+    node_enrollment_secret: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    rpc_port: int = 50052
+    heartbeat_interval: float = 2.0
+    degraded_after: float = 6.0
+    offline_after: float = 15.0
+    allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
+    record_content: bool = True
+    var_dir: Path = field(default_factory=lambda: Path("var"))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        cidrs = tuple(c.strip() for c in env.get("ALLOWED_PEER_CIDRS", "").split(",") if c.strip())
+        settings = cls(
+            database_url=env.get("DATABASE_URL") or None,
+            database_pool_size=_int(env, "DATABASE_POOL_SIZE", 5),
+            redis_url=env.get("REDIS_URL") or None,
+            ai_api_key=env.get("AI_API_KEY") or None,
+            admin_api_key=env.get("ADMIN_API_KEY") or None,
+            node_enrollment_secret=env.get("NODE_ENROLLMENT_SECRET") or None,
+            host=env.get("HOST", "127.0.0.1"),
+            port=_int(env, "PORT", 8000),
+            grpc_host=env.get("GRPC_HOST", "127.0.0.1"),
+            grpc_port=_int(env, "GRPC_PORT", 50051),
+            rpc_port=_int(env, "RPC_PORT", 50052),
+            heartbeat_interval=_float(env, "HEARTBEAT_INTERVAL", 2.0),
+            degraded_after=_float(env, "DEGRADED_AFTER", 6.0),
+            offline_after=_float(env, "OFFLINE_AFTER", 15.0),
+            allowed_peer_cidrs=cidrs or DEFAULT_ALLOWED_PEER_CIDRS,
+            record_content=_bool(env, "RECORD_CONTENT", True),
+            var_dir=Path(env.get("DACP_VAR_DIR", "var")),
+        )
+        if settings.offline_after <= settings.degraded_after:
+            raise SettingsError(
+                f"OFFLINE_AFTER ({settings.offline_after}) must exceed "
+                f"DEGRADED_AFTER ({settings.degraded_after})"
+            )
+        return settings

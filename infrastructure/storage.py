@@ -1,0 +1,72 @@
+"""Opens the controller's storage: the event store, its read-model views and their follower."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from application.controller import Controller
+from infrastructure.persistence import persistence_env
+from infrastructure.projection_follower import ProjectionFollower
+from infrastructure.read_model_store import ReadModelStore, open_read_model
+
+
+def ensure_postgres_schema(env: Mapping[str, str]) -> None:
+    """Creates ``POSTGRES_SCHEMA`` when one is configured (eventsourcing does not)."""
+    schema = env.get("POSTGRES_SCHEMA")
+    if not schema:
+        return
+    with psycopg.connect(
+        dbname=env["POSTGRES_DBNAME"],
+        host=env["POSTGRES_HOST"],
+        port=int(env["POSTGRES_PORT"]),
+        user=env["POSTGRES_USER"],
+        password=env.get("POSTGRES_PASSWORD") or None,
+        autocommit=True,
+    ) as conn:
+        conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')  # type: ignore[arg-type]
+
+
+@dataclass
+class Storage:
+    app: Controller
+    read_model: ReadModelStore
+    follower: ProjectionFollower
+    env: dict[str, str]
+
+    def start(self) -> Storage:
+        self.follower.start()
+        return self
+
+    def close(self) -> None:
+        self.follower.stop()
+        self.app.close()
+        factory = getattr(self.read_model, "factory", None)
+        if factory is not None:
+            factory.close()
+
+
+def open_storage(
+    env: Mapping[str, str], *, record_content: bool = True, poll_interval: float = 0.5
+) -> Storage:
+    """Opens storage from an eventsourcing environment (see :func:`persistence_env`)."""
+    env = dict(env)
+    ensure_postgres_schema(env)
+    app = Controller(env=env, record_content=record_content)
+    store = open_read_model(env)
+    follower = ProjectionFollower(app, store, poll_interval=poll_interval)
+    return Storage(app=app, read_model=store, follower=follower, env=env)
+
+
+def storage_from_url(
+    database_url: str | None,
+    *,
+    var_dir: Path = Path("var"),
+    pool_size: int = 5,
+    record_content: bool = True,
+) -> Storage:
+    env = persistence_env(database_url, var_dir=var_dir, pool_size=pool_size)
+    return open_storage(env, record_content=record_content)

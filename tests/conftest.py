@@ -1,0 +1,52 @@
+"""Shared fixtures: real Postgres (a fresh schema per test) and real SQLite files."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from infrastructure.persistence import persistence_env
+from infrastructure.storage import Storage, open_storage
+
+TEST_DATABASE_URL = os.environ.get(
+    "TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _drop_schema(schema: str) -> None:
+    with psycopg.connect(TEST_DATABASE_URL, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def postgres_env() -> Iterator[dict[str, str]]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    env = persistence_env(TEST_DATABASE_URL, schema=schema, pool_size=4)
+    yield env
+    _drop_schema(schema)
+
+
+@pytest.fixture
+def sqlite_env(tmp_path: Path) -> dict[str, str]:
+    return persistence_env(f"sqlite:///{tmp_path / 'events.sqlite3'}")
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def store_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Each test using this runs once on real Postgres and once on SQLite."""
+    name = "postgres_env" if request.param == "postgres" else "sqlite_env"
+    env: dict[str, str] = request.getfixturevalue(name)
+    return env
+
+
+@pytest.fixture
+def storage(store_env: dict[str, str]) -> Iterator[Storage]:
+    s = open_storage(store_env, poll_interval=0.2).start()
+    yield s
+    s.close()
