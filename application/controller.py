@@ -9,7 +9,9 @@ its effect is neither lost nor applied twice, because the losing attempt recorde
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID, uuid4
@@ -28,7 +30,7 @@ from domain.token_redemption import TokenRedemption, redemption_id
 T = TypeVar("T")
 
 #: How many times a command is re-run after losing a concurrency race.
-MAX_COMMAND_ATTEMPTS = 8
+MAX_COMMAND_ATTEMPTS = 10
 
 SaveListener = Callable[[int], None]
 
@@ -80,11 +82,14 @@ class Controller(Application[UUID]):
 
     def _run(self, command: Callable[[], Sequence[Aggregate]]) -> int:
         """Runs ``command`` (load + mutate) and saves, retrying on version conflicts."""
-        for _ in range(MAX_COMMAND_ATTEMPTS):
+        for attempt in range(MAX_COMMAND_ATTEMPTS):
             aggregates = command()
             try:
                 recordings = self.save(*aggregates)
             except RecordConflictError:
+                # Another writer won; back off a little (jittered) so the two do not
+                # collide in lock-step again, then re-run on fresh state.
+                time.sleep(random.uniform(0, 0.002 * 2**attempt))
                 continue
             if not recordings:
                 return self.position()
@@ -185,6 +190,7 @@ class Controller(Application[UUID]):
                 job = self._job(job_id)
                 if not job.terminal:
                     job.fail(f"node {node.name} lost: {reason}", "node_lost")
+                    changed[job.id] = job
                     self._release_nodes(job, changed, outcome="failed")
             node.complete_drain_if_idle()
             return list(changed.values())

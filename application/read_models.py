@@ -111,9 +111,7 @@ def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
         "rpc_port": node["rpc_port"],
         "free_slots": free_slots,
         "free_memory_bytes": _free_memory_bytes(node["resources"]),
-        "local_models": sorted(
-            {str(m["sha256"]) for m in node["local_models"] if m.get("sha256")}
-        ),
+        "local_models": sorted({str(m["sha256"]) for m in node["local_models"] if m.get("sha256")}),
     }
 
 

@@ -68,8 +68,10 @@ class _ReadModelViews:
     def process_event(self, event: object, tracking: Tracking) -> None:
         """Applies one event to the views and records ``tracking``, atomically."""
         with self._transaction(commit=True) as c:
-            self._apply(c, event)
+            # Tracking first: on SQLite a transaction that reads before it writes cannot
+            # upgrade to a writer once another connection has committed (SQLITE_BUSY).
             cast(Any, self)._insert_tracking(c, tracking)
+            self._apply(c, event)
 
     def _apply(self, c: Any, event: object) -> None:
         ident = str(getattr(event, "originator_id", ""))
@@ -207,7 +209,9 @@ class _ReadModelViews:
             c.execute(
                 f"SELECT job_id, node_id FROM {self._t('job_nodes')} ORDER BY job_id, node_id"
             )
-            out["job_nodes"] = [{"job_id": r["job_id"], "node_id": r["node_id"]} for r in c]
+            out["job_nodes"] = [
+                {"job_id": r["job_id"], "node_id": r["node_id"]} for r in c.fetchall()
+            ]
         return out
 
 

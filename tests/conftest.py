@@ -11,11 +11,9 @@ import psycopg
 import pytest
 
 from infrastructure.persistence import persistence_env
-from infrastructure.storage import Storage, open_storage
+from infrastructure.storage import Storage, ensure_postgres_schema, open_storage
 
-TEST_DATABASE_URL = os.environ.get(
-    "TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
-)
+TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -28,6 +26,7 @@ def _drop_schema(schema: str) -> None:
 def postgres_env() -> Iterator[dict[str, str]]:
     schema = f"t_{uuid.uuid4().hex[:12]}"
     env = persistence_env(TEST_DATABASE_URL, schema=schema, pool_size=4)
+    ensure_postgres_schema(env)
     yield env
     _drop_schema(schema)
 

@@ -1,0 +1,45 @@
+"""Helpers to drive the controller application in integration tests."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from application.commands import Delta, Enrollment, JobOutcome, Submission
+from application.controller import Controller
+
+
+def enroll_ready(app: Controller, name: str = "n1", ram: int = 8 << 30) -> UUID:
+    result = app.enroll(
+        Enrollment(
+            name=name,
+            inventory={"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []},
+            agent_version="0.1.0",
+            address="127.0.0.1",
+            rpc_port=50052,
+            labels={"rack": "a"},
+            credential_sha256="c" * 64,
+            token_id=f"tok-{name}",
+            single_use_token=False,
+        )
+    )
+    assert result.aggregate_id is not None
+    app.mark_ready(result.aggregate_id)
+    return result.aggregate_id
+
+
+def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
+    """Submits, plans, dispatches and completes one job on ``node_id``."""
+    job = app.submit(
+        Submission("smollm2", [{"role": "user", "content": "hi"}], {"max_tokens": 8}, True)
+    )
+    assert job.aggregate_id is not None
+    job_id = job.aggregate_id
+    app.plan(job_id, {"primary": str(node_id), "workers": []})
+    app.dispatch(job_id, {str(node_id): "primary"})
+    app.validate_setup(job_id)
+    words = text.split(" ")
+    deltas = [Delta(i, (" " if i else "") + w) for i, w in enumerate(words)]
+    app.record_token_chunks({job_id: deltas[:1]})
+    app.record_token_chunks({job_id: deltas[1:]})
+    app.complete(job_id, JobOutcome("stop", 5, len(words), 12.5, 40.0))
+    return job_id

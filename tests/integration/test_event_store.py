@@ -1,0 +1,201 @@
+"""The controller over real Postgres and SQLite: persistence, concurrency, projections."""
+
+from __future__ import annotations
+
+import threading
+from uuid import UUID
+
+import pytest
+
+from application.commands import Delta
+from application.controller import Controller
+from domain.errors import InvalidCommand
+from domain.node import Node
+from infrastructure.projection_follower import ProjectionFollower, rebuild
+from infrastructure.read_model_store import open_read_model
+from infrastructure.storage import Storage, open_storage
+from tests.integration.store_builders import enroll_ready, run_job
+
+
+def test_append_and_reload_in_a_new_application(store_env: dict[str, str]) -> None:
+    app = Controller(env=store_env)
+    node_id = enroll_ready(app)
+    job_id = run_job(app, node_id, "one two three")
+    app.close()
+    again = Controller(env=store_env)
+    job = again.get_job(job_id)
+    assert job.state == "COMPLETED"
+    assert job.tokens_streamed == 3
+    assert again.get_node(node_id).state == "READY"
+    codes = [type(e).code for e in again.repository.event_store.get(job_id)]
+    assert codes == [
+        "JOB_SUBMITTED",
+        "JOB_PLANNED",
+        "JOB_DISPATCHED",
+        "JOB_SETUP_VALIDATED",
+        "TOKEN_STREAM_CHUNK",
+        "TOKEN_STREAM_CHUNK",
+        "JOB_COMPLETED",
+    ]
+    again.close()
+
+
+def test_node_snapshots_are_taken(store_env: dict[str, str]) -> None:
+    app = Controller(env=store_env)
+    node_id = enroll_ready(app)
+    for i in range(60):
+        app.security_violation(node_id, f"203.0.113.{i}", "test")
+    assert app.snapshots is not None
+    snapshots = list(app.snapshots.get(node_id))
+    assert snapshots and snapshots[-1].originator_version == 50
+    assert app.get_node(node_id).security_violations == 60
+    app.close()
+
+
+def test_concurrent_writers_lose_and_duplicate_nothing(store_env: dict[str, str]) -> None:
+    first = Controller(env=store_env)
+    second = Controller(env=store_env)
+    node_id = enroll_ready(first)
+    per_writer = 25
+    errors: list[BaseException] = []
+
+    def writer(app: Controller, tag: str) -> None:
+        try:
+            for i in range(per_writer):
+                app.security_violation(node_id, f"{tag}-{i}", "race")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=writer, args=(first, "a")),
+        threading.Thread(target=writer, args=(second, "b")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    events = list(first.repository.event_store.get(node_id))
+    violations = [e.address for e in events if isinstance(e, Node.SecurityViolation)]
+    assert sorted(violations) == sorted(
+        [f"a-{i}" for i in range(per_writer)] + [f"b-{i}" for i in range(per_writer)]
+    )
+    assert [e.originator_version for e in events] == list(range(1, len(events) + 1))
+    assert Controller(env=store_env).get_node(node_id).security_violations == 2 * per_writer
+    first.close()
+    second.close()
+
+
+def test_token_chunks_for_many_jobs_in_one_transaction(storage: Storage) -> None:
+    app = storage.app
+    node_a = enroll_ready(app, "a")
+    node_b = enroll_ready(app, "b")
+    from tests.integration.test_event_store import _running_job
+
+    job_a = _running_job(app, node_a)
+    job_b = _running_job(app, node_b)
+    before = app.position()
+    position = app.record_token_chunks(
+        {job_a: [Delta(0, "x"), Delta(1, "y")], job_b: [Delta(0, "z")]}
+    )
+    assert position == before + 2
+    # All or nothing: a bad batch for one job records nothing for the other.
+    with pytest.raises(InvalidCommand):
+        app.record_token_chunks({job_a: [Delta(2, "ok")], job_b: [Delta(7, "bad")]})
+    assert app.position() == position
+    storage.follower.wait(position)
+    assert storage.read_model.get_job(str(job_a))["text"] == "xy"  # type: ignore[index]
+    assert storage.read_model.get_job(str(job_b))["tokens_streamed"] == 1  # type: ignore[index]
+
+
+def _running_job(app: Controller, node_id: UUID) -> UUID:
+    from application.commands import Submission
+
+    job_id = app.submit(Submission("m", [{"role": "user", "content": "q"}], {}, True)).aggregate_id
+    assert job_id is not None
+    app.plan(job_id, {"primary": str(node_id)})
+    app.dispatch(job_id, {str(node_id): "primary"})
+    app.validate_setup(job_id)
+    return job_id
+
+
+def test_read_your_writes(storage: Storage) -> None:
+    node_id = enroll_ready(storage.app)
+    position = storage.app.request_drain(node_id)
+    storage.follower.wait(position, timeout=5)
+    row = storage.read_model.get_node(str(node_id))
+    assert row is not None
+    assert row["state"] == "DRAINING" and row["drained"] is True
+    assert storage.read_model.eligibility() == []
+    with pytest.raises(TimeoutError):
+        storage.follower.wait(position + 1000, timeout=0.3)
+
+
+def test_read_models_reflect_nodes_jobs_and_eligibility(storage: Storage) -> None:
+    app = storage.app
+    node_a = enroll_ready(app, "a", ram=4 << 30)
+    node_b = enroll_ready(app, "b", ram=8 << 30)
+    job_id = run_job(app, node_a, "alpha beta")
+    position = app.heartbeat_timeout(node_b, 7.0)
+    storage.follower.wait(position)
+    eligible = storage.read_model.eligibility()
+    assert [(e["name"], e["fallback_only"]) for e in eligible] == [("a", False), ("b", True)]
+    job = storage.read_model.get_job(str(job_id))
+    assert job is not None
+    assert job["state"] == "COMPLETED"
+    assert job["text"] == "alpha beta"
+    assert job["nodes"] == [str(node_a)]
+    assert job["completion_tokens"] == 2
+    assert storage.read_model.list_jobs(node_id=str(node_a))[0]["job_id"] == str(job_id)
+    assert storage.read_model.list_jobs(node_id=str(node_b)) == []
+    assert storage.read_model.list_jobs(state="FAILED") == []
+    node_row = storage.read_model.get_node(str(node_b))
+    assert node_row is not None and node_row["state"] == "DEGRADED"
+
+
+def test_projection_catches_up_after_restart(store_env: dict[str, str]) -> None:
+    first = open_storage(store_env).start()
+    node_id = enroll_ready(first.app)
+    first.follower.wait(first.app.position())
+    first.close()
+    # Events written while no projection runs.
+    writer = Controller(env=store_env)
+    for i in range(5):
+        writer.security_violation(node_id, f"198.51.100.{i}", "while down")
+    end = writer.position()
+    writer.close()
+    second = open_storage(store_env)
+    assert second.follower.position == 2  # tracked position survived the restart
+    assert second.follower.catch_up() == 5  # only the new events are applied
+    second.follower.wait(end, timeout=1)
+    row = second.read_model.get_node(str(node_id))
+    assert row is not None and row["security_violations"] == 5
+    second.close()
+
+
+def test_rebuild_from_zero_yields_identical_rows(storage: Storage) -> None:
+    app = storage.app
+    a = enroll_ready(app, "a")
+    b = enroll_ready(app, "b")
+    run_job(app, a, "one two")
+    job = _running_job(app, b)
+    app.mark_offline(b, "stream closed")
+    app.request_drain(a)
+    storage.follower.wait(app.position())
+    assert storage.read_model.get_job(str(job))["failure_phase"] == "execution"  # type: ignore[index]
+    shadow = open_read_model(storage.env, view_name="dacp_rebuild")
+    applied = rebuild(app, shadow)
+    assert applied == app.position()
+    assert shadow.dump() == storage.read_model.dump()
+    # Rebuilding again (from zero) is idempotent.
+    rebuild(app, shadow)
+    assert shadow.dump() == storage.read_model.dump()
+
+
+def test_follower_applies_live_events(storage: Storage) -> None:
+    node_id = enroll_ready(storage.app)
+    follower: ProjectionFollower = storage.follower
+    position = storage.app.mark_offline(node_id, "gone")
+    follower.wait(position, timeout=5)
+    row = storage.read_model.get_node(str(node_id))
+    assert row is not None and row["state"] == "OFFLINE"

@@ -1,0 +1,154 @@
+"""Property tests: random command sequences against the Node and Job aggregates.
+
+After every command, legal or refused, the aggregate equals the replay of its recorded
+events, and every state change it made is an edge of the allowed graph (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from domain.errors import DomainError
+from domain.states import JobState, NodeState
+from tests.unit.domain_builders import new_job, new_node, replay
+
+N = NodeState
+NODE_EDGES = {
+    (N.REGISTERING, N.READY),
+    (N.REGISTERING, N.OFFLINE),
+    (N.READY, N.BUSY),
+    (N.BUSY, N.READY),
+    (N.READY, N.DRAINING),
+    (N.BUSY, N.DRAINING),
+    (N.DRAINING, N.READY),
+    (N.DRAINING, N.BUSY),
+    (N.READY, N.DEGRADED),
+    (N.BUSY, N.DEGRADED),
+    (N.DRAINING, N.DEGRADED),
+    (N.DEGRADED, N.READY),
+    (N.DEGRADED, N.DRAINING),
+    (N.DEGRADED, N.OFFLINE),
+    (N.READY, N.OFFLINE),
+    (N.BUSY, N.OFFLINE),
+    (N.DRAINING, N.OFFLINE),
+    (N.ERROR, N.OFFLINE),
+    (N.OFFLINE, N.READY),
+    (N.OFFLINE, N.DRAINING),
+    (N.ERROR, N.READY),
+    (N.ERROR, N.DRAINING),
+    (N.READY, N.ERROR),
+    (N.BUSY, N.ERROR),
+    (N.DRAINING, N.ERROR),
+    (N.DEGRADED, N.ERROR),
+}
+
+J = JobState
+JOB_EDGES = (
+    {
+        (J.SUBMITTED, J.PLANNED),
+        (J.PLANNED, J.PLANNED),
+        (J.DISPATCHED, J.PLANNED),
+        (J.PLANNED, J.DISPATCHED),
+        (J.DISPATCHED, J.SETUP_VALIDATED),
+        (J.SETUP_VALIDATED, J.RUNNING),
+        (J.RUNNING, J.RUNNING),
+        (J.SETUP_VALIDATED, J.COMPLETED),
+        (J.RUNNING, J.COMPLETED),
+    }
+    | {(s, J.FAILED) for s in J if s not in (J.COMPLETED, J.FAILED, J.CANCELLED)}
+    | {(s, J.CANCELLED) for s in J if s not in (J.COMPLETED, J.FAILED, J.CANCELLED)}
+)
+
+JOB_IDS = ["j1", "j2", "j3"]
+
+node_commands = st.one_of(
+    st.just(("become_ready",)),
+    st.tuples(st.just("heartbeat_timeout"), st.floats(1, 100)),
+    st.tuples(st.just("go_offline"), st.just("gone")),
+    st.tuples(st.just("recover"), st.sampled_from(["", "0.2.0"])),
+    st.tuples(st.just("request_drain"), st.just("admin")),
+    st.just(("complete_drain_if_idle",)),
+    st.tuples(st.just("resume"), st.just("admin")),
+    st.tuples(st.just("report_error"), st.just("fault")),
+    st.tuples(st.just("assign_job"), st.sampled_from(JOB_IDS), st.just("primary")),
+    st.tuples(st.just("release_job"), st.sampled_from(JOB_IDS), st.just("completed")),
+    st.tuples(
+        st.just("rpc_worker_started"), st.sampled_from(JOB_IDS), st.just("10.0.0.2"), st.just(50052)
+    ),
+    st.tuples(st.just("rpc_worker_stopped"), st.sampled_from(JOB_IDS), st.just("done")),
+    st.tuples(st.just("security_violation"), st.just("8.8.8.8"), st.just("public")),
+    st.tuples(
+        st.just("report_resources"),
+        st.fixed_dictionaries({"ram_free_bytes": st.integers(0, 10_000)}),
+        st.just([]),
+    ),
+)
+
+
+def _check(aggregate: Any, recorded: list[Any], before: Any, edges: set[Any]) -> None:
+    recorded.extend(aggregate.collect_events())
+    rebuilt = replay(recorded)
+    assert rebuilt.__dict__ == aggregate.__dict__
+    if aggregate.state != before:
+        assert (before, aggregate.state) in edges, (before, aggregate.state)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(node_commands, max_size=30), st.integers(1, 3))
+def test_node_random_commands(commands: list[tuple[Any, ...]], slots: int) -> None:
+    node = new_node(slots=slots)
+    recorded: list[Any] = []
+    _check(node, recorded, node.state, NODE_EDGES)
+    for name, *args in commands:
+        before = node.state
+        version = node.version
+        try:
+            getattr(node, name)(*args)
+        except DomainError:
+            assert node.version == version
+        _check(node, recorded, before, NODE_EDGES)
+        assert len(node.jobs) <= node.slots
+
+
+job_commands = st.one_of(
+    st.tuples(st.just("record_plan"), st.just({"p": 1})),
+    st.tuples(st.just("replan"), st.just({"p": 2}), st.just("lost"), st.just("n2")),
+    st.tuples(st.just("dispatch"), st.just(["n1"])),
+    st.just(("validate_setup",)),
+    st.just(("chunk",)),
+    st.just(("complete",)),
+    st.tuples(st.just("fail"), st.just("boom")),
+    st.tuples(st.just("cancel"), st.just("client")),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(job_commands, max_size=25))
+def test_job_random_commands(commands: list[tuple[Any, ...]]) -> None:
+    job = new_job()
+    recorded: list[Any] = []
+    _check(job, recorded, job.state, JOB_EDGES)
+    for name, *args in commands:
+        before = job.state
+        version = job.version
+        try:
+            if name == "chunk":
+                job.record_chunk([{"seq": job.next_seq, "text": "t", "tokens": 1}])
+            elif name == "complete":
+                job.complete(
+                    finish_reason="stop",
+                    prompt_tokens=1,
+                    completion_tokens=1,
+                    time_to_first_token_ms=1.0,
+                    tokens_per_second=1.0,
+                )
+            else:
+                getattr(job, name)(*args)
+        except DomainError:
+            assert job.version == version
+        _check(job, recorded, before, JOB_EDGES)
+        if job.state == J.FAILED:
+            assert job.failure_phase in ("setup", "execution")

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from domain.catalog import CATALOG, JOB_EVENTS, NODE_EVENTS, SEED_EVENTS, code_of
+from domain.job import Job
+from domain.node import Node
+
+DESIGN_CODES = {
+    "NODE_ENROLLED",
+    "NODE_READY",
+    "RESOURCES_REPORTED",
+    "HEARTBEAT_TIMEOUT",
+    "NODE_OFFLINE",
+    "NODE_RECOVERED",
+    "NODE_DRAIN_REQUESTED",
+    "NODE_DRAINED",
+    "NODE_RESUMED",
+    "NODE_ERROR",
+    "RPC_WORKER_STARTED",
+    "RPC_WORKER_STOPPED",
+    "SECURITY_VIOLATION",
+    "JOB_SUBMITTED",
+    "JOB_PLANNED",
+    "JOB_REPLANNED",
+    "JOB_DISPATCHED",
+    "JOB_SETUP_VALIDATED",
+    "TOKEN_STREAM_CHUNK",
+    "JOB_COMPLETED",
+    "JOB_FAILED",
+    "JOB_CANCELLED",
+}
+
+
+def test_catalog_holds_every_design_event() -> None:
+    assert DESIGN_CODES <= set(CATALOG)
+    assert set(SEED_EVENTS) <= set(CATALOG)
+
+
+def test_codes_are_unique_and_on_their_aggregate() -> None:
+    codes = [cls.code for cls in (*NODE_EVENTS, *JOB_EVENTS)]
+    assert len(codes) == len(set(codes))
+    for cls in NODE_EVENTS:
+        assert cls.__qualname__.startswith("Node.")
+    for cls in JOB_EVENTS:
+        assert cls.__qualname__.startswith("Job.")
+    assert Node.Enrolled.code == "NODE_ENROLLED"
+    assert Job.TokenStreamChunk.code == "TOKEN_STREAM_CHUNK"
+
+
+def test_code_of_instances() -> None:
+    from tests.unit.domain_builders import new_node
+
+    node = new_node()
+    assert code_of(node.collect_events()[0]) == "NODE_ENROLLED"
