@@ -45,6 +45,7 @@ class Node(Aggregate):
         """Created event; like every node event it carries ``state`` (REGISTERING)."""
 
         code: ClassVar[str] = "NODE_ENROLLED"
+        state: str
         name: str
         inventory: dict[str, Any]
         agent_version: str

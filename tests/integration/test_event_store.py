@@ -9,6 +9,7 @@ import pytest
 
 from application.commands import Delta
 from application.controller import Controller
+from domain.catalog import code_of
 from domain.errors import InvalidCommand
 from domain.node import Node
 from infrastructure.projection_follower import ProjectionFollower, rebuild
@@ -27,7 +28,7 @@ def test_append_and_reload_in_a_new_application(store_env: dict[str, str]) -> No
     assert job.state == "COMPLETED"
     assert job.tokens_streamed == 3
     assert again.get_node(node_id).state == "READY"
-    codes = [type(e).code for e in again.repository.event_store.get(job_id)]
+    codes = [code_of(e) for e in again.repository.event_store.get(job_id)]
     assert codes == [
         "JOB_SUBMITTED",
         "JOB_PLANNED",

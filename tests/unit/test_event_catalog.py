@@ -38,10 +38,8 @@ def test_catalog_holds_every_design_event() -> None:
 def test_codes_are_unique_and_on_their_aggregate() -> None:
     codes = [cls.code for cls in (*NODE_EVENTS, *JOB_EVENTS)]
     assert len(codes) == len(set(codes))
-    for cls in NODE_EVENTS:
-        assert cls.__qualname__.startswith("Node.")
-    for cls in JOB_EVENTS:
-        assert cls.__qualname__.startswith("Job.")
+    assert all(c.__qualname__.startswith("Node.") for c in NODE_EVENTS)
+    assert all(c.__qualname__.startswith("Job.") for c in JOB_EVENTS)
     assert Node.Enrolled.code == "NODE_ENROLLED"
     assert Job.TokenStreamChunk.code == "TOKEN_STREAM_CHUNK"
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from domain.catalog import code_of
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.job import MAX_REPLANS, Job
 from domain.states import JobState
@@ -29,7 +30,7 @@ def test_happy_path_codes_in_order() -> None:
     )
     assert job.state == JobState.COMPLETED
     assert job.tokens_streamed == 4
-    assert [type(e).code for e in job.collect_events()] == [
+    assert [code_of(e) for e in job.collect_events()] == [
         "JOB_SUBMITTED",
         "JOB_PLANNED",
         "JOB_DISPATCHED",

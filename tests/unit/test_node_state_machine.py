@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from domain.catalog import code_of
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.node import Node, resources_differ
 from domain.states import NodeState
@@ -25,7 +26,7 @@ def test_enroll_registers_then_ready() -> None:
     assert node.state == NodeState.REGISTERING
     node.become_ready()
     assert node.state == NodeState.READY
-    assert [type(e).code for e in node.collect_events()] == ["NODE_ENROLLED", "NODE_READY"]
+    assert [code_of(e) for e in node.collect_events()] == ["NODE_ENROLLED", "NODE_READY"]
 
 
 def test_enroll_validates_input() -> None:
@@ -99,7 +100,7 @@ def test_drain_busy_node_waits_for_last_job() -> None:
     node.release_job("j1", "completed")
     assert node.state == NodeState.DRAINING
     assert node.complete_drain_if_idle()
-    assert [type(e).code for e in node.collect_events()][-1] == "NODE_DRAINED"
+    assert [code_of(e) for e in node.collect_events()][-1] == "NODE_DRAINED"
 
 
 def test_draining_node_stays_draining_through_timeout_and_recovery() -> None:
@@ -158,7 +159,7 @@ def test_security_violation_recorded_in_any_state() -> None:
     node = new_node()
     node.security_violation("8.8.8.8", "outside ALLOWED_PEER_CIDRS")
     assert node.security_violations == 1
-    assert type(node.collect_events()[-1]).code == "SECURITY_VIOLATION"
+    assert code_of(node.collect_events()[-1]) == "SECURITY_VIOLATION"
 
 
 def test_release_unknown_job_refused() -> None:
