@@ -1,0 +1,115 @@
+"""Enrollment: administrator tokens in, node identity and per-node credential out."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from application.commands import Enrollment
+from application.controller import Controller
+from application.errors import ApplicationError, NotFound
+from domain.enrollment_token import TokenClaims, mint_token, verify_token
+from domain.node import Node
+
+
+class Unauthenticated(ApplicationError):
+    code = "unauthenticated"
+
+
+class EnrollmentNotConfigured(ApplicationError):
+    code = "enrollment_not_configured"
+
+
+def credential_sha256(credential: str) -> str:
+    return hashlib.sha256(credential.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class MintedToken:
+    token: str
+    token_id: str
+    expires_at: float
+    single_use: bool
+    node_name: str | None
+
+
+@dataclass(frozen=True)
+class EnrolledNode:
+    node_id: UUID
+    credential: str
+    position: int
+
+
+class EnrollmentService:
+    def __init__(self, app: Controller, secret: str | None) -> None:
+        self.app = app
+        self._secret = secret.encode("utf-8") if secret else None
+
+    def _key(self) -> bytes:
+        if not self._secret:
+            raise EnrollmentNotConfigured(
+                "NODE_ENROLLMENT_SECRET is not set on the controller; enrollment is disabled"
+            )
+        return self._secret
+
+    def mint(
+        self, *, ttl_seconds: float, single_use: bool, node_name: str | None, now: float
+    ) -> MintedToken:
+        if ttl_seconds <= 0:
+            raise ValueError("ttl_seconds must be positive")
+        token_id = secrets.token_hex(8)
+        expires_at = now + ttl_seconds
+        token = mint_token(self._key(), token_id, expires_at, single_use, node_name or None)
+        return MintedToken(token, token_id, expires_at, single_use, node_name or None)
+
+    def verify(self, token: str, node_name: str, now: float) -> TokenClaims:
+        """Raises :class:`domain.enrollment_token.InvalidTokenError` when refused."""
+        return verify_token(self._key(), token, now, node_name)
+
+    def enroll(
+        self,
+        *,
+        token: str,
+        name: str,
+        inventory: dict[str, Any],
+        agent_version: str,
+        address: str,
+        rpc_port: int,
+        labels: dict[str, str],
+        slots: int,
+        now: float,
+    ) -> EnrolledNode:
+        claims = self.verify(token, name, now)
+        credential = secrets.token_urlsafe(32)
+        result = self.app.enroll(
+            Enrollment(
+                name=name,
+                inventory=inventory,
+                agent_version=agent_version,
+                address=address,
+                rpc_port=rpc_port,
+                labels=labels,
+                credential_sha256=credential_sha256(credential),
+                token_id=claims.token_id,
+                single_use_token=claims.single_use,
+                slots=slots,
+            )
+        )
+        assert result.aggregate_id is not None
+        return EnrolledNode(result.aggregate_id, credential, result.position)
+
+    def authenticate(self, node_id: str, credential: str) -> Node:
+        """The node a credential speaks for; :class:`Unauthenticated` otherwise."""
+        if not node_id or not credential:
+            raise Unauthenticated("missing x-node-id or x-node-credential metadata")
+        try:
+            node = self.app.get_node(node_id)
+        except NotFound:
+            raise Unauthenticated(f"unknown node {node_id}") from None
+        if not hmac.compare_digest(node.credential_sha256, credential_sha256(credential)):
+            raise Unauthenticated(f"wrong credential for node {node_id}")
+        return node

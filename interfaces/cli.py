@@ -1,0 +1,98 @@
+"""``dacp``: the controller's command line (controller, tokens, ...).
+
+Errors end with exit code 2 and one line on stderr; nothing half-done is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from application.enrollment import EnrollmentNotConfigured, EnrollmentService
+from infrastructure.settings import Settings, SettingsError
+
+
+class CliError(Exception):
+    """A one-line message for the user; exit code 2."""
+
+
+def _cmd_controller(args: argparse.Namespace) -> int:
+    from interfaces.controller_main import serve_forever
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = Settings.from_env()
+    try:
+        asyncio.run(serve_forever(settings))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        raise CliError(str(e)) from e
+    return 0
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    service = EnrollmentService(app=None, secret=settings.node_enrollment_secret)  # type: ignore[arg-type]
+    try:
+        minted = service.mint(
+            ttl_seconds=args.ttl,
+            single_use=args.single_use,
+            node_name=args.node_name,
+            now=time.time(),
+        )
+    except EnrollmentNotConfigured as e:
+        raise CliError(str(e)) from e
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    if args.json:
+        print(orjson.dumps(minted.__dict__).decode())
+    else:
+        print(minted.token)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dacp", description="Distributed AI Compute Platform")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ctl = sub.add_parser("controller", help="run the controller (HTTP + gRPC) in the foreground")
+    ctl.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "warning"))
+    ctl.set_defaults(func=_cmd_controller)
+
+    token = sub.add_parser("token", help="enrollment tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="mint a token signed with NODE_ENROLLMENT_SECRET")
+    create.add_argument("--ttl", type=float, default=3600.0, help="seconds until it expires")
+    create.add_argument("--single-use", action="store_true", help="valid for one enrollment")
+    create.add_argument("--node-name", default=None, help="bind the token to this node name")
+    create.add_argument("--json", action="store_true", help="print token details as JSON")
+    create.set_defaults(func=_cmd_token_create)
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (CliError, SettingsError) as e:
+        print(f"dacp: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

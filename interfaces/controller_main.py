@@ -1,0 +1,154 @@
+"""Composition root: builds the controller's parts and serves HTTP and gRPC together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import uvicorn
+
+from application.enrollment import EnrollmentService
+from application.health import HealthMonitor, HealthThresholds
+from infrastructure.live_state import live_state_for
+from infrastructure.settings import Settings
+from infrastructure.storage import Storage, storage_from_url
+from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
+from interfaces.http_app import create_app
+from interfaces.services import Services
+from proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL = 0.5
+
+
+@dataclass
+class RunningController:
+    services: Services
+    storage: Storage
+    grpc_server: grpc.aio.Server
+    http_server: uvicorn.Server
+    grpc_port: int
+    http_port: int
+    tasks: list[asyncio.Task[Any]]
+
+
+def build_services(settings: Settings) -> tuple[Services, Storage]:
+    storage = storage_from_url(
+        settings.database_url,
+        var_dir=settings.var_dir,
+        pool_size=settings.database_pool_size,
+        record_content=settings.record_content,
+    ).start()
+    services = Services(
+        settings=settings,
+        app=storage.app,
+        read_model=storage.read_model,
+        follower=storage.follower,
+        live=live_state_for(settings.redis_url),
+        connections=AgentConnections(),
+        enrollment=EnrollmentService(storage.app, settings.node_enrollment_secret),
+    )
+    return services, storage
+
+
+async def _sweep_forever(monitor: HealthMonitor) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL)
+        try:
+            actions = await asyncio.to_thread(monitor.sweep, time.time())
+            for node_id, action in actions:
+                log.info("health: %s %s", action, node_id)
+        except Exception:
+            log.exception("health sweep failed")
+
+
+async def start_controller(settings: Settings) -> RunningController:
+    services, storage = build_services(settings)
+    loop = asyncio.get_running_loop()
+    services.connections.bind(loop)
+    servicer = ControlPlaneServicer(
+        app=services.app,
+        enrollment=services.enrollment,
+        live=services.live,
+        connections=services.connections,
+        heartbeat_interval=settings.heartbeat_interval,
+        uplink=services.extras.get("uplink"),
+    )
+    services.extras["servicer"] = servicer
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
+    grpc_port = grpc_server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+    if grpc_port == 0:
+        storage.close()
+        raise OSError(f"cannot bind the gRPC port {settings.grpc_host}:{settings.grpc_port}")
+    await grpc_server.start()
+
+    http_app = create_app(services)
+    config = uvicorn.Config(
+        http_app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+    )
+    http_server = uvicorn.Server(config)
+    monitor = HealthMonitor(
+        services.app,
+        services.read_model,
+        services.live,
+        HealthThresholds(settings.degraded_after, settings.offline_after),
+        started_at=time.time(),
+    )
+    tasks = [
+        asyncio.create_task(http_server.serve(), name="http"),
+        asyncio.create_task(_sweep_forever(monitor), name="health-sweep"),
+    ]
+    while not http_server.started:
+        if tasks[0].done():
+            await grpc_server.stop(None)
+            storage.close()
+            tasks[0].result()
+            raise OSError(f"cannot bind the HTTP port {settings.host}:{settings.port}")
+        await asyncio.sleep(0.02)
+    http_port = http_server.servers[0].sockets[0].getsockname()[1]
+    return RunningController(
+        services, storage, grpc_server, http_server, grpc_port, http_port, tasks
+    )
+
+
+async def stop_controller(running: RunningController) -> None:
+    running.http_server.should_exit = True
+    await running.grpc_server.stop(grace=1.0)
+    for task in running.tasks:
+        if task.get_name() != "http":
+            task.cancel()
+    for task in running.tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    running.storage.close()
+
+
+@contextlib.asynccontextmanager
+async def controller(settings: Settings) -> AsyncIterator[RunningController]:
+    running = await start_controller(settings)
+    try:
+        yield running
+    finally:
+        await stop_controller(running)
+
+
+async def serve_forever(settings: Settings) -> None:
+    async with controller(settings) as running:
+        log.warning(
+            "controller %s: HTTP on http://%s:%d, gRPC on %s:%d, store %s",
+            "up",
+            settings.host,
+            running.http_port,
+            settings.grpc_host,
+            running.grpc_port,
+            "postgres" if running.services.follower.uses_subscription else "sqlite",
+        )
+        await running.tasks[0]

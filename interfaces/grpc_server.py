@@ -1,0 +1,277 @@
+"""The gRPC control channel: ``Enroll`` and one bidirectional ``Connect`` stream per agent.
+
+Each upstream message becomes an application command (run in a worker thread, since the
+event store is synchronous); heartbeats only touch live state. Downstream messages for a
+node go through :class:`AgentConnections`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+
+from application.controller import Controller
+from application.enrollment import EnrollmentNotConfigured, EnrollmentService, Unauthenticated
+from application.errors import TokenAlreadyUsed
+from application.ports import LiveState
+from application.version import CONTROLLER_VERSION
+from domain.enrollment_token import (
+    BadSignatureError,
+    ExpiredTokenError,
+    InvalidTokenError,
+    NodeMismatchError,
+)
+from domain.errors import DomainError
+from domain.states import NodeState
+from interfaces.grpc_convert import (
+    heartbeat_to_dict,
+    inventory_to_dict,
+    local_models_to_list,
+    resources_from_report,
+)
+from proto import control_pb2 as pb
+from proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.5:4242``, ``ipv6:[::1]:4242``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return ""
+
+
+class AgentConnections:
+    """The open ``Connect`` streams, by node id: the controller's way down to agents."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def open(self, node_id: str) -> asyncio.Queue[Any]:
+        old = self._queues.get(node_id)
+        if old is not None:
+            old.put_nowait(_CLOSE)  # a newer stream replaces the old one
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[node_id] = queue
+        return queue
+
+    def close(self, node_id: str, queue: asyncio.Queue[Any]) -> bool:
+        """Forgets the stream; True when it was still the node's current one."""
+        if self._queues.get(node_id) is queue:
+            del self._queues[node_id]
+            return True
+        return False
+
+    def is_connected(self, node_id: str) -> bool:
+        return node_id in self._queues
+
+    def connected(self) -> list[str]:
+        return list(self._queues)
+
+    def send(self, node_id: str, message: pb.ControllerMessage) -> bool:
+        queue = self._queues.get(node_id)
+        if queue is None or self._loop is None:
+            return False
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            queue.put_nowait(message)
+        else:
+            self._loop.call_soon_threadsafe(queue.put_nowait, message)
+        return True
+
+
+class UplinkHandler(Protocol):
+    """Receives the job-related messages agents send up (the job manager)."""
+
+    async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> None: ...
+
+    async def on_node_disconnected(self, node_id: str) -> None: ...
+
+
+class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
+    def __init__(
+        self,
+        *,
+        app: Controller,
+        enrollment: EnrollmentService,
+        live: LiveState,
+        connections: AgentConnections,
+        heartbeat_interval: float,
+        uplink: UplinkHandler | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.app = app
+        self.enrollment = enrollment
+        self.live = live
+        self.connections = connections
+        self.heartbeat_interval = heartbeat_interval
+        self.uplink = uplink
+        self.clock = clock
+
+    # ----------------------------------------------------------------- Enroll
+
+    async def Enroll(
+        self, request: pb.EnrollRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.EnrollResponse:
+        name = request.node_name.strip()
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_name must not be empty")
+        inv = request.inventory
+        address = inv.advertised_address or peer_host(context.peer() or "")
+        try:
+            enrolled = await asyncio.to_thread(
+                self.enrollment.enroll,
+                token=request.enrollment_token,
+                name=name,
+                inventory=inventory_to_dict(inv),
+                agent_version=request.agent_version,
+                address=address,
+                rpc_port=inv.rpc_port or 50052,
+                labels=dict(inv.labels),
+                slots=max(1, int(inv.labels.get("slots", "1") or 1)),
+                now=self.clock(),
+            )
+        except (BadSignatureError, ExpiredTokenError) as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except NodeMismatchError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except InvalidTokenError as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except TokenAlreadyUsed as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except EnrollmentNotConfigured as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (DomainError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("node %s enrolled as %s", name, enrolled.node_id)
+        return pb.EnrollResponse(
+            node_id=str(enrolled.node_id),
+            node_credential=enrolled.credential,
+            controller_version=CONTROLLER_VERSION,
+            heartbeat_interval_seconds=self.heartbeat_interval,
+        )
+
+    # ---------------------------------------------------------------- Connect
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[pb.AgentMessage],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ControllerMessage]:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        node_id = metadata.get("x-node-id", "")
+        try:
+            node = await asyncio.to_thread(
+                self.enrollment.authenticate, node_id, metadata.get("x-node-credential", "")
+            )
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        node_id = str(node.id)
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("payload") != "hello":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
+        if first.hello.node_id and first.hello.node_id != node_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"credential of node {node_id} cannot speak for node {first.hello.node_id}",
+            )
+        queue = self.connections.open(node_id)
+        self.live.mark_connected(node_id, True, self.clock())
+        await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
+        yield pb.ControllerMessage(
+            welcome=pb.Welcome(
+                controller_version=CONTROLLER_VERSION,
+                node_id=node_id,
+                heartbeat_interval_seconds=self.heartbeat_interval,
+            )
+        )
+        reader = asyncio.create_task(self._read(node_id, iterator, queue))
+        try:
+            while True:
+                item = await queue.get()
+                if item is _CLOSE:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            if self.connections.close(node_id, queue):
+                await self._on_stream_closed(node_id)
+
+    def _on_hello(self, node_id: str, state: str, agent_version: str) -> None:
+        try:
+            if state == NodeState.REGISTERING:
+                self.app.mark_ready(node_id)
+            elif state in (NodeState.DEGRADED, NodeState.OFFLINE, NodeState.ERROR):
+                self.app.mark_recovered(node_id, agent_version)
+        except DomainError as e:
+            log.info("node %s connected in state %s: %s", node_id, state, e)
+
+    async def _read(
+        self, node_id: str, iterator: AsyncIterator[pb.AgentMessage], queue: asyncio.Queue[Any]
+    ) -> None:
+        try:
+            async for message in iterator:
+                await self._on_message(node_id, message)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        except Exception:
+            log.exception("control stream of node %s failed", node_id)
+        finally:
+            queue.put_nowait(_CLOSE)
+
+    async def _on_message(self, node_id: str, message: pb.AgentMessage) -> None:
+        kind = message.WhichOneof("payload")
+        if kind == "heartbeat":
+            self.live.record_heartbeat(node_id, heartbeat_to_dict(message.heartbeat), self.clock())
+        elif kind == "resource_report":
+            live = self.live.get(node_id)
+            ram_free = live.telemetry.get("ram_free_bytes") if live else None
+            resources = resources_from_report(message.resource_report.inventory, ram_free)
+            models = local_models_to_list(message.resource_report.models)
+            await self._command(self.app.report_resources, node_id, resources, models)
+        elif kind == "runtime_fault":
+            if message.runtime_fault.fatal:
+                fault = message.runtime_fault.message
+                await self._command(self.app.report_node_error, node_id, fault)
+            else:
+                log.warning("node %s reports: %s", node_id, message.runtime_fault.message)
+        elif kind == "hello":
+            log.warning("node %s sent a second Hello; ignored", node_id)
+        elif self.uplink is not None:
+            await self.uplink.on_agent_message(node_id, message)
+        else:
+            log.warning("node %s sent %s but no job manager is running", node_id, kind)
+
+    async def _command(self, fn: Callable[..., object], *args: Any) -> None:
+        try:
+            await asyncio.to_thread(fn, *args)
+        except DomainError as e:
+            log.info("command %s refused: %s", getattr(fn, "__name__", fn), e)
+
+    async def _on_stream_closed(self, node_id: str) -> None:
+        self.live.mark_connected(node_id, False, self.clock())
+        if self.uplink is not None:
+            await self.uplink.on_node_disconnected(node_id)
+        await self._command(self.app.mark_offline, node_id, "control stream closed")

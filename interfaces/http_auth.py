@@ -1,0 +1,65 @@
+"""Bearer-key guards for the admin (``ADMIN_API_KEY``) and inference (``AI_API_KEY``) APIs."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from interfaces.http_errors import ApiError
+
+
+def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    header = connection.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def _services(connection: ASGIConnection[Any, Any, Any, Any]) -> Any:
+    return connection.app.state.services
+
+
+def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    expected = _services(connection).settings.admin_api_key
+    if not expected:
+        raise ApiError(
+            403,
+            "the admin API is disabled: set ADMIN_API_KEY on the controller",
+            type_="permission_error",
+            code="admin_disabled",
+        )
+    given = bearer(connection)
+    if given is None:
+        raise ApiError(
+            401,
+            "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
+            type_="authentication_error",
+            code="missing_api_key",
+        )
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key")
+
+
+def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    expected = _services(connection).settings.ai_api_key
+    if not expected:
+        return  # an open cluster: no AI_API_KEY configured
+    given = bearer(connection)
+    if given is None:
+        raise ApiError(
+            401,
+            "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
+            type_="invalid_request_error",
+            code="missing_api_key",
+        )
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(
+            401,
+            "Incorrect API key provided.",
+            type_="invalid_request_error",
+            code="invalid_api_key",
+        )

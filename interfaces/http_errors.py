@@ -1,0 +1,97 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+
+from application.errors import NotFound
+from domain.errors import IllegalTransition, InvalidCommand
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(error: ApiError) -> Response[dict[str, Any]]:
+    return Response(
+        error_body(error.message, error.type, error.code, error.param),
+        status_code=error.status,
+        headers=error.headers,
+    )
+
+
+def _api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[dict[str, Any]]:
+    return error_response(exc)
+
+
+def _not_found(_: Request[Any, Any, Any], exc: NotFound) -> Response[dict[str, Any]]:
+    return error_response(ApiError(404, str(exc), code=f"{exc.kind}_not_found"))
+
+
+def _conflict(_: Request[Any, Any, Any], exc: IllegalTransition) -> Response[dict[str, Any]]:
+    return error_response(ApiError(409, str(exc), type_="conflict", code="illegal_transition"))
+
+
+def _invalid(_: Request[Any, Any, Any], exc: InvalidCommand) -> Response[dict[str, Any]]:
+    return error_response(ApiError(400, str(exc), code="invalid_command"))
+
+
+def _validation(_: Request[Any, Any, Any], exc: ValidationException) -> Response[dict[str, Any]]:
+    detail = exc.extra if isinstance(exc.extra, list) else []
+    param = None
+    if detail and isinstance(detail[0], dict):
+        param = detail[0].get("key")
+        message = f"{exc.detail}: {detail[0].get('message', '')}".strip(": ")
+    else:
+        message = str(exc.detail)
+    return error_response(ApiError(400, message, param=param, code="invalid_request"))
+
+
+def _http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+    type_ = "not_found_error" if isinstance(exc, NotFoundException) else "invalid_request_error"
+    return error_response(ApiError(exc.status_code, str(exc.detail), type_=type_))
+
+
+def _internal(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    import logging
+
+    logging.getLogger(__name__).exception("unhandled error", exc_info=exc)
+    return error_response(
+        ApiError(500, "internal error; see the controller log", type_="server_error")
+    )
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    ApiError: _api_error,
+    NotFound: _not_found,
+    IllegalTransition: _conflict,
+    InvalidCommand: _invalid,
+    ValidationException: _validation,
+    HTTPException: _http,
+    Exception: _internal,
+}

@@ -1,0 +1,26 @@
+"""Everything the HTTP and gRPC interfaces need, wired once by the composition root."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from application.controller import Controller
+from application.enrollment import EnrollmentService
+from application.ports import LiveState
+from infrastructure.projection_follower import ProjectionFollower
+from infrastructure.read_model_store import ReadModelStore
+from infrastructure.settings import Settings
+from interfaces.grpc_server import AgentConnections
+
+
+@dataclass
+class Services:
+    settings: Settings
+    app: Controller
+    read_model: ReadModelStore
+    follower: ProjectionFollower
+    live: LiveState
+    connections: AgentConnections
+    enrollment: EnrollmentService
+    extras: dict[str, Any] = field(default_factory=dict)
