@@ -10,6 +10,7 @@ from typing import Any
 from litestar import Controller as Routes
 from litestar import Request, get, post
 from litestar.datastructures import State
+from litestar.params import FromPath, JSONBody
 
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
@@ -56,7 +57,7 @@ class AdminRoutes(Routes):
         return {"object": "list", "data": [node_view(svc, r, now) for r in rows]}
 
     @get("/nodes/{node_id:str}", summary="One node")
-    async def get_node(self, state: State, node_id: str) -> dict[str, Any]:
+    async def get_node(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
         svc = services(state)
         row = await asyncio.to_thread(svc.read_model.get_node, node_id)
         if row is None:
@@ -92,16 +93,16 @@ class AdminRoutes(Routes):
         status_code=202,
         summary="Stop assigning work; NODE_DRAINED once its jobs end",
     )
-    async def drain(self, state: State, node_id: str) -> dict[str, Any]:
+    async def drain(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
         return await self._steer(services(state), node_id, "drain", "admin-api")
 
     @post("/nodes/{node_id:str}/resume", status_code=200, summary="Accept work again")
-    async def resume(self, state: State, node_id: str) -> dict[str, Any]:
+    async def resume(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
         return await self._steer(services(state), node_id, "resume", "admin-api")
 
     @post("/enrollment-tokens", status_code=201, summary="Mint an enrollment token")
     async def mint_token(
-        self, state: State, data: EnrollmentTokenRequest | None = None
+        self, state: State, data: JSONBody[EnrollmentTokenRequest | None] = None
     ) -> dict[str, Any]:
         svc = services(state)
         req = data or EnrollmentTokenRequest()

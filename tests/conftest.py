@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import psycopg
 import pytest
 
 from infrastructure.persistence import persistence_env
+from infrastructure.settings import Settings
 from infrastructure.storage import Storage, ensure_postgres_schema, open_storage
 
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -49,3 +51,39 @@ def storage(store_env: dict[str, str]) -> Iterator[Storage]:
     s = open_storage(store_env, poll_interval=0.2).start()
     yield s
     s.close()
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    yield schema
+    _drop_schema(schema)
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    import redis
+
+    prefix = f"dacp-test:{uuid.uuid4().hex[:8]}:live:"
+    yield prefix
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+
+
+def controller_settings(schema: str, tmp_path: Path, **overrides: object) -> Settings:
+    """Settings for a controller on real Postgres (own schema) and real Redis, free ports."""
+    base = Settings(
+        database_url=f"{TEST_DATABASE_URL}?schema={schema}",
+        redis_url=TEST_REDIS_URL,
+        ai_api_key="test-ai-key",
+        admin_api_key="test-admin-key",
+        node_enrollment_secret="test-enrollment-secret",
+        port=0,
+        grpc_port=0,
+        heartbeat_interval=0.2,
+        degraded_after=1.0,
+        offline_after=2.0,
+        var_dir=tmp_path / "var",
+    )
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,127 @@
+"""A minimal raw control-channel client for tests (speaks the real gRPC protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from proto import control_pb2 as pb
+from proto import control_pb2_grpc as pb_grpc
+
+
+def inventory(address: str = "127.0.0.1", ram: int = 8 << 30) -> pb.Inventory:
+    return pb.Inventory(
+        hostname="test-host",
+        os="Linux",
+        arch="x86_64",
+        cpu_model="test cpu",
+        cpu_cores=2,
+        cpu_threads=2,
+        ram_total_bytes=ram,
+        disk_total_bytes=100 << 30,
+        disk_free_bytes=50 << 30,
+        advertised_address=address,
+        rpc_port=50052,
+    )
+
+
+async def enroll(
+    target: str, token: str, name: str, address: str = "127.0.0.1"
+) -> pb.EnrollResponse:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+        response: pb.EnrollResponse = await stub.Enroll(
+            pb.EnrollRequest(
+                enrollment_token=token,
+                node_name=name,
+                agent_version="test",
+                inventory=inventory(address),
+            )
+        )
+        return response
+
+
+class RawSession:
+    """An open Connect stream: send messages up, read what comes down."""
+
+    def __init__(self, target: str, node_id: str, credential: str, hello_id: str | None = None):
+        self.target = target
+        self.node_id = node_id
+        self.credential = credential
+        self.hello_id = node_id if hello_id is None else hello_id
+        self.outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+        self.received: list[pb.ControllerMessage] = []
+        self.channel: grpc.aio.Channel | None = None
+        self.call: Any = None
+        self._beat: asyncio.Task[None] | None = None
+        self._read: asyncio.Task[None] | None = None
+        self.error: grpc.aio.AioRpcError | None = None
+
+    async def _requests(self) -> AsyncIterator[pb.AgentMessage]:
+        yield pb.AgentMessage(hello=pb.Hello(agent_version="test", node_id=self.hello_id))
+        while True:
+            item = await self.outbox.get()
+            if item is None:
+                return
+            yield item
+
+    async def open(self) -> pb.ControllerMessage:
+        self.channel = grpc.aio.insecure_channel(self.target)
+        stub = pb_grpc.ControlPlaneStub(self.channel)  # type: ignore[no-untyped-call]
+        metadata = (("x-node-id", self.node_id), ("x-node-credential", self.credential))
+        self.call = stub.Connect(self._requests(), metadata=metadata)
+        first: pb.ControllerMessage = await self.call.read()
+        self.received.append(first)
+        self._read = asyncio.create_task(self._reader())
+        return first
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                message = await self.call.read()
+                if message is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    return
+                self.received.append(message)
+        except grpc.aio.AioRpcError as e:
+            self.error = e
+
+    async def send(self, message: pb.AgentMessage) -> None:
+        await self.outbox.put(message)
+
+    def start_heartbeats(self, interval: float = 0.2) -> None:
+        async def beat() -> None:
+            while True:
+                await self.send(
+                    pb.AgentMessage(
+                        heartbeat=pb.Heartbeat(
+                            sent_at_unix_ms=int(time.time() * 1000),
+                            cpu_percent=5.0,
+                            ram_free_bytes=6 << 30,
+                        )
+                    )
+                )
+                await asyncio.sleep(interval)
+
+        self._beat = asyncio.create_task(beat())
+
+    def stop_heartbeats(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+
+    async def close(self) -> None:
+        self.stop_heartbeats()
+        await self.outbox.put(None)
+        if self.call is not None:
+            self.call.cancel()
+        if self._read is not None:
+            self._read.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._read
+        if self.channel is not None:
+            await self.channel.close(None)
