@@ -24,6 +24,7 @@ from eventsourcing.persistence import RecordConflictError, Recording
 from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
 from domain.job import Job
+from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
 from domain.token_redemption import TokenRedemption, redemption_id
 
@@ -224,6 +225,23 @@ class Controller(Application[UUID]):
         self, node_id: UUID | str, address: str, reason: str, job_id: str = ""
     ) -> int:
         return self._node_command(node_id, lambda n: n.security_violation(address, reason, job_id))
+
+    # --------------------------------------------------------- model commands
+
+    def register_model(
+        self, name: str, sha256: str, file_name: str, context_size: int = DEFAULT_CONTEXT_SIZE
+    ) -> CommandResult:
+        """Registers (or updates) a model's API name; identical re-registration is a no-op."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                return [RegisteredModel.register(name, sha256, file_name, context_size)]
+            model.update(sha256, file_name, context_size)
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
 
     # ----------------------------------------------------------- job commands
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from domain.catalog import code_of
 from domain.job import Job
+from domain.model import RegisteredModel
 from domain.node import Node
 from domain.states import NodeState
 
@@ -191,6 +192,29 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
     return new
 
 
+def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``models`` row after ``event`` (``None`` when not a model event)."""
+    at = event.timestamp.isoformat()  # type: ignore[attr-defined]
+    if isinstance(event, RegisteredModel.Registered):
+        return {
+            "name": event.name,
+            "sha256": event.sha256,
+            "file_name": event.file_name,
+            "context_size": event.context_size,
+            "registered_at": at,
+            "updated_at": at,
+        }
+    if isinstance(event, RegisteredModel.Updated) and row is not None:
+        return {
+            **row,
+            "sha256": event.sha256,
+            "file_name": event.file_name,
+            "context_size": event.context_size,
+            "updated_at": at,
+        }
+    return None
+
+
 class ReadModel(Protocol):
     """The query port over the projections (implemented in ``infrastructure``)."""
 
@@ -211,3 +235,7 @@ class ReadModel(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     def eligibility(self) -> list[dict[str, Any]]: ...
+
+    def get_model(self, name: str) -> dict[str, Any] | None: ...
+
+    def list_models(self) -> list[dict[str, Any]]: ...

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from domain.job import Job
+from domain.model import RegisteredModel
 from domain.node import Node
+from domain.token_redemption import TokenRedemption
 
 NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.Enrolled,
@@ -35,7 +37,16 @@ JOB_EVENTS: tuple[type[Job.Event] | type[Job.Submitted], ...] = (
     Job.Cancelled,
 )
 
-CATALOG: dict[str, type] = {cls.code: cls for cls in (*NODE_EVENTS, *JOB_EVENTS)}
+OTHER_EVENTS: tuple[type, ...] = (
+    RegisteredModel.Registered,
+    RegisteredModel.Updated,
+    TokenRedemption.Redeemed,
+)
+
+CATALOG: dict[str, type] = {
+    str(getattr(cls, "code")): cls  # noqa: B009 - every catalog class has a code
+    for cls in (*NODE_EVENTS, *JOB_EVENTS, *OTHER_EVENTS)
+}
 
 #: The seven events the product document names; they must always exist.
 SEED_EVENTS = (

@@ -152,6 +152,9 @@ class PlacementRequest:
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
 
     def __post_init__(self) -> None:
+        # tolerate a list / set from configuration; keep the request hashable
+        object.__setattr__(self, "allowed_peer_cidrs", tuple(self.allowed_peer_cidrs))
+        object.__setattr__(self, "exclude", frozenset(self.exclude))
         if self.context_size <= 0:
             raise ValueError(f"context_size must be positive, got {self.context_size}")
         if self.context_size > self.needs.context_length_max:
@@ -507,6 +510,18 @@ def _no_capacity(
                 f"gather at most {_fmt_bytes(available)}"
             ),
             code=NODE_LIMIT,
+            needed_bytes=required,
+            available_bytes=available,
+        )
+    if available >= required:
+        return NoCapacity(
+            reason=(
+                f"{model} {context} needs {_fmt_bytes(required)}; the best plan over up to "
+                f"{min(limit, len(pool))} of the {len(pool)} eligible node(s) gathers "
+                f"{_fmt_bytes(available)}, which leaves no room for rounding the tensor split "
+                f"to 1/{SPLIT_RESOLUTION} without exceeding a node's usable memory"
+            ),
+            code=INSUFFICIENT_MEMORY,
             needed_bytes=required,
             available_bytes=available,
         )

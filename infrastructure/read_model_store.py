@@ -18,9 +18,9 @@ from eventsourcing.sqlite import SQLiteTrackingRecorder
 from eventsourcing.utils import Environment
 from psycopg.sql import SQL
 
-from application.read_models import eligibility_of, project_job, project_node
+from application.read_models import eligibility_of, project_job, project_model, project_node
 
-VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes")
+VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models")
 
 
 def _dumps(value: Any) -> str:
@@ -59,6 +59,8 @@ class _ReadModelViews:
             "submitted_at TEXT NOT NULL, data TEXT NOT NULL)",
             f"CREATE TABLE IF NOT EXISTS {self._t('job_nodes')} ("
             "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
+            f"CREATE TABLE IF NOT EXISTS {self._t('models')} ("
+            "model_id TEXT PRIMARY KEY, name TEXT NOT NULL, data TEXT NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.view_name}_jobs_submitted "
             f"ON {self._t('jobs')} (submitted_at)",
         ]
@@ -107,6 +109,17 @@ class _ReadModelViews:
                         _dumps(eligible),
                     ),
                 )
+            return
+        model_row = self._select_data(c, "models", "model_id", ident)
+        model = project_model(model_row, event)
+        if model is not None:
+            c.execute(
+                self._sql(
+                    f"INSERT INTO {self._t('models')} (model_id, name, data) VALUES (?, ?, ?) "
+                    "ON CONFLICT (model_id) DO UPDATE SET data = excluded.data"
+                ),
+                (ident, model["name"], _dumps(model)),
+            )
             return
         job_row = self._select_data(c, "jobs", "job_id", ident)
         job = project_job(job_row, event)
@@ -198,12 +211,20 @@ class _ReadModelViews:
             "ORDER BY fallback_only, free_memory_bytes DESC, node_id"
         )
 
+    def get_model(self, name: str) -> dict[str, Any] | None:
+        rows = self._all(f"SELECT data FROM {self._t('models')} WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    def list_models(self) -> list[dict[str, Any]]:
+        return self._all(f"SELECT data FROM {self._t('models')} ORDER BY name")
+
     def dump(self) -> dict[str, list[dict[str, Any]]]:
         """Every row of every view, in a stable order (rebuild comparisons)."""
         out: dict[str, list[dict[str, Any]]] = {
             "nodes": self._all(f"SELECT data FROM {self._t('nodes')} ORDER BY node_id"),
             "eligibility": self._all(f"SELECT data FROM {self._t('eligibility')} ORDER BY node_id"),
             "jobs": self._all(f"SELECT data FROM {self._t('jobs')} ORDER BY job_id"),
+            "models": self._all(f"SELECT data FROM {self._t('models')} ORDER BY name"),
         }
         with self._transaction(commit=False) as c:
             c.execute(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -125,12 +126,11 @@ def check_plan_invariants(
     for node, fraction in zip(plan.nodes, plan.tensor_split, strict=True):
         c = by_id[node.node_id]
         assert node.address == c.address and node.rpc_port == c.rpc_port
-        assert node.assigned_bytes == math.ceil(fraction * required - 1e-6) or (
-            node.assigned_bytes == -(-round(fraction * SPLIT_RESOLUTION) * required // SPLIT_RESOLUTION)
-        )
+        share = Fraction(round(fraction * SPLIT_RESOLUTION), SPLIT_RESOLUTION) * required
+        assert node.assigned_bytes == math.ceil(share)
         # the core safety rule: never more than the node can hold
+        assert share <= c.usable_memory_bytes
         assert node.assigned_bytes <= c.usable_memory_bytes
-        assert fraction * required <= c.usable_memory_bytes
         assert c.state in ("READY", "DEGRADED") and c.free_slots > 0 and c.heartbeat_fresh
         assert c.node_id not in request.exclude
         assert address_allowed(c.address, request.allowed_peer_cidrs)
@@ -183,6 +183,15 @@ def test_request_validation() -> None:
         PlacementRequest(NEEDS, context_size=512, allowed_peer_cidrs=())
     with pytest.raises(ValueError, match="invalid CIDR"):
         PlacementRequest(NEEDS, context_size=512, allowed_peer_cidrs=("10.0.0.0/33",))
+    coerced = PlacementRequest(
+        NEEDS,
+        context_size=512,
+        allowed_peer_cidrs=["10.0.0.0/8"],  # type: ignore[arg-type]
+        exclude={"a"},  # type: ignore[arg-type]
+    )
+    assert coerced.allowed_peer_cidrs == ("10.0.0.0/8",)
+    assert coerced.exclude == frozenset({"a"})
+    hash(coerced)
     ok = PlacementRequest(NEEDS, context_size=512)
     assert ok.required_bytes == required_bytes(NEEDS, 512)
     assert ok.allowed_peer_cidrs == DEFAULT_ALLOWED_PEER_CIDRS
@@ -314,9 +323,7 @@ def test_public_worker_is_never_used_even_if_needed() -> None:
 
 
 def test_invalid_address_is_a_violation() -> None:
-    result = plan_placement(
-        req(), [cand("h", 100 * GIB, has_model=True, address="gpu-box.local")]
-    )
+    result = plan_placement(req(), [cand("h", 100 * GIB, has_model=True, address="gpu-box.local")])
     assert result.plan is None
     assert [v.node_id for v in result.violations] == ["h"]
     assert "not an IP address" in result.violations[0].reason
@@ -326,7 +333,7 @@ def test_violations_only_for_otherwise_eligible_nodes_and_sorted() -> None:
     cands = [
         cand("z", GIB, address="8.8.4.4"),
         cand("y", GIB, address="1.1.1.1", state="OFFLINE"),
-        cand("x", GIB, address="9.9.9.9", exclude_me=None) if False else cand("x", GIB, address="9.9.9.9"),
+        cand("x", GIB, address="9.9.9.9"),
         cand("w", 20 * GIB, has_model=True, address="10.9.9.9"),
     ]
     result = plan_placement(req(exclude=frozenset({"x"})), cands)
@@ -432,24 +439,27 @@ def test_fewest_nodes_chooses_largest_workers() -> None:
 
 
 def test_primary_choice_minimises_node_count() -> None:
-    # the largest file holder is not the best primary: "q" plus the 9 GiB worker is 2 nodes,
-    # while "p" needs three.
+    # the largest node has no file, so the small file holder is the primary and the big node its
+    # only worker: two nodes, not three
     cands = [
-        cand("p", 9 * GIB, has_model=True),
-        cand("q", 1 * GIB, has_model=True),
-        cand("r", 9 * GIB),
-    ]
-    result = plan_placement(req(), cands)
-    assert len(ids(result)) == 2
-    assert ids(result) == ("p", "r")
-    # now "p" cannot be the primary
-    cands2 = [
         cand("p", 9 * GIB),
         cand("q", 2 * GIB, has_model=True),
         cand("r", 9 * GIB),
     ]
-    result2 = plan_placement(req(weights=11 * GIB), cands2)
-    assert ids(result2) == ("q", "p")
+    result = plan_placement(req(weights=10 * GIB), cands)
+    assert ids(result) == ("q", "p")
+    # a second file holder can be a worker; the larger holder is the primary
+    cands = [
+        cand("big", 8 * GIB, has_model=True),
+        cand("mid", 6 * GIB, has_model=True),
+        cand("w1", 4 * GIB),
+        cand("w2", 4 * GIB),
+    ]
+    assert ids(plan_placement(req(weights=13 * GIB), cands)) == ("big", "mid")
+    assert ids(plan_placement(req(weights=15 * GIB), cands)) == ("big", "mid", "w1")
+    # among file holders needing the same node count, the larger is the primary
+    cands = [cand("p", 9 * GIB, has_model=True), cand("q", 1 * GIB, has_model=True)]
+    assert ids(plan_placement(req(), cands)) == ("p", "q")
 
 
 def test_primary_tie_break_by_memory_then_id() -> None:
@@ -516,30 +526,40 @@ def test_insufficient_memory_reports_needed_and_available() -> None:
     assert "smollm2-135m" in nc.reason
 
 
-def test_split_never_exceeds_memory_on_exact_fit() -> None:
-    # three nodes whose memory sums exactly to the requirement: rounding must not overshoot
-    required = 3 * 1_000_003
-    cands = [
-        cand("p", 1_000_003, has_model=True),
-        cand("w1", 1_000_003),
-        cand("w2", 1_000_003),
-    ]
+def test_split_quantisation_needs_a_few_bytes_of_slack() -> None:
+    # three equal nodes summing exactly to the requirement cannot take 1/3 each in millionths
+    # without one exceeding its memory; two bytes of slack per node are enough
+    request = req(weights=3_000_000)
+    exact = [cand("p", 1_000_000, has_model=True), cand("w1", 1_000_000), cand("w2", 1_000_000)]
+    refused = plan_placement(request, exact)
+    assert refused.no_capacity is not None
+    assert refused.no_capacity.code == INSUFFICIENT_MEMORY
+    assert "rounding" in refused.no_capacity.reason
+    slack = [cand("p", 1_000_002, has_model=True), cand("w1", 1_000_002), cand("w2", 1_000_002)]
+    result = plan_placement(request, slack)
+    check_plan_invariants(request, slack, result)
+    assert result.plan is not None
+    assert result.plan.tensor_split == (0.333334, 0.333333, 0.333333)
+
+
+def test_split_adjusted_when_proportional_rounding_would_exceed() -> None:
+    # proportional largest remainder would give the 500-byte node one millionth, i.e. 953 bytes
+    required = 952_380_952
+    assert split_units([500, 999_999_500], required) == (0, SPLIT_RESOLUTION)
     request = req(weights=required)
+    cands = [cand("p", 500, has_model=True), cand("w", 999_999_500)]
     result = plan_placement(request, cands)
     check_plan_invariants(request, cands, result)
+    assert ids(result) == ("p", "w")
 
 
-def test_split_units_respects_caps_when_proportional_rounding_would_exceed() -> None:
-    # one node is a hair too small for its proportional share after rounding up
-    usables = [333_333, 333_333, 333_334]
-    units = split_units(usables, 1_000_000)
-    assert sum(units) == SPLIT_RESOLUTION
-    for u, mem in zip(units, usables, strict=True):
-        assert -(-u * 1_000_000 // SPLIT_RESOLUTION) <= mem
+def test_split_units_rejects_impossible_inputs() -> None:
     with pytest.raises(ValueError):
         split_units([1, 1], 1_000_000)
     with pytest.raises(ValueError):
         split_units([], 10)
+    with pytest.raises(ValueError):
+        split_units([0, 10], 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,8 +608,8 @@ def test_fallback_minimises_degraded_nodes() -> None:
     result = plan_placement(req(), cands)
     assert ids(result) == ("p", "d1")
     assert result.fallback_used
-    # with 13 GiB needed three nodes are needed; {p, d1, r} uses fewer DEGRADED than {p, d1, d2}
-    result = plan_placement(req(weights=13 * GIB), cands)
+    # with 12 GiB needed three nodes are needed; {p, d1, r} uses fewer DEGRADED than {p, d1, d2}
+    result = plan_placement(req(weights=12 * GIB), cands)
     assert ids(result) == ("p", "d1", "r")
 
 
@@ -670,40 +690,56 @@ NODE_IDS = [f"n{i}" for i in range(7)]
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[PlacementRequest, list[Candidate]]:
-    count = draw(st.integers(min_value=0, max_value=6))
+def _scenario(draw: st.DrawFn, healthy: bool) -> tuple[PlacementRequest, list[Candidate]]:
+    """Random candidates; ``healthy`` ones are all eligible (READY or DEGRADED, private)."""
+    count = draw(st.integers(min_value=0, max_value=6) | st.integers(min_value=2, max_value=6))
     node_ids = draw(st.permutations(NODE_IDS))[:count]
     unit = draw(st.sampled_from([1, 7, 1_000_003, GIB]))
-    cands = []
+    states = ["READY"] * 5 + ["DEGRADED"] * 2 + ([] if healthy else ["BUSY", "OFFLINE"])
+    cands: list[Candidate] = []
     for i, node_id in enumerate(node_ids):
-        public = draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
+        public = not healthy and draw(st.sampled_from([False] * 7 + [True]))
+        present = healthy or draw(st.sampled_from([True] * 9 + [False]))
         cands.append(
             Candidate(
                 node_id=node_id,
                 name=f"host-{node_id}",
-                state=draw(
-                    st.sampled_from(["READY", "READY", "READY", "DEGRADED", "BUSY", "OFFLINE"])
-                ),
+                state=draw(st.sampled_from(states)),
                 address="8.8.8.8" if public else f"10.0.0.{i + 1}",
                 rpc_port=50052,
-                usable_memory_bytes=draw(st.integers(min_value=0, max_value=40)) * unit
+                usable_memory_bytes=int(present)
+                * draw(st.integers(min_value=1, max_value=20))
+                * unit
                 + draw(st.integers(min_value=0, max_value=3)),
-                free_slots=draw(st.sampled_from([1, 1, 1, 2, 0])),
-                has_model=draw(st.booleans()),
-                heartbeat_fresh=draw(st.sampled_from([True, True, True, False])),
+                free_slots=1 if healthy else draw(st.sampled_from([1, 1, 1, 1, 2, 0])),
+                has_model=i == 0 or draw(st.sampled_from([True, False, False])),
+                heartbeat_fresh=healthy or draw(st.sampled_from([True] * 5 + [False])),
             )
         )
-    weights = draw(st.integers(min_value=1, max_value=100)) * unit + draw(
-        st.integers(min_value=0, max_value=5)
+    tight = draw(st.booleans())
+    if cands and tight:
+        # near the memory of a few of the nodes: tight, multi-node fits
+        some = draw(st.lists(st.sampled_from(cands), min_size=1, max_size=len(cands), unique=True))
+        jitter = draw(st.integers(min_value=-3, max_value=3)) * max(1, unit // 4)
+        weights = max(1, sum(c.usable_memory_bytes for c in some) + jitter)
+    else:
+        weights = draw(st.integers(min_value=1, max_value=60)) * unit + draw(
+            st.integers(min_value=0, max_value=5)
+        )
+    exclude = (
+        frozenset() if healthy else frozenset(draw(st.lists(st.sampled_from(NODE_IDS), max_size=1)))
     )
-    exclude = frozenset(draw(st.lists(st.sampled_from(NODE_IDS), max_size=1)))
     request = req(
         weights=weights,
-        max_nodes=draw(st.integers(min_value=1, max_value=6)),
+        max_nodes=draw(st.sampled_from([8, 6, 4, 3, 2, 1])),
         exclude=exclude,
-        layers=draw(st.sampled_from([2, 4, 30])),
+        layers=draw(st.sampled_from([30, 4, 2])),
     )
     return request, cands
+
+
+def scenarios() -> st.SearchStrategy[tuple[PlacementRequest, list[Candidate]]]:
+    return _scenario(healthy=False) | _scenario(healthy=True)
 
 
 def _eligible(request: PlacementRequest, c: Candidate) -> bool:
@@ -721,13 +757,13 @@ def _brute_fits(nodes: tuple[Candidate, ...], required: int) -> bool:
     """Independent restatement: a capped split in 1/SPLIT_RESOLUTION units exists."""
     if not any(c.has_model for c in nodes):
         return False
-    room = sum(min(SPLIT_RESOLUTION, c.usable_memory_bytes * SPLIT_RESOLUTION // required) for c in nodes)
+    room = sum(
+        min(SPLIT_RESOLUTION, c.usable_memory_bytes * SPLIT_RESOLUTION // required) for c in nodes
+    )
     return room >= SPLIT_RESOLUTION
 
 
-def _brute_best(
-    request: PlacementRequest, pool: list[Candidate]
-) -> tuple[int, int] | None:
+def _brute_best(request: PlacementRequest, pool: list[Candidate]) -> tuple[int, int] | None:
     """(fewest nodes, fewest DEGRADED among those) by exhaustive search, or None."""
     limit = min(request.max_nodes, request.needs.layers)
     required = request.required_bytes
@@ -867,7 +903,7 @@ def test_property_split_units_capped_and_complete(usables: list[int], required: 
     assert sum(units) == SPLIT_RESOLUTION
     total = sum(usables)
     for u, mem in zip(units, usables, strict=True):
-        assert 0 <= u
+        assert mem * SPLIT_RESOLUTION // total <= u
         assert -(-u * required // SPLIT_RESOLUTION) <= mem
         # proportional up to rounding, unless a cap forced a node below its share
         assert u <= mem * SPLIT_RESOLUTION // total + len(usables)

@@ -1,0 +1,93 @@
+"""Registered models: the API name clients use, bound to one GGUF file by its sha256."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+from uuid import NAMESPACE_URL, UUID, uuid5
+
+from eventsourcing.domain import Aggregate
+
+from domain.errors import InvalidCommand
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+DEFAULT_CONTEXT_SIZE = 2048
+
+
+def model_id(name: str) -> UUID:
+    return uuid5(NAMESPACE_URL, f"dacp:model:{name}")
+
+
+def validate_model(name: str, sha256: str, file_name: str, context_size: int) -> None:
+    if not _NAME.match(name):
+        raise InvalidCommand(
+            f"model name {name!r} must be 1-128 letters, digits or ._:/- and start with one "
+            "letter or digit"
+        )
+    if not _SHA256.match(sha256):
+        raise InvalidCommand("sha256 must be 64 lowercase hex digits")
+    if (
+        not file_name.endswith(".gguf")
+        or "/" in file_name
+        or "\\" in file_name
+        or file_name.startswith(".")
+    ):
+        raise InvalidCommand(f"file_name {file_name!r} must be a plain *.gguf file name")
+    if not 128 <= context_size <= 1_048_576:
+        raise InvalidCommand("context_size must be between 128 and 1048576 tokens")
+
+
+class RegisteredModel(Aggregate):
+    class Event(Aggregate.Event):
+        code: ClassVar[str] = ""
+
+    class Registered(Aggregate.Created):
+        code: ClassVar[str] = "MODEL_REGISTERED"
+        name: str
+        sha256: str
+        file_name: str
+        context_size: int
+
+    class Updated(Event):
+        code: ClassVar[str] = "MODEL_UPDATED"
+        sha256: str
+        file_name: str
+        context_size: int
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.sha256 = self.sha256
+            aggregate.file_name = self.file_name
+            aggregate.context_size = self.context_size
+
+    def __init__(self, name: str, sha256: str, file_name: str, context_size: int) -> None:
+        self.name = name
+        self.sha256 = sha256
+        self.file_name = file_name
+        self.context_size = context_size
+
+    @classmethod
+    def register(
+        cls, name: str, sha256: str, file_name: str, context_size: int = DEFAULT_CONTEXT_SIZE
+    ) -> RegisteredModel:
+        sha256 = sha256.lower()
+        validate_model(name, sha256, file_name, context_size)
+        return cls._create(
+            cls.Registered,
+            id=model_id(name),
+            name=name,
+            sha256=sha256,
+            file_name=file_name,
+            context_size=context_size,
+        )
+
+    def update(self, sha256: str, file_name: str, context_size: int) -> bool:
+        """Re-registration: records a change, or nothing when it is identical."""
+        sha256 = sha256.lower()
+        validate_model(self.name, sha256, file_name, context_size)
+        if (sha256, file_name, context_size) == (self.sha256, self.file_name, self.context_size):
+            return False
+        self.trigger_event(
+            self.Updated, sha256=sha256, file_name=file_name, context_size=context_size
+        )
+        return True
