@@ -6,9 +6,20 @@ from typing import Any
 
 from proto import control_pb2 as pb
 
+MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+
+
+def _memory_limit(inv: pb.Inventory) -> int:
+    """The memory the agent offers to the scheduler (0: no limit), from its reserved label."""
+    try:
+        return max(0, int(inv.labels.get(MEMORY_LIMIT_LABEL, "0")))
+    except ValueError:
+        return 0
+
 
 def inventory_to_dict(inv: pb.Inventory) -> dict[str, Any]:
     return {
+        "memory_limit_bytes": _memory_limit(inv),
         "hostname": inv.hostname,
         "os": inv.os,
         "arch": inv.arch,

@@ -52,6 +52,16 @@ def peer_host(peer: str) -> str:
     return ""
 
 
+SLOTS_LABEL = "dacp.slots"
+
+
+def _int_label(labels: Any, key: str, default: int) -> int:
+    try:
+        return max(default, int(labels.get(key, default)))
+    except (TypeError, ValueError):
+        return default
+
+
 class AgentConnections:
     """The open ``Connect`` streams, by node id: the controller's way down to agents."""
 
@@ -146,7 +156,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 address=address,
                 rpc_port=inv.rpc_port or 50052,
                 labels=dict(inv.labels),
-                slots=max(1, int(inv.labels.get("slots", "1") or 1)),
+                slots=_int_label(inv.labels, SLOTS_LABEL, 1),
                 now=self.clock(),
             )
         except (BadSignatureError, ExpiredTokenError) as e:

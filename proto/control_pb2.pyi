@@ -171,18 +171,20 @@ class ResourceReport(_message.Message):
     def __init__(self, inventory: _Optional[_Union[Inventory, _Mapping]] = ..., models: _Optional[_Iterable[_Union[LocalModel, _Mapping]]] = ...) -> None: ...
 
 class SetupResult(_message.Message):
-    __slots__ = ("job_id", "ok", "error", "error_code", "role")
+    __slots__ = ("job_id", "ok", "error", "error_code", "role", "failed_node_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ok: bool
     error: str
     error_code: str
     role: str
-    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    failed_node_id: str
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., role: _Optional[str] = ..., failed_node_id: _Optional[str] = ...) -> None: ...
 
 class RpcWorkerStatus(_message.Message):
     __slots__ = ("job_id", "state", "host", "port", "error")

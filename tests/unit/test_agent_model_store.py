@@ -21,6 +21,7 @@ from agent.model_store import (
     sha256_file,
     verify_sha256,
 )
+from ops.paths import ensure_model
 from proto import control_pb2 as pb
 
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,10 +32,6 @@ SMOLLM2_SIZE = 98_362_432
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real model, fetched and verified by ops (cached under ~/.cache/dacp)."""
-    try:
-        from ops.paths import ensure_model
-    except ImportError:  # pragma: no cover - ops.paths is part of the repo
-        pytest.skip("ops.paths.ensure_model is not available")
     return ensure_model()
 
 

@@ -1,0 +1,355 @@
+"""``node-agent``: enroll this machine with the controller and keep its control stream open.
+
+Exit codes: 0 after a clean stop (SIGINT/SIGTERM/Ctrl+C); 2 with a one-line message for bad
+flags, a refused enrollment token, a rejected stored identity, or no token and no identity.
+
+Agent code: imports only the standard library, third-party packages and ``proto``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import psutil
+
+from agent import AGENT_VERSION
+from agent.control_client import (
+    DEFAULT_RPC_PORT,
+    SLOTS_LABEL,
+    AgentConfig,
+    AgentError,
+    ConfigError,
+    MissingEnrollmentToken,
+    parse_controller_url,
+    run_agent,
+)
+from agent.handler_factory import build_handler
+from agent.identity import IdentityFileError, load_identity
+
+PROG = "node-agent"
+EXIT_OK = 0
+EXIT_USAGE = 2
+DATA_DIR_NAME = "dacp-agent"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# Interfaces that are usually not the LAN peers should use (tried after the others).
+_VIRTUAL_INTERFACE_PREFIXES = (
+    "docker",
+    "br-",
+    "veth",
+    "virbr",
+    "cni",
+    "flannel",
+    "lxc",
+    "vmnet",
+    "vboxnet",
+    "vethernet",
+    "tun",
+    "tap",
+    "wg",
+    "tailscale",
+    "zt",
+)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports bad flags as a single line (no usage dump) and exits with code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---------------------------------------------------------------------------
+# Defaults
+# ---------------------------------------------------------------------------
+
+
+def default_data_dir() -> Path:
+    """``%LOCALAPPDATA%\\dacp-agent`` on Windows, else ``$XDG_DATA_HOME/dacp-agent``
+    (``~/.local/share/dacp-agent``)."""
+    if sys.platform == "win32":
+        local = os.environ.get("LOCALAPPDATA")
+        root = Path(local) if local else Path.home() / "AppData" / "Local"
+    else:
+        xdg = os.environ.get("XDG_DATA_HOME")
+        root = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return root / DATA_DIR_NAME
+
+
+def private_ipv4_addresses() -> list[str]:
+    """Private (RFC 1918) IPv4 addresses of the interfaces that are up; physical-looking
+    interfaces first, bridges/VPNs after."""
+    try:
+        addresses = psutil.net_if_addrs()
+        stats = psutil.net_if_stats()
+    except (OSError, RuntimeError):
+        return []
+    preferred: list[str] = []
+    others: list[str] = []
+    for name, entries in addresses.items():
+        stat = stats.get(name)
+        if stat is not None and not stat.isup:
+            continue
+        for entry in entries:
+            if entry.family != socket.AF_INET:
+                continue
+            try:
+                ip = ipaddress.IPv4Address(entry.address)
+            except ValueError:
+                continue
+            if ip.is_loopback or ip.is_link_local or ip.is_unspecified or not ip.is_private:
+                continue
+            bucket = others if name.lower().startswith(_VIRTUAL_INTERFACE_PREFIXES) else preferred
+            bucket.append(str(ip))
+    return preferred + others
+
+
+def default_advertise_address() -> str:
+    """The first non-loopback private IPv4 address, else 127.0.0.1 (single-machine setups)."""
+    candidates = private_ipv4_addresses()
+    return candidates[0] if candidates else "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------
+# Argument types
+# ---------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    return value
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, value.strip()
+
+
+def _ip_address(text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IP address: {text!r}") from None
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(LOG_LEVELS)}")
+    return level
+
+
+# ---------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog=PROG,
+        description=(
+            "DACP node agent: enrolls this machine with the controller, reports its hardware "
+            "and models, heartbeats, and runs llama.cpp work the controller assigns."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {AGENT_VERSION}")
+    parser.add_argument(
+        "--foreground",
+        action="store_true",
+        help=(
+            "run in the foreground (accepted for compatibility: this build always runs in the "
+            "foreground; use systemd, launchd or a Windows service wrapper to background it)"
+        ),
+    )
+    parser.add_argument(
+        "--controller-url",
+        default=os.environ.get("DACP_CONTROLLER_URL") or None,
+        help=(
+            "controller gRPC address: host:port, grpc://host:port (plaintext) or "
+            "grpcs://host:port (TLS); default port 50051; env DACP_CONTROLLER_URL. "
+            "Optional once enrolled (the URL is stored with the identity)"
+        ),
+    )
+    parser.add_argument(
+        "--enrollment-token",
+        default=os.environ.get("DACP_ENROLLMENT_TOKEN") or None,
+        help=(
+            "administrator-issued enrollment token, needed only for the first start; "
+            "env DACP_ENROLLMENT_TOKEN"
+        ),
+    )
+    parser.add_argument(
+        "--node-name", default=socket.gethostname(), help="node name (default: hostname)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default_data_dir(),
+        help="identity.json and the model hash cache (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        type=_ip_address,
+        default=None,
+        help=(
+            "private LAN address other nodes use for llama.cpp RPC (default: the first "
+            "non-loopback private IPv4 address, else 127.0.0.1)"
+        ),
+    )
+    parser.add_argument(
+        "--rpc-port",
+        type=_port,
+        default=DEFAULT_RPC_PORT,
+        help="ggml-rpc-server port on this node (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--models-dir", type=Path, default=None, help="GGUF models (default: <data-dir>/models)"
+    )
+    parser.add_argument(
+        "--llama-bin-dir",
+        type=Path,
+        default=None,
+        help="directory with llama-server and ggml-rpc-server (default: the ops build cache)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="override the heartbeat interval the controller asks for",
+    )
+    parser.add_argument(
+        "--label",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="node label reported to the controller (repeatable)",
+    )
+    parser.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=1,
+        help="jobs this node may run at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tls-ca-file",
+        type=Path,
+        default=os.environ.get("DACP_TLS_CA_FILE") or None,
+        help="PEM CA bundle for grpcs:// (default: system roots); env DACP_TLS_CA_FILE",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default="INFO",
+        help=f"one of {', '.join(LOG_LEVELS)} (default: %(default)s)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    labels = dict(args.label)
+    if SLOTS_LABEL in labels:
+        raise ConfigError(f"label {SLOTS_LABEL!r} is reserved; use --slots")
+    data_dir = Path(args.data_dir).expanduser()
+    return AgentConfig(
+        data_dir=data_dir,
+        node_name=args.node_name.strip() or socket.gethostname(),
+        controller_url=args.controller_url,
+        enrollment_token=args.enrollment_token,
+        models_dir=Path(args.models_dir).expanduser() if args.models_dir else None,
+        advertise_address=args.advertise_address or default_advertise_address(),
+        rpc_port=args.rpc_port,
+        labels=labels,
+        slots=args.slots,
+        llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
+        heartbeat_interval=args.heartbeat_interval,
+        tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
+    )
+
+
+def preflight(config: AgentConfig) -> None:
+    """Fail fast (before discovery) on what would make the session fail anyway."""
+    identity = load_identity(config.data_dir)
+    if identity is None and not config.enrollment_token:
+        raise MissingEnrollmentToken(
+            f"no enrollment token and no stored identity in {config.data_dir}; "
+            "pass --enrollment-token or set DACP_ENROLLMENT_TOKEN"
+        )
+    url = config.controller_url or (identity.controller_url if identity else None)
+    if not url:
+        raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
+    target = parse_controller_url(url)
+    if config.tls_ca_file is not None:
+        if not target.secure:
+            logging.getLogger(__name__).warning(
+                "--tls-ca-file is ignored for the plaintext controller URL %s", target.url
+            )
+        elif not config.tls_ca_file.is_file():
+            raise ConfigError(f"TLS CA file not found: {config.tls_ca_file}")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_level)
+    try:
+        config = config_from_args(args)
+        preflight(config)
+        handler = build_handler(config)
+        asyncio.run(run_agent(config, handler))
+    except (AgentError, IdentityFileError) as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # Windows: no loop signal handlers; Ctrl+C lands here
+        return EXIT_OK
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
