@@ -26,6 +26,7 @@ from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
+from domain.states import EXECUTION_PHASE_STATES
 from domain.token_redemption import TokenRedemption, redemption_id
 
 T = TypeVar("T")
@@ -180,7 +181,11 @@ class Controller(Application[UUID]):
         return self._node_lost(node_id, lambda n: n.report_error(message), message)
 
     def _node_lost(self, node_id: UUID | str, act: Callable[[Node], None], reason: str) -> int:
-        """Offline or error: the node's jobs end with it, in the same transaction."""
+        """Offline or error: the node's executing jobs end with it, in the same transaction.
+
+        Jobs still in setup are left to the job manager, which re-plans them without the
+        node (DESIGN.md §3); the node's claim on them is dropped with the node's state.
+        """
 
         def command() -> list[Aggregate]:
             node = self._node(node_id)
@@ -189,7 +194,7 @@ class Controller(Application[UUID]):
             changed: dict[UUID, Aggregate] = {node.id: node}
             for job_id in lost:
                 job = self._job(job_id)
-                if not job.terminal:
+                if job.state in EXECUTION_PHASE_STATES:
                     job.fail(f"node {node.name} lost: {reason}", "node_lost")
                     changed[job.id] = job
                     self._release_nodes(job, changed, outcome="failed")
@@ -302,7 +307,7 @@ class Controller(Application[UUID]):
     def validate_setup(self, job_id: UUID | str) -> int:
         return self._job_command(job_id, lambda j: j.validate_setup())
 
-    def record_token_chunks(self, chunks: Mapping[UUID | str, Sequence[Delta]]) -> int:
+    def record_token_chunks(self, chunks: Mapping[Any, Sequence[Delta]]) -> int:
         """Records one TOKEN_STREAM_CHUNK per job for many jobs in one transaction."""
 
         def command() -> list[Aggregate]:

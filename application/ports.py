@@ -31,11 +31,36 @@ class LiveState(Protocol):
     def ping(self) -> bool: ...
 
 
-class AgentGateway(Protocol):
-    """Sends control messages down to connected agents."""
+@dataclass(frozen=True)
+class RpcPeer:
+    node_id: str
+    host: str
+    port: int
 
-    def send(self, node_id: str, message: Any) -> bool:
-        """Queues ``message`` for the node; False when the node has no open stream."""
-        ...
+
+@dataclass(frozen=True)
+class PrimaryAssignment:
+    """What the primary of a plan needs to set up and run a job."""
+
+    job_id: str
+    model_name: str
+    model_file_name: str
+    model_sha256: str
+    context_size: int
+    rpc_peers: tuple[RpcPeer, ...]
+    tensor_split: tuple[float, ...]
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+
+
+class AgentGateway(Protocol):
+    """Sends control messages down to connected agents; each returns False when the node
+    has no open stream."""
 
     def is_connected(self, node_id: str) -> bool: ...
+
+    def start_rpc_worker(self, node_id: str, job_id: str, host: str, port: int) -> bool: ...
+
+    def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool: ...
+
+    def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool: ...

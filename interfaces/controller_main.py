@@ -15,9 +15,13 @@ import uvicorn
 
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
+from application.job_manager import JobManager
+from application.scheduler import Scheduler, SchedulerConfig
+from application.token_recorder import TokenChunkRecorder
 from infrastructure.live_state import live_state_for
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
+from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
 from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
 from interfaces.http_app import create_app
 from interfaces.services import Services
@@ -79,9 +83,22 @@ async def start_controller(settings: Settings) -> RunningController:
         live=services.live,
         connections=services.connections,
         heartbeat_interval=settings.heartbeat_interval,
-        uplink=services.extras.get("uplink"),
     )
     services.extras["servicer"] = servicer
+    recorder = TokenChunkRecorder(services.app)
+    recorder.start()
+    jobs = JobManager(
+        services.app,
+        Scheduler(services.read_model, services.live, SchedulerConfig(settings.allowed_peer_cidrs)),
+        ProtoAgentGateway(services.connections),
+        recorder,
+    )
+    services.extras["jobs"] = jobs
+    services.extras["recorder"] = recorder
+    servicer.uplink = JobUplink(jobs)
+    orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_unfinished_jobs, services))
+    if orphans:
+        log.warning("failed %d job(s) left unfinished by a previous controller run", orphans)
     grpc_server = grpc.aio.server()
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
     grpc_port = grpc_server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
@@ -119,9 +136,22 @@ async def start_controller(settings: Settings) -> RunningController:
     )
 
 
+def _unfinished_jobs(services: Services) -> list[str]:
+    services.follower.wait(services.app.position(), timeout=30)
+    live_states = ("SUBMITTED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING")
+    return [
+        row["job_id"]
+        for state in live_states
+        for row in services.read_model.list_jobs(state=state, limit=10_000)
+    ]
+
+
 async def stop_controller(running: RunningController) -> None:
     running.http_server.should_exit = True
     await running.grpc_server.stop(grace=1.0)
+    recorder = running.services.extras.get("recorder")
+    if recorder is not None:
+        await recorder.stop()
     for task in running.tasks:
         if task.get_name() != "http":
             task.cancel()

@@ -11,12 +11,21 @@ from litestar.openapi.spec import Components, SecurityScheme
 from application.version import CONTROLLER_VERSION
 from interfaces.admin_api import AdminRoutes, health
 from interfaces.http_errors import EXCEPTION_HANDLERS
+from interfaces.models_api import AdminModelRoutes
+from interfaces.openai_api import chat_completions, list_models
 from interfaces.services import Services
 
 
 def create_app(services: Services, extra_handlers: list[Any] | None = None) -> Litestar:
     app = Litestar(
-        route_handlers=[health, AdminRoutes, *(extra_handlers or [])],
+        route_handlers=[
+            health,
+            AdminRoutes,
+            AdminModelRoutes,
+            chat_completions,
+            list_models,
+            *(extra_handlers or []),
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=OpenAPIConfig(
             title="Distributed AI Compute Platform",

@@ -1,0 +1,344 @@
+"""The job manager: the three phases of a chat completion (DESIGN.md §3).
+
+*Setup and validation*: plan, dispatch, start RPC workers, let the primary validate the
+model and its peers; a node that fails here is excluded and the job re-planned (bounded).
+*Distributed execution* happens on the primary. *Token streaming*: deltas reach the
+client's queue the moment they arrive, and are recorded in batches by the
+:class:`TokenChunkRecorder`, off that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+from uuid import UUID, uuid4
+
+from application.commands import Delta, JobOutcome, Submission
+from application.controller import Controller
+from application.errors import ApplicationError, NotFound
+from application.ports import AgentGateway, PrimaryAssignment, RpcPeer
+from application.scheduler import Scheduler
+from application.token_recorder import TokenChunkRecorder
+from domain.errors import DomainError
+from domain.job import MAX_REPLANS
+from domain.placement import ExecutionPlan
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class NoCapacityError(ApplicationError):
+    """No plan could be made or set up (HTTP 503 with Retry-After)."""
+
+    code = "no_capacity"
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class SetupOutcome:
+    ok: bool
+    error: str = ""
+    error_code: str = ""
+    failed_node_id: str = ""
+
+
+@dataclass(frozen=True)
+class AgentJobResult:
+    ok: bool
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    error: str = ""
+    error_code: str = ""
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """What the client side reads from a job's queue, in order."""
+
+    kind: Literal["deltas", "done", "error"]
+    deltas: tuple[Delta, ...] = ()
+    outcome: JobOutcome | None = None
+    error: str = ""
+    error_code: str = ""
+
+
+@dataclass
+class JobRun:
+    job_id: str
+    model: str
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    plan: ExecutionPlan | None = None
+    nodes: set[str] = field(default_factory=set)
+    primary: str = ""
+    phase: Literal["setup", "execution"] = "setup"
+    worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
+    setup_future: asyncio.Future[SetupOutcome] | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class JobManager:
+    def __init__(
+        self,
+        app: Controller,
+        scheduler: Scheduler,
+        gateway: AgentGateway,
+        recorder: TokenChunkRecorder,
+        *,
+        worker_timeout: float = 30.0,
+        setup_timeout: float = 120.0,
+        max_replans: int = MAX_REPLANS,
+    ) -> None:
+        self.app = app
+        self.scheduler = scheduler
+        self.gateway = gateway
+        self.recorder = recorder
+        self.worker_timeout = worker_timeout
+        self.setup_timeout = setup_timeout
+        self.max_replans = max_replans
+        self.runs: dict[str, JobRun] = {}
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(
+        self, submission: Submission, model: dict[str, Any], job_id: UUID | None = None
+    ) -> JobRun:
+        """Submits the job and runs its setup phase; returns once the primary streams.
+
+        Raises :class:`NoCapacityError` when no plan can be made or set up.
+        """
+        uid = job_id or uuid4()
+        run = JobRun(job_id=str(uid), model=model["name"])
+        self.runs[run.job_id] = run
+        try:
+            await self._call(self.app.submit, submission, uid)
+            await self._setup(run, model, submission)
+        except BaseException:
+            self.runs.pop(run.job_id, None)
+            raise
+        return run
+
+    async def _setup(self, run: JobRun, model: dict[str, Any], submission: Submission) -> None:
+        excluded: set[str] = set()
+        reason, blamed = "", ""
+        for attempt in range(self.max_replans + 1):
+            result = await self._call(self.scheduler.place, model, frozenset(excluded))
+            for v in result.violations:
+                await self._quietly(
+                    self.app.security_violation, v.node_id, v.address, v.reason, run.job_id
+                )
+            if result.plan is None:
+                assert result.no_capacity is not None
+                why = result.no_capacity.reason
+                if reason:
+                    why = f"{why}; earlier attempt failed: {reason}"
+                await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
+                raise NoCapacityError(why)
+            plan = result.plan
+            if attempt == 0:
+                await self._call(self.app.plan, run.job_id, plan.to_dict())
+            else:
+                await self._call(self.app.replan, run.job_id, plan.to_dict(), reason, blamed)
+            roles = {plan.primary.node_id: "primary"}
+            roles.update({w.node_id: "worker" for w in plan.workers})
+            try:
+                await self._call(
+                    self.app.dispatch, run.job_id, roles, allow_degraded=result.fallback_used
+                )
+            except DomainError as e:
+                reason, blamed = f"dispatch refused: {e}", ""
+                continue
+            run.plan, run.nodes, run.primary = plan, set(roles), plan.primary.node_id
+            failure = await self._validate(run, plan, model, submission)
+            if failure is None:
+                await self._call(self.app.validate_setup, run.job_id)
+                run.phase = "execution"
+                return
+            reason, blamed = failure
+            log.warning(
+                "job %s setup failed (%s); re-planning without %s",
+                run.job_id,
+                reason,
+                blamed or "-",
+            )
+            if blamed:
+                excluded.add(blamed)
+        why = f"setup failed after {self.max_replans + 1} plans: {reason}"
+        await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
+        raise NoCapacityError(why)
+
+    async def _validate(
+        self, run: JobRun, plan: ExecutionPlan, model: dict[str, Any], submission: Submission
+    ) -> tuple[str, str] | None:
+        """Starts RPC workers and lets the primary validate; (reason, node to blame) or None."""
+        loop = asyncio.get_running_loop()
+        multi = bool(plan.workers)
+        if multi:
+            run.worker_futures = {n.node_id: loop.create_future() for n in plan.nodes}
+            for node in plan.nodes:
+                if not self.gateway.start_rpc_worker(
+                    node.node_id, run.job_id, node.address, node.rpc_port
+                ):
+                    return f"node {node.node_id} is not connected", node.node_id
+            for node_id, future in run.worker_futures.items():
+                try:
+                    outcome = await asyncio.wait_for(asyncio.shield(future), self.worker_timeout)
+                except TimeoutError:
+                    return f"RPC worker on node {node_id} did not start in time", node_id
+                if not outcome.ok:
+                    return f"RPC worker on node {node_id} failed: {outcome.error}", node_id
+        assignment = PrimaryAssignment(
+            job_id=run.job_id,
+            model_name=model["name"],
+            model_file_name=model["file_name"],
+            model_sha256=model["sha256"],
+            context_size=plan.context_size,
+            rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in plan.nodes)
+            if multi
+            else (),
+            tensor_split=plan.tensor_split if multi else (),
+            messages=submission.messages,
+            params=submission.params,
+        )
+        run.setup_future = loop.create_future()
+        if not self.gateway.assign_primary(run.primary, assignment):
+            return f"primary node {run.primary} is not connected", run.primary
+        try:
+            result = await asyncio.wait_for(asyncio.shield(run.setup_future), self.setup_timeout)
+        except TimeoutError:
+            return f"primary node {run.primary} did not validate setup in time", run.primary
+        if not result.ok:
+            return (
+                f"{result.error_code or 'setup_failed'}: {result.error}",
+                result.failed_node_id or run.primary,
+            )
+        return None
+
+    async def cancel(self, job_id: str, reason: str) -> None:
+        """Client went away: stop generation on the primary and record JOB_CANCELLED."""
+        run = self.runs.pop(job_id, None)
+        if run is None:
+            return
+        if run.primary:
+            self.gateway.cancel_job(run.primary, job_id, reason)
+        await self.recorder.flush(job_id)
+        await self._quietly(self.app.cancel, job_id, reason)
+
+    async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs a command whose refusal only means someone else recorded the ending."""
+        try:
+            await self._call(fn, *args)
+        except (DomainError, NotFound) as e:
+            log.info("%s skipped: %s", getattr(fn, "__name__", fn), e)
+
+    # ----------------------------------------------------- messages from agents
+
+    async def worker_status(
+        self, node_id: str, job_id: str, started: bool, host: str, port: int, error: str
+    ) -> None:
+        run = self.runs.get(job_id)
+        future = run.worker_futures.get(node_id) if run else None
+        if started:
+            await self._quietly(self.app.rpc_worker_started, node_id, job_id, host, port)
+        if future is not None and not future.done():
+            future.set_result(SetupOutcome(ok=started, error=error))
+
+    async def setup_result(self, node_id: str, job_id: str, outcome: SetupOutcome) -> None:
+        run = self.runs.get(job_id)
+        if run is None or node_id != run.primary:
+            log.warning("node %s sent a setup result for job %s it does not lead", node_id, job_id)
+            return
+        if run.setup_future is not None and not run.setup_future.done():
+            run.setup_future.set_result(outcome)
+
+    def token_chunk(self, node_id: str, job_id: str, deltas: list[Delta]) -> None:
+        """The relay: hand the deltas to the client now, record them later."""
+        run = self.runs.get(job_id)
+        if run is None or node_id != run.primary or run.phase != "execution":
+            log.warning("dropping tokens for job %s from node %s", job_id, node_id)
+            return
+        run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
+        self.recorder.add(job_id, deltas)
+
+    async def job_result(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
+        run = self.runs.get(job_id)
+        if run is None or node_id != run.primary:
+            return  # cancelled meanwhile, or not this node's job
+        del self.runs[job_id]
+        await self.recorder.flush(job_id)
+        if result.ok:
+            outcome = JobOutcome(
+                finish_reason=result.finish_reason or "stop",
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                time_to_first_token_ms=result.time_to_first_token_ms,
+                tokens_per_second=result.tokens_per_second,
+            )
+            await self._quietly(self.app.complete, job_id, outcome)
+            run.queue.put_nowait(StreamItem("done", outcome=outcome))
+        else:
+            await self._quietly(self.app.fail, job_id, result.error, result.error_code)
+            run.queue.put_nowait(
+                StreamItem(
+                    "error",
+                    error=result.error or "generation failed",
+                    error_code=result.error_code or "execution_failed",
+                )
+            )
+
+    async def node_disconnected(self, node_id: str) -> None:
+        """A node's stream closed: setup waits fail over; executions on it are lost."""
+        lost = SetupOutcome(
+            ok=False,
+            error=f"node {node_id} disconnected",
+            error_code="NODE_LOST",
+            failed_node_id=node_id,
+        )
+        for run in list(self.runs.values()):
+            if node_id not in run.nodes:
+                continue
+            if run.phase == "setup":
+                future = run.worker_futures.get(node_id)
+                if future is not None and not future.done():
+                    future.set_result(lost)
+                if run.setup_future is not None and not run.setup_future.done():
+                    run.setup_future.set_result(lost)
+                continue
+            self.runs.pop(run.job_id, None)
+            await self.recorder.flush(run.job_id)
+            await self._quietly(
+                self.app.fail, run.job_id, f"node {node_id} lost during execution", "node_lost"
+            )
+            run.queue.put_nowait(
+                StreamItem(
+                    "error",
+                    error=f"node {node_id} was lost during execution; "
+                    "uninterrupted generation is not guaranteed",
+                    error_code="node_lost",
+                )
+            )
+
+    async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
+        """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""
+        count = 0
+        for job_id in await describe():
+            if job_id in self.runs:
+                continue
+            await self._quietly(
+                self.app.fail, job_id, "controller restarted during the job", "controller_restarted"
+            )
+            count += 1
+        return count

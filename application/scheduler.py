@@ -1,0 +1,120 @@
+"""The scheduler: read model + live telemetry in, an execution plan (or no capacity) out.
+
+The placement rules themselves are pure functions in :mod:`domain.placement`; this module
+only gathers what they need at one instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from application.ports import LiveNode, LiveState
+from application.read_models import ReadModel
+from domain.placement import (
+    MODEL_NOT_PRESENT,
+    Candidate,
+    ModelNeeds,
+    NoCapacity,
+    PlacementRequest,
+    PlacementResult,
+    plan_placement,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    allowed_peer_cidrs: tuple[str, ...]
+    max_nodes: int = 8
+
+
+def _live_free_bytes(live: LiveNode | None) -> int | None:
+    if live is None or not live.telemetry:
+        return None
+    gpus = live.telemetry.get("gpus") or []
+    gpu_free = sum(int(g.get("memory_free_bytes", 0)) for g in gpus)
+    if gpu_free > 0:
+        return gpu_free
+    ram = live.telemetry.get("ram_free_bytes")
+    return int(ram) if ram else None
+
+
+def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode | None) -> int:
+    """min(read-model free memory, live free memory), capped by the node's offered limit."""
+    usable = int(eligible["free_memory_bytes"])
+    live_free = _live_free_bytes(live)
+    if live_free is not None:
+        usable = min(usable, live_free)
+    limit = int((node.get("inventory") or {}).get("memory_limit_bytes") or 0)
+    if limit > 0:
+        usable = min(usable, limit)
+    return max(0, usable)
+
+
+def model_needs(model: dict[str, Any], nodes: list[dict[str, Any]]) -> ModelNeeds | None:
+    """The model's size and shape, from any node that reported its GGUF file."""
+    for node in nodes:
+        for local in node.get("local_models") or []:
+            if local.get("sha256") == model["sha256"]:
+                return ModelNeeds(
+                    name=model["name"],
+                    sha256=model["sha256"],
+                    file_name=model["file_name"],
+                    weights_bytes=int(local["size_bytes"]),
+                    layers=max(1, int(local.get("layers") or 1)),
+                    kv_bytes_per_token=int(local.get("kv_bytes_per_token") or 0),
+                    context_length_max=int(local.get("context_length") or model["context_size"]),
+                )
+    return None
+
+
+class Scheduler:
+    def __init__(self, read_model: ReadModel, live: LiveState, config: SchedulerConfig) -> None:
+        self.read_model = read_model
+        self.live = live
+        self.config = config
+
+    def place(
+        self, model: dict[str, Any], exclude: frozenset[str] = frozenset()
+    ) -> PlacementResult:
+        nodes = {n["node_id"]: n for n in self.read_model.list_nodes()}
+        needs = model_needs(model, list(nodes.values()))
+        if needs is None:
+            return PlacementResult(
+                plan=None,
+                no_capacity=NoCapacity(
+                    f"no node has reported the file of model {model['name']} "
+                    f"({model['file_name']}, sha256 {model['sha256'][:12]}…)",
+                    code=MODEL_NOT_PRESENT,
+                ),
+            )
+        live = self.live.all()
+        candidates = []
+        for eligible in self.read_model.eligibility():
+            node_id = eligible["node_id"]
+            node = nodes.get(node_id)
+            if node is None:
+                continue
+            entry = live.get(node_id)
+            candidates.append(
+                Candidate(
+                    node_id=node_id,
+                    name=eligible["name"],
+                    state=eligible["state"],
+                    address=eligible["address"],
+                    rpc_port=int(eligible["rpc_port"]),
+                    usable_memory_bytes=usable_memory(eligible, node, entry),
+                    free_slots=int(eligible["free_slots"]),
+                    has_model=model["sha256"] in eligible["local_models"],
+                    heartbeat_fresh=entry is not None and entry.connected,
+                )
+            )
+        context_size = min(int(model["context_size"]), needs.context_length_max)
+        request = PlacementRequest(
+            needs=needs,
+            context_size=context_size,
+            allowed_peer_cidrs=self.config.allowed_peer_cidrs,
+            max_nodes=self.config.max_nodes,
+            exclude=exclude,
+        )
+        return plan_placement(request, candidates)

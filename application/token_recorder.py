@@ -1,0 +1,84 @@
+"""Records TOKEN_STREAM_CHUNK events in batches, off the relay path.
+
+Deltas are relayed to the client the moment they arrive; this recorder only collects them
+and, every ``interval``, records one chunk per job for all jobs in one transaction. A job's
+pending deltas are flushed before its ending is recorded, so its chunks always precede
+JOB_COMPLETED / JOB_FAILED / JOB_CANCELLED in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from application.commands import Delta
+from application.controller import Controller
+from application.errors import NotFound
+from domain.errors import DomainError
+
+log = logging.getLogger(__name__)
+
+
+class TokenChunkRecorder:
+    def __init__(self, app: Controller, interval: float = 0.1) -> None:
+        self.app = app
+        self.interval = interval
+        self._pending: dict[str, list[Delta]] = {}
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0  # transactions written (for tests and metrics)
+
+    def add(self, job_id: str, deltas: list[Delta]) -> None:
+        """Never blocks: the relay path only appends to a list."""
+        self._pending.setdefault(job_id, []).extend(deltas)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="token-chunk-recorder")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.flush_all()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.flush_all()
+            except Exception:
+                log.exception("recording token chunks failed")
+
+    async def flush_all(self) -> None:
+        async with self._lock:
+            batch, self._pending = self._pending, {}
+            await self._record(batch)
+
+    async def flush(self, job_id: str) -> None:
+        """Records ``job_id``'s pending deltas now (before its ending is recorded)."""
+        async with self._lock:
+            deltas = self._pending.pop(job_id, None)
+            if deltas:
+                await self._record({job_id: deltas})
+
+    def discard(self, job_id: str) -> None:
+        self._pending.pop(job_id, None)
+
+    async def _record(self, batch: dict[str, list[Delta]]) -> None:
+        if not batch:
+            return
+        try:
+            await asyncio.to_thread(self.app.record_token_chunks, batch)
+            self.batches += 1
+        except (DomainError, NotFound) as e:
+            # One job's chunk was refused (it ended meanwhile): record the others alone.
+            log.info("token batch refused (%s); recording job by job", e)
+            for job_id, deltas in batch.items():
+                try:
+                    await asyncio.to_thread(self.app.record_token_chunks, {job_id: deltas})
+                    self.batches += 1
+                except (DomainError, NotFound) as err:
+                    log.warning("dropped %d deltas of job %s: %s", len(deltas), job_id, err)

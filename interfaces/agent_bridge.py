@@ -1,0 +1,111 @@
+"""Protobuf on one side, the job manager on the other: the gateway down and the uplink up."""
+
+from __future__ import annotations
+
+import orjson
+
+from application.commands import Delta
+from application.job_manager import AgentJobResult, JobManager, SetupOutcome
+from application.ports import PrimaryAssignment
+from interfaces.grpc_server import AgentConnections
+from proto import control_pb2 as pb
+
+
+class ProtoAgentGateway:
+    """:class:`application.ports.AgentGateway` over the open Connect streams."""
+
+    def __init__(self, connections: AgentConnections) -> None:
+        self.connections = connections
+
+    def is_connected(self, node_id: str) -> bool:
+        return self.connections.is_connected(node_id)
+
+    def start_rpc_worker(self, node_id: str, job_id: str, host: str, port: int) -> bool:
+        message = pb.ControllerMessage(
+            start_rpc_worker=pb.StartRpcWorker(job_id=job_id, host=host, port=port)
+        )
+        return self.connections.send(node_id, message)
+
+    def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
+        params = assignment.params
+        generation = pb.GenerationParams(
+            messages_json=orjson.dumps(assignment.messages).decode(),
+            max_tokens=int(params.get("max_tokens") or 0),
+            stop=list(params.get("stop") or []),
+        )
+        if params.get("temperature") is not None:
+            generation.temperature = float(params["temperature"])
+        if params.get("top_p") is not None:
+            generation.top_p = float(params["top_p"])
+        if params.get("seed") is not None:
+            generation.seed = int(params["seed"])
+        plan = pb.ExecutionPlan(
+            job_id=assignment.job_id,
+            model_name=assignment.model_name,
+            model_file_name=assignment.model_file_name,
+            model_sha256=assignment.model_sha256,
+            context_size=assignment.context_size,
+            role=pb.ExecutionPlan.PRIMARY,
+            rpc_peers=[
+                pb.RpcPeer(node_id=p.node_id, host=p.host, port=p.port)
+                for p in assignment.rpc_peers
+            ],
+            tensor_split=list(assignment.tensor_split),
+            generation=generation,
+        )
+        return self.connections.send(node_id, pb.ControllerMessage(execution_plan=plan))
+
+    def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool:
+        message = pb.ControllerMessage(cancel_job=pb.CancelJob(job_id=job_id, reason=reason))
+        return self.connections.send(node_id, message)
+
+
+class JobUplink:
+    """The servicer's :class:`interfaces.grpc_server.UplinkHandler`: job messages up."""
+
+    def __init__(self, jobs: JobManager) -> None:
+        self.jobs = jobs
+
+    async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> None:
+        kind = message.WhichOneof("payload")
+        if kind == "token_chunk":
+            chunk = message.token_chunk
+            deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1) for d in chunk.deltas]
+            self.jobs.token_chunk(node_id, chunk.job_id, deltas)
+        elif kind == "rpc_worker_status":
+            st = message.rpc_worker_status
+            if st.state in (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED):
+                await self.jobs.worker_status(
+                    node_id,
+                    st.job_id,
+                    st.state == pb.RpcWorkerStatus.STARTED,
+                    st.host,
+                    int(st.port),
+                    st.error,
+                )
+        elif kind == "setup_result":
+            sr = message.setup_result
+            await self.jobs.setup_result(
+                node_id,
+                sr.job_id,
+                SetupOutcome(sr.ok, sr.error, sr.error_code, sr.failed_node_id),
+            )
+        elif kind == "job_result":
+            r = message.job_result
+            await self.jobs.job_result(
+                node_id,
+                r.job_id,
+                AgentJobResult(
+                    ok=r.ok,
+                    finish_reason=r.finish_reason,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.completion_tokens,
+                    time_to_first_token_ms=r.time_to_first_token_ms,
+                    tokens_per_second=r.tokens_per_second,
+                    error=r.error,
+                    error_code=r.error_code,
+                ),
+            )
+
+    async def on_node_disconnected(self, node_id: str) -> None:
+        await self.jobs.node_disconnected(node_id)
