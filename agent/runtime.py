@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -41,10 +42,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -66,6 +67,11 @@ _TAIL_BYTES = 64 * 1024
 _STOP_GRACE_SECONDS = 5.0
 # Settings a parent shell could leak into llama.cpp via environment variables; the spec decides.
 _SCRUBBED_ENV_PREFIXES = ("LLAMA_ARG_",)
+# On abort ggml attaches gdb to print a backtrace: slow, and it buries the real error line.
+_DEFAULT_CHILD_ENV = {"GGML_NO_BACKTRACE": "1"}
+_LOG_ROTATE_BYTES = 16 * 1024 * 1024
+# llama-server verbosity 4 ("trace") logs device placement, buffer sizes and per-request timings.
+DEFAULT_SERVER_VERBOSITY = 4
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -97,12 +103,26 @@ class _ProcessFailure(LlamaRuntimeError):
         stderr_tail: Sequence[str] = (),
         log_path: Path | None = None,
     ) -> None:
-        last = next((line for line in reversed(stderr_tail) if line.strip()), "")
-        super().__init__(f"{message}; last output: {last}" if last else message)
+        key = key_error_line(stderr_tail)
+        super().__init__(f"{message}; last output: {key}" if key else message)
         self.role = role
         self.exit_code = exit_code
         self.stderr_tail = list(stderr_tail)
         self.log_path = log_path
+
+
+_ABORT_LINE = re.compile(r"\.(?:c|cc|cpp|h):\d+: ")  # GGML_ABORT / GGML_ASSERT location
+_ERROR_LINE = re.compile(r"\berror\b|\bfailed\b|terminate called|what\(\)|\s[EF]\s", re.IGNORECASE)
+
+
+def key_error_line(lines: Sequence[str]) -> str:
+    """The most telling line of a child's last output: an abort site, an error, or the last."""
+    lines = [line.strip() for line in lines if line.strip()]
+    for pattern in (_ABORT_LINE, _ERROR_LINE):
+        for line in reversed(lines):
+            if pattern.search(line):
+                return line
+    return lines[-1] if lines else ""
 
 
 class RuntimeStartError(_ProcessFailure):
@@ -166,10 +186,10 @@ def find_binaries(explicit_dir: str | os.PathLike[str] | None = None) -> Runtime
         raise RuntimeMissingError(f"llama-server not found in {bin_dir} (from {source}); {hint}")
     rpc_server = _find_executable(bin_dir, RPC_SERVER_NAMES)
     if rpc_server is None:
-        raise RuntimeMissingError(
-            f"ggml-rpc-server not found in {bin_dir} (from {source}); {hint}"
-        )
-    return RuntimeBinaries(bin_dir=bin_dir.resolve(), llama_server=llama_server, rpc_server=rpc_server)
+        raise RuntimeMissingError(f"ggml-rpc-server not found in {bin_dir} (from {source}); {hint}")
+    return RuntimeBinaries(
+        bin_dir=bin_dir.resolve(), llama_server=llama_server, rpc_server=rpc_server
+    )
 
 
 def _find_executable(bin_dir: Path, names: Sequence[str]) -> Path | None:
@@ -258,12 +278,12 @@ _PR_SET_PDEATHSIG = 1
 def _linux_prctl() -> Callable[..., int] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        prctl: Callable[..., int] = libc.prctl
+        prctl = libc.prctl
     except (OSError, AttributeError):
         return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]  # type: ignore[attr-defined]
-    prctl.restype = ctypes.c_int  # type: ignore[attr-defined]
-    return prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return cast("Callable[..., int]", prctl)
 
 
 def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
@@ -297,7 +317,7 @@ class _Spawner:
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         if sys.platform != "linux":
-            return subprocess.Popen(argv, **kwargs)
+            return cast("subprocess.Popen[bytes]", subprocess.Popen(argv, **kwargs))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -315,7 +335,8 @@ class _Spawner:
                 continue
             try:
                 preexec = _pdeathsig_preexec(os.getpid())
-                future.set_result(subprocess.Popen(argv, preexec_fn=preexec, **kwargs))
+                proc = subprocess.Popen(argv, preexec_fn=preexec, **kwargs)
+                future.set_result(cast("subprocess.Popen[bytes]", proc))
             except BaseException as exc:  # handed to the caller
                 future.set_exception(exc)
 
@@ -336,6 +357,8 @@ def _kill_all_children() -> None:
 
 def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
+    for key, value in _DEFAULT_CHILD_ENV.items():
+        env.setdefault(key, value)
     if extra:
         env.update(extra)
     return env
@@ -458,6 +481,9 @@ class _ChildProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / log_name
         self._stopping = False
+        with contextlib.suppress(OSError):
+            if self._log_path.stat().st_size > _LOG_ROTATE_BYTES:
+                os.replace(self._log_path, self._log_path.with_name(log_name + ".1"))
         with self._log_path.open("ab") as log_file:
             stamp = dt.datetime.now().astimezone().isoformat(timespec="seconds")
             log_file.write(f"\n=== {stamp} starting: {shlex.join(argv)}\n".encode())
@@ -494,7 +520,7 @@ class _ChildProcess:
         if self._stopping or proc is not self._proc:
             return
         info = self._exit_info(code)
-        log.warning("%s; last output: %s", info.error(), " | ".join(info.stderr_tail[-3:]))
+        log.warning("%s (log: %s)", info.error(), info.log_path)
         if self._on_exit is not None:
             try:
                 self._on_exit(info)
@@ -621,9 +647,11 @@ class ServerSpec:
     """Everything that makes one ``llama-server`` instance; equal specs share a warm server.
 
     ``rpc_endpoints`` lists ``host:port`` of RPC workers; ``tensor_split`` gives one proportion
-    per RPC worker (same order) and, when it has one more entry, a last one for the primary's
-    own CPU. ``n_gpu_layers`` defaults to all layers (99) when RPC is used, llama.cpp's default
-    otherwise. ``ctx_size`` is the total KV size shared by ``parallel`` slots.
+    per RPC worker, in the same order (on a CPU-only primary the workers are the only offload
+    devices). ``n_gpu_layers`` defaults to all layers (99) when RPC is used, so every repeating
+    layer, the output layer and the KV cache live on the workers and the primary keeps only the
+    token embeddings; a smaller number keeps the first layers on the primary's CPU. Without RPC
+    llama.cpp's default applies. ``ctx_size`` is the total KV size shared by ``parallel`` slots.
     """
 
     model_path: str
@@ -654,7 +682,7 @@ class ServerSpec:
         if self.tensor_split:
             if not self.rpc_endpoints:
                 raise ValueError("tensor_split needs rpc_endpoints")
-            if len(self.tensor_split) not in (len(self.rpc_endpoints), len(self.rpc_endpoints) + 1):
+            if len(self.tensor_split) != len(self.rpc_endpoints):
                 raise ValueError(
                     f"tensor_split has {len(self.tensor_split)} entries for "
                     f"{len(self.rpc_endpoints)} RPC workers"
@@ -662,11 +690,13 @@ class ServerSpec:
             if any(x < 0 for x in self.tensor_split) or sum(self.tensor_split) <= 0:
                 raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
 
-    def argv(self, binary: Path, host: str, port: int) -> list[str]:
+    def argv(
+        self, binary: Path, host: str, port: int, verbosity: int = DEFAULT_SERVER_VERBOSITY
+    ) -> list[str]:
         argv = [str(binary), "--model", self.model_path, "--ctx-size", str(self.ctx_size)]
         argv += ["--host", host, "--port", str(port), "--parallel", str(self.parallel)]
         # The plan decides context, layers and split; don't let --fit second-guess it.
-        argv += ["--fit", "off", "--no-webui"]
+        argv += ["--fit", "off", "--no-webui", "--log-verbosity", str(verbosity)]
         if self.parallel > 1:
             argv.append("--kv-unified")
         if self.threads is not None:
@@ -770,10 +800,12 @@ class LlamaServer(_ChildProcess):
         log_dir: Path,
         host: str = "127.0.0.1",
         port: int | None = None,
+        verbosity: int = DEFAULT_SERVER_VERBOSITY,
         on_exit: ExitCallback | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(log_dir=log_dir, on_exit=on_exit, env=env)
+        self.verbosity = verbosity
         address = ipaddress.ip_address(host)
         if address.is_unspecified:
             raise UnsafeBindError("llama-server is for the local agent only; bind 127.0.0.1")
@@ -811,8 +843,8 @@ class LlamaServer(_ChildProcess):
             self.port = self._fixed_port or free_loopback_port(self.host)
             if self._fixed_port and not port_is_free(self.host, self.port):
                 raise PortInUseError(f"cannot start llama-server: {self.endpoint} is in use")
-            self._spawn(self.spec.argv(self.binaries.llama_server, self.host, self.port),
-                        "llama-server.log")
+            argv = self.spec.argv(self.binaries.llama_server, self.host, self.port, self.verbosity)
+            self._spawn(argv, "llama-server.log")
             try:
                 self._wait_healthy(timeout)
                 return
@@ -844,7 +876,7 @@ class LlamaServer(_ChildProcess):
         *,
         client: httpx.AsyncClient | None = None,
         read_timeout: float = 300.0,
-    ) -> AsyncIterator[ChatDelta]:
+    ) -> AsyncGenerator[ChatDelta, None]:
         """Stream ``/v1/chat/completions`` as :class:`ChatDelta` items while they arrive.
 
         Closing the generator (``aclose()``, ``break`` in ``async for`` plus garbage
@@ -870,19 +902,20 @@ class LlamaServer(_ChildProcess):
                         return
                     if isinstance(delta, ChatDelta):
                         yield delta
-            raise self._stream_broken("stream ended without [DONE]")
+            raise await self._stream_broken("stream ended without [DONE]")
         except httpx.HTTPError as exc:
-            raise self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
+            raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
         finally:
             if owned:
                 await asyncio.shield(http.aclose())
 
-    def _stream_broken(self, reason: str) -> LlamaRuntimeError:
-        # Give the watcher a moment: a crash shows up as a broken stream just before the exit.
-        for _ in range(20):
+    async def _stream_broken(self, reason: str) -> LlamaRuntimeError:
+        # A crash shows up as a broken stream just before the exit: give the process a moment
+        # (an abort can take a while to finish writing its report).
+        for _ in range(40):
             if not self.alive:
                 break
-            time.sleep(0.025)
+            await asyncio.sleep(0.05)
         if self._proc is not None and not self.alive and not self._stopping:
             return self._exit_info(self._proc.returncode).error()
         return GenerationError(f"llama-server stream failed: {reason}")
@@ -969,7 +1002,9 @@ class RuntimeManager:
         self._env = dict(env) if env else None
         self._server: LlamaServer | None = None
         self._workers: dict[tuple[str, int], RpcWorker] = {}
-        self._lock = threading.RLock()
+        # Separate locks: starting a worker must not wait for a model to load.
+        self._server_lock = threading.Lock()
+        self._workers_lock = threading.Lock()
         self._closed = False
 
     @property
@@ -978,12 +1013,12 @@ class RuntimeManager:
 
     @property
     def rpc_workers(self) -> dict[str, RpcWorker]:
-        with self._lock:
+        with self._workers_lock:
             return {worker.endpoint: worker for worker in self._workers.values()}
 
     def ensure_server(self, spec: ServerSpec) -> LlamaServer:
         """Return the running server for ``spec``, or (re)start one. Blocks until healthy."""
-        with self._lock:
+        with self._server_lock:
             if self._closed:
                 raise LlamaRuntimeError("runtime manager is closed")
             current = self._server
@@ -1010,7 +1045,7 @@ class RuntimeManager:
         return await asyncio.to_thread(self.ensure_server, spec)
 
     def stop_server(self) -> None:
-        with self._lock:
+        with self._server_lock:
             if self._server is not None:
                 self._server.stop()
                 self._server = None
@@ -1026,7 +1061,7 @@ class RuntimeManager:
     ) -> RpcWorker:
         """Start (or return the already running) RPC worker on ``host:port``."""
         bind_host = validate_rpc_bind_host(host, allow_public=allow_public)
-        with self._lock:
+        with self._workers_lock:
             if self._closed:
                 raise LlamaRuntimeError("runtime manager is closed")
             key = (bind_host, port)
@@ -1049,8 +1084,10 @@ class RuntimeManager:
 
     def stop_rpc_worker(self, host: str, port: int = DEFAULT_RPC_PORT) -> bool:
         """Stop the worker on ``host:port``; False if there was none."""
-        with self._lock:
-            worker = self._workers.pop((validate_rpc_bind_host(host, allow_public=True), port), None)
+        with self._workers_lock:
+            worker = self._workers.pop(
+                (validate_rpc_bind_host(host, allow_public=True), port), None
+            )
         if worker is None:
             return False
         worker.stop()
@@ -1058,13 +1095,14 @@ class RuntimeManager:
 
     def close(self) -> None:
         """Stop the server first (it holds connections to the workers), then the workers."""
-        with self._lock:
-            self._closed = True
+        self._closed = True
+        with self._server_lock:
             server, self._server = self._server, None
+            if server is not None:
+                server.stop()
+        with self._workers_lock:
             workers = list(self._workers.values())
             self._workers.clear()
-        if server is not None:
-            server.stop()
         for worker in workers:
             worker.stop()
 

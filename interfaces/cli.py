@@ -12,11 +12,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import orjson
 
 from application.enrollment import EnrollmentNotConfigured, EnrollmentService
 from infrastructure.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from application.controller import Controller
 
 
 class CliError(Exception):
@@ -60,6 +64,32 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_app(args: argparse.Namespace) -> Controller:
+    from application.controller import Controller
+    from infrastructure.persistence import persistence_env
+    from infrastructure.storage import ensure_postgres_schema
+
+    settings = Settings.from_env()
+    url = getattr(args, "database_url", None) or settings.database_url
+    env = persistence_env(url, var_dir=settings.var_dir)
+    ensure_postgres_schema(env)
+    return Controller(env=env)
+
+
+def _cmd_models_register(args: argparse.Namespace) -> int:
+    from domain.errors import DomainError
+
+    app = _open_app(args)
+    try:
+        app.register_model(args.name, args.sha256, args.file_name, args.context_size)
+    except DomainError as e:
+        raise CliError(str(e)) from e
+    finally:
+        app.close()
+    print(f"registered model {args.name} → {args.file_name} ({args.sha256[:12]}…)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dacp", description="Distributed AI Compute Platform")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--node-name", default=None, help="bind the token to this node name")
     create.add_argument("--json", action="store_true", help="print token details as JSON")
     create.set_defaults(func=_cmd_token_create)
+    models = sub.add_parser("models", help="the model registry")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    reg = models_sub.add_parser("register", help="register a model's API name and GGUF file")
+    reg.add_argument("name", help="the name clients pass as `model`")
+    reg.add_argument("--sha256", required=True, help="sha256 of the GGUF file")
+    reg.add_argument("--file-name", required=True, help="the GGUF file name on the agents")
+    reg.add_argument("--context-size", type=int, default=2048)
+    reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
+    reg.set_defaults(func=_cmd_models_register)
+
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser

@@ -1,0 +1,336 @@
+"""A local cluster on this machine: one controller (embedded SQLite, in-process live state)
+and two node agents, one holding the model (the primary) and one a pure RPC worker.
+
+Each agent offers only ``--memory-limit`` to the scheduler, so the test model does not fit
+on one node and every completion is split across both over llama.cpp RPC.
+
+    python -m ops.local_cluster        # foreground until Ctrl-C; prints URL and keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from ops import paths
+
+MODEL_NAME = "smollm2-135m"
+#: What each agent offers: small enough that SmolLM2-135M (≈225 MB with its KV cache and
+#: headroom) needs both, large enough that two together hold it.
+DEFAULT_MEMORY_LIMIT = 160 * 1024 * 1024
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pick(port: int) -> int:
+    """The default port when it is free, else any free one."""
+    return port if _port_free(port) else _free_port()
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    name: str
+    rpc_port: int
+    memory_limit: int = DEFAULT_MEMORY_LIMIT
+    holds_model: bool = False
+
+
+DEFAULT_AGENTS = (
+    AgentSpec("agent-a", 50052, holds_model=True),
+    AgentSpec("agent-b", 50062),
+)
+
+
+@dataclass
+class ClusterConfig:
+    var_dir: Path = Path("var/local-cluster")
+    port: int = 8000
+    grpc_port: int = 50051
+    agents: tuple[AgentSpec, ...] = DEFAULT_AGENTS
+    database_url: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ai_api_key: str = field(default_factory=lambda: os.environ.get("AI_API_KEY", ""))
+    admin_api_key: str = field(default_factory=lambda: os.environ.get("ADMIN_API_KEY", ""))
+    fresh: bool = True
+    quiet: bool = False
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self.procs: list[_Proc] = []
+        self.ai_api_key = self.config.ai_api_key or secrets.token_urlsafe(24)
+        self.admin_api_key = self.config.admin_api_key or secrets.token_urlsafe(24)
+        self.secret = secrets.token_urlsafe(32)
+        self.port = self.config.port
+        self.grpc_port = self.config.grpc_port
+        self.agent_procs: dict[str, _Proc] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _say(self, text: str) -> None:
+        if not self.config.quiet:
+            print(text, flush=True)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> _Proc:
+        log = self.config.var_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = log.open("ab")
+        popen = subprocess.Popen(
+            argv, env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        handle.close()
+        proc = _Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def _check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is not None:
+                raise ClusterError(
+                    f"{proc.name} exited with code {proc.popen.returncode}; its log "
+                    f"({proc.log}) ends with:\n{proc.tail()}"
+                )
+
+    def _admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_api_key}"}
+
+    def _wait(self, what: str, check: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                value = check()
+            except httpx.HTTPError:
+                value = None
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(0.2)
+
+    def start(self) -> LocalCluster:
+        cfg = self.config
+        model = paths.model_path()
+        if not model.exists():
+            raise ClusterError(f"the model is missing at {model}: run `make model` first")
+        if cfg.fresh and cfg.var_dir.exists():
+            shutil.rmtree(cfg.var_dir)
+        cfg.var_dir.mkdir(parents=True, exist_ok=True)
+        self.port, self.grpc_port = _pick(cfg.port), _pick(cfg.grpc_port)
+        base_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        controller_env = {
+            **base_env,
+            **cfg.extra_env,
+            "DACP_VAR_DIR": str(cfg.var_dir / "controller"),
+            "PORT": str(self.port),
+            "GRPC_PORT": str(self.grpc_port),
+            "AI_API_KEY": self.ai_api_key,
+            "ADMIN_API_KEY": self.admin_api_key,
+            "NODE_ENROLLMENT_SECRET": self.secret,
+        }
+        if cfg.database_url:
+            controller_env["DATABASE_URL"] = cfg.database_url
+        store = "Postgres" if cfg.database_url else "embedded SQLite"
+        self._say(f"starting controller on {self.url} (gRPC :{self.grpc_port}, {store})")
+        self._spawn(
+            "controller",
+            [sys.executable, "-m", "interfaces.cli", "controller", "--log-level", "info"],
+            controller_env,
+        )
+        self._wait(
+            "the controller's /health",
+            lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200,
+            60,
+        )
+        token = subprocess.run(
+            [sys.executable, "-m", "interfaces.cli", "token", "create", "--ttl", "600"],
+            env=controller_env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        for spec in cfg.agents:
+            self.start_agent(spec, token)
+
+        def nodes_ready() -> bool:
+            rows = httpx.get(f"{self.url}/api/admin/nodes", headers=self._admin(), timeout=2)
+            data = rows.json()["data"]
+            holds = any(m["sha256"] == paths.MODEL_SHA256 for r in data for m in r["local_models"])
+            ready = [r for r in data if r["state"] == "READY"]
+            return len(ready) == len(cfg.agents) and holds
+
+        self._wait("every agent to be READY with the model reported", nodes_ready, 120)
+        response = httpx.post(
+            f"{self.url}/api/admin/models",
+            headers=self._admin(),
+            timeout=10,
+            json={
+                "name": MODEL_NAME,
+                "sha256": paths.MODEL_SHA256,
+                "file_name": paths.MODEL_FILE_NAME,
+            },
+        )
+        if response.status_code != 201:
+            raise ClusterError(f"registering the model failed: {response.text}")
+        self._say(f"cluster ready: model {MODEL_NAME} registered")
+        return self
+
+    def start_agent(self, spec: AgentSpec, token: str) -> _Proc:
+        cfg = self.config
+        models_dir = cfg.var_dir / spec.name / "models"
+        models_dir.mkdir(parents=True, exist_ok=True)
+        if spec.holds_model:
+            model = paths.model_path()
+            link = models_dir / model.name
+            if not link.exists():
+                try:
+                    link.symlink_to(model)
+                except OSError:
+                    shutil.copy2(model, link)
+        rpc_port = _pick(spec.rpc_port)
+        role = "holds the model" if spec.holds_model else "RPC worker"
+        self._say(
+            f"starting {spec.name} ({role}, RPC :{rpc_port}, offers {spec.memory_limit >> 20} MiB)"
+        )
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        proc = self._spawn(
+            spec.name,
+            [
+                sys.executable,
+                "-m",
+                "agent.main",
+                "--foreground",
+                "--controller-url",
+                f"127.0.0.1:{self.grpc_port}",
+                "--enrollment-token",
+                token,
+                "--node-name",
+                spec.name,
+                "--data-dir",
+                str(cfg.var_dir / spec.name),
+                "--models-dir",
+                str(models_dir),
+                "--advertise-address",
+                "127.0.0.1",
+                "--rpc-port",
+                str(rpc_port),
+                "--memory-limit",
+                str(spec.memory_limit),
+                "--heartbeat-interval",
+                "1",
+            ],
+            env,
+        )
+        self.agent_procs[spec.name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGINT if os.name != "nt" else signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in reversed(self.procs):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                proc.popen.wait(remaining)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(5)
+        self.procs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.local_cluster", description=__doc__)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", "50051")))
+    parser.add_argument("--var-dir", type=Path, default=Path("var/local-cluster"))
+    parser.add_argument("--memory-limit", type=int, default=DEFAULT_MEMORY_LIMIT)
+    args = parser.parse_args(argv)
+    paths.ensure_llama()
+    paths.ensure_model()
+    config = ClusterConfig(
+        var_dir=args.var_dir,
+        port=args.port,
+        grpc_port=args.grpc_port,
+    )
+    try:
+        with LocalCluster(config) as cluster:
+            print(f"\nOpenAI-compatible API: {cluster.url}/v1")
+            print(f"  AI_API_KEY={cluster.ai_api_key}")
+            print(f"  ADMIN_API_KEY={cluster.admin_api_key}")
+            print(f"  model: {MODEL_NAME}    logs: {config.var_dir / 'logs'}")
+            print("Ctrl-C stops the cluster.", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    cluster._check_alive()
+                    time.sleep(1)
+    except ClusterError as e:
+        print(f"local cluster: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
