@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -306,7 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", "50051")))
     parser.add_argument("--var-dir", type=Path, default=Path("var/local-cluster"))
-    parser.add_argument("--memory-limit", type=int, default=DEFAULT_MEMORY_LIMIT)
+    parser.add_argument(
+        "--memory-limit",
+        type=int,
+        default=DEFAULT_MEMORY_LIMIT,
+        help="bytes each agent offers (default small enough to force a two-node split)",
+    )
     args = parser.parse_args(argv)
     paths.ensure_llama()
     paths.ensure_model()
@@ -314,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         var_dir=args.var_dir,
         port=args.port,
         grpc_port=args.grpc_port,
+        agents=tuple(
+            dataclasses.replace(a, memory_limit=args.memory_limit) for a in DEFAULT_AGENTS
+        ),
     )
     try:
         with LocalCluster(config) as cluster:
