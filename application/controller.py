@@ -286,6 +286,17 @@ class Controller(Application[UUID]):
 
         return self._run(command)
 
+    def release_nodes(self, job_id: UUID | str, outcome: str) -> int:
+        """Frees the job's slots on its nodes (before a re-plan places it again)."""
+
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            changed: dict[UUID, Aggregate] = {}
+            self._release_nodes(job, changed, outcome=outcome)
+            return list(changed.values())
+
+        return self._run(command)
+
     def dispatch(
         self, job_id: UUID | str, roles: Mapping[str, str], *, allow_degraded: bool = False
     ) -> int:

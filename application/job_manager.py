@@ -84,6 +84,9 @@ class JobRun:
     phase: Literal["setup", "execution"] = "setup"
     worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
     setup_future: asyncio.Future[SetupOutcome] | None = None
+    #: Set once JOB_SETUP_VALIDATED is recorded; tokens may arrive (and be relayed) before.
+    validated: asyncio.Event = field(default_factory=asyncio.Event)
+    held: list[Delta] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -166,8 +169,13 @@ class JobManager:
             if failure is None:
                 await self._call(self.app.validate_setup, run.job_id)
                 run.phase = "execution"
+                if run.held:
+                    self.recorder.add(run.job_id, run.held)
+                    run.held = []
+                run.validated.set()
                 return
             reason, blamed = failure
+            await self._call(self.app.release_nodes, run.job_id, "replanning")
             log.warning(
                 "job %s setup failed (%s); re-planning without %s",
                 run.job_id,
@@ -265,19 +273,31 @@ class JobManager:
             run.setup_future.set_result(outcome)
 
     def token_chunk(self, node_id: str, job_id: str, deltas: list[Delta]) -> None:
-        """The relay: hand the deltas to the client now, record them later."""
+        """The relay: hand the deltas to the client now, record them later.
+
+        The primary streams as soon as it has validated; until JOB_SETUP_VALIDATED is
+        recorded the deltas are relayed but held back from the recorder.
+        """
         run = self.runs.get(job_id)
-        if run is None or node_id != run.primary or run.phase != "execution":
+        if run is None or node_id != run.primary:
             log.warning("dropping tokens for job %s from node %s", job_id, node_id)
             return
         run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
-        self.recorder.add(job_id, deltas)
+        if run.validated.is_set():
+            self.recorder.add(job_id, deltas)
+        else:
+            run.held.extend(deltas)
 
     async def job_result(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
         run = self.runs.get(job_id)
         if run is None or node_id != run.primary:
             return  # cancelled meanwhile, or not this node's job
-        del self.runs[job_id]
+        try:
+            await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
+        except TimeoutError:
+            log.warning("job %s ended before its setup was recorded", job_id)
+        if self.runs.pop(job_id, None) is None:
+            return
         await self.recorder.flush(job_id)
         if result.ok:
             outcome = JobOutcome(

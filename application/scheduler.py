@@ -6,6 +6,7 @@ only gathers what they need at one instant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,14 +70,23 @@ def model_needs(model: dict[str, Any], nodes: list[dict[str, Any]]) -> ModelNeed
 
 
 class Scheduler:
-    def __init__(self, read_model: ReadModel, live: LiveState, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        read_model: ReadModel,
+        live: LiveState,
+        config: SchedulerConfig,
+        catch_up: Callable[[], None] = lambda: None,
+    ) -> None:
         self.read_model = read_model
         self.live = live
         self.config = config
+        self.catch_up = catch_up
 
     def place(
         self, model: dict[str, Any], exclude: frozenset[str] = frozenset()
     ) -> PlacementResult:
+        # Read your own writes: a slot freed by the job that just ended must be seen.
+        self.catch_up()
         nodes = {n["node_id"]: n for n in self.read_model.list_nodes()}
         needs = model_needs(model, list(nodes.values()))
         if needs is None:

@@ -73,6 +73,8 @@ class Settings:
     offline_after: float = 15.0
     allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
     record_content: bool = True
+    rpc_worker_timeout: float = 30.0
+    setup_timeout: float = 120.0
     var_dir: Path = field(default_factory=lambda: Path("var"))
 
     @classmethod
@@ -96,6 +98,8 @@ class Settings:
             offline_after=_float(env, "OFFLINE_AFTER", 15.0),
             allowed_peer_cidrs=cidrs or DEFAULT_ALLOWED_PEER_CIDRS,
             record_content=_bool(env, "RECORD_CONTENT", True),
+            rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", 30.0),
+            setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
         )
         if settings.offline_after <= settings.degraded_after:

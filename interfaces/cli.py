@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = []
+import interfaces.events_cli  # noqa: E402, F401  (registers events/replay/diagnose/projections)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

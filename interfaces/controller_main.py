@@ -89,9 +89,16 @@ async def start_controller(settings: Settings) -> RunningController:
     recorder.start()
     jobs = JobManager(
         services.app,
-        Scheduler(services.read_model, services.live, SchedulerConfig(settings.allowed_peer_cidrs)),
+        Scheduler(
+            services.read_model,
+            services.live,
+            SchedulerConfig(settings.allowed_peer_cidrs),
+            catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
+        ),
         ProtoAgentGateway(services.connections),
         recorder,
+        worker_timeout=settings.rpc_worker_timeout,
+        setup_timeout=settings.setup_timeout,
     )
     services.extras["jobs"] = jobs
     services.extras["recorder"] = recorder

@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 def _pick(port: int) -> int:
     """The default port when it is free, else any free one."""
-    return port if _port_free(port) else _free_port()
+    return port if port and _port_free(port) else _free_port()
 
 
 @dataclass(frozen=True)

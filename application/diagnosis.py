@@ -1,0 +1,293 @@
+"""Node diagnosis: what the product document says to capture, and which check fits a failure.
+
+The seed's troubleshooting table maps four symptoms to a check; its last paragraph asks, for a
+node, for the agent version, controller version, node state, recent events and whether
+failure occurs before or during execution. Everything here is a pure function over plain
+dicts (timeline entries from :mod:`application.timeline`, job rows as in the read model), so
+the CLI and any other interface only gather inputs and print the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Hint:
+    """One row of the seed's troubleshooting table."""
+
+    key: str
+    symptom: str
+    likely_cause: str
+    check: str
+
+
+CONTROLLER_UNREACHABLE = Hint(
+    "controller_unreachable",
+    "gRPC connection refused",
+    "Controller is unreachable or the control port is blocked.",
+    "Verify controller availability, address, TLS settings and firewall rules.",
+)
+RPC_WORKER_LOST = Hint(
+    "rpc_worker_lost",
+    "RPC worker disconnected",
+    "The LAN connection dropped or a worker process stopped.",
+    "Check the worker address, LAN path and llama.cpp RPC process.",
+)
+OUT_OF_MEMORY = Hint(
+    "out_of_memory",
+    "CUDA out of memory",
+    "The execution split exceeds available GPU memory.",
+    "Use a smaller model or quantization, or revise the execution plan.",
+)
+PUBLIC_PEER = Hint(
+    "public_peer",
+    "Public IP security violation",
+    "A runtime peer address is outside the permitted private network range.",
+    "Keep compute-plane traffic on an approved private LAN.",
+)
+TROUBLESHOOTING: tuple[Hint, ...] = (
+    CONTROLLER_UNREACHABLE,
+    RPC_WORKER_LOST,
+    OUT_OF_MEMORY,
+    PUBLIC_PEER,
+)
+
+#: Said when no row of the table matches.
+NO_HINT_CHECK = "No troubleshooting entry matches; read the recent events and the agent's log."
+
+_OOM = (
+    "out of memory",
+    "out-of-memory",
+    "oom",
+    "cudamalloc",
+    "failed to allocate",
+    "insufficient memory",
+    "not enough memory",
+    "memory exhausted",
+)
+_SECURITY = (
+    "security",
+    "public ip",
+    "public address",
+    "not private",
+    "not a private",
+    "outside the permitted",
+    "outside the allowed",
+    "not in allowed",
+    "allowed_peer_cidrs",
+)
+_RPC_WORKER = (
+    "rpc worker",
+    "rpc-server",
+    "rpc server",
+    "ggml-rpc",
+    "rpc peer",
+    "worker disconnected",
+)
+_LOST = ("node_lost", "lost", "disconnected", "connection reset", "broken pipe", "stream closed")
+_CONTROLLER = (
+    "connection refused",
+    "unavailable",
+    "control stream",
+    "heartbeat",
+    "grpc",
+    "not connected",
+    "unreachable",
+    "tls",
+    "handshake",
+    "disconnected",
+    "node_lost",
+)
+#: Node events that mean the node left service (a job failing after one is explained by it).
+_LOSS_CODES = frozenset({"HEARTBEAT_TIMEOUT", "NODE_OFFLINE", "NODE_ERROR"})
+
+
+def _has(text: str, needles: Sequence[str]) -> bool:
+    return any(n in text for n in needles)
+
+
+def classify_text(text: str) -> Hint | None:
+    """The troubleshooting row a free-text error or reason points to, if any.
+
+    Memory and peer-address problems are named outright; an RPC worker is named outright;
+    then anything about the control channel (refused, closed, heartbeats) is the controller.
+    """
+    low = text.lower()
+    if _has(low, _OOM):
+        return OUT_OF_MEMORY
+    if _has(low, _SECURITY):
+        return PUBLIC_PEER
+    if _has(low, _RPC_WORKER):
+        return RPC_WORKER_LOST
+    if _has(low, _CONTROLLER):
+        return CONTROLLER_UNREACHABLE
+    return None
+
+
+def phase_label(phase: str | None) -> str:
+    """``before execution (setup)`` or ``during execution`` (the seed's question)."""
+    if phase == "setup":
+        return "before execution (setup)"
+    if phase == "execution":
+        return "during execution"
+    return "unknown phase"
+
+
+def _lost_while(
+    node_events: Sequence[Mapping[str, Any]], start: str | None, end: str | None
+) -> bool:
+    """Whether the node left service between ``start`` and ``end`` (UTC ISO times compare
+    as text; a missing bound is open)."""
+    for e in node_events:
+        if e.get("code") not in _LOSS_CODES:
+            continue
+        moment = str(e.get("time", ""))
+        if (start is None or moment >= start) and (end is None or moment <= end):
+            return True
+    return False
+
+
+def classify_job_failure(
+    job: Mapping[str, Any], node_events: Sequence[Mapping[str, Any]] = ()
+) -> Hint | None:
+    """The troubleshooting row for a failed job (a read-model ``jobs`` row).
+
+    Losing a node *during execution* is a broken runtime peer (the RPC row); losing it
+    *before* execution is the control channel (the controller row) unless the reason names
+    a worker, memory or a peer address. ``node_events`` (timeline entries of the node that
+    ran it) explain failures whose reason names nothing of the kind.
+    """
+    reason = str(job.get("failure_reason") or "")
+    code = str(job.get("error_code") or "")
+    phase = job.get("failure_phase")
+    text = f"{reason} {code}".lower()
+    if _has(text, _OOM):
+        return OUT_OF_MEMORY
+    if _has(text, _SECURITY):
+        return PUBLIC_PEER
+    if _has(text, _RPC_WORKER):
+        return RPC_WORKER_LOST
+    lost_node = _lost_while(node_events, job.get("submitted_at"), job.get("ended_at"))
+    if phase == "execution" and (_has(text, _LOST) or lost_node):
+        return RPC_WORKER_LOST
+    if _has(text, _CONTROLLER):
+        return CONTROLLER_UNREACHABLE
+    if lost_node:
+        return CONTROLLER_UNREACHABLE if phase == "setup" else RPC_WORKER_LOST
+    return None
+
+
+def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
+    """The troubleshooting row a node timeline entry calls for (``None``: routine event)."""
+    code = entry.get("code")
+    payload: Mapping[str, Any] = entry.get("payload") or {}
+    if code == "SECURITY_VIOLATION":
+        return PUBLIC_PEER
+    if code == "HEARTBEAT_TIMEOUT":
+        return CONTROLLER_UNREACHABLE
+    if code == "NODE_OFFLINE":
+        # OFFLINE means no controller connection or heartbeat, whatever the wording.
+        return classify_text(str(payload.get("reason", ""))) or CONTROLLER_UNREACHABLE
+    if code == "NODE_ERROR":
+        return classify_text(str(payload.get("message", "")))
+    if code == "RPC_WORKER_STOPPED":
+        return classify_text(str(payload.get("reason", "")))
+    return None
+
+
+def _hint_fields(hint: Hint | None) -> dict[str, Any]:
+    if hint is None:
+        return {"hint": None, "symptom": None, "check": NO_HINT_CHECK}
+    return {"hint": hint.key, "symptom": hint.symptom, "check": hint.check}
+
+
+def node_findings(events: Sequence[Mapping[str, Any]], *, window: int = 50) -> list[dict[str, Any]]:
+    """Troubles among the last ``window`` node events, one per (code, hint), newest first."""
+    found: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for entry in events[-window:] if window > 0 else events:
+        code = str(entry.get("code"))
+        if code not in _LOSS_CODES | {"SECURITY_VIOLATION", "RPC_WORKER_STOPPED"}:
+            continue
+        hint = classify_node_event(entry)
+        if hint is None and code == "RPC_WORKER_STOPPED":
+            continue  # an orderly stop
+        key = (code, hint.key if hint else None)
+        seen = found.get(key)
+        found[key] = {
+            "code": code,
+            "count": (seen["count"] + 1) if seen else 1,
+            "first_time": seen["first_time"] if seen else entry.get("time"),
+            "last_time": entry.get("time"),
+            "summary": entry.get("summary", ""),
+            **_hint_fields(hint),
+        }
+    return sorted(found.values(), key=lambda f: str(f["last_time"]), reverse=True)
+
+
+def job_report(
+    job: Mapping[str, Any], node_events: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """What to say about one failed job: when in its life it failed, why, and what to check."""
+    hint = classify_job_failure(job, node_events)
+    return {
+        "job_id": job.get("job_id"),
+        "model": job.get("model"),
+        "state": job.get("state"),
+        "phase": job.get("failure_phase"),
+        "when": phase_label(job.get("failure_phase")),
+        "reason": job.get("failure_reason"),
+        "error_code": job.get("error_code"),
+        "failed_at": job.get("ended_at"),
+        "nodes": list(job.get("nodes") or []),
+        **_hint_fields(hint),
+    }
+
+
+def diagnose(
+    node: Mapping[str, Any],
+    events: Sequence[Mapping[str, Any]],
+    jobs: Sequence[Mapping[str, Any]],
+    controller_version: str,
+    *,
+    recent: int = 20,
+) -> dict[str, Any]:
+    """The diagnosis report of one node.
+
+    ``node``: its current state (aggregate attributes or read-model row); ``events``: its
+    whole timeline; ``jobs``: rows of jobs that ran on it (any state; failed ones are
+    reported, newest first).
+    """
+    failed = [j for j in jobs if j.get("state") == "FAILED"]
+    failed.sort(key=lambda j: str(j.get("ended_at") or ""), reverse=True)
+    reports = [job_report(j, events) for j in failed]
+    phases = {r["phase"] for r in reports}
+    return {
+        "node_id": node.get("node_id") or node.get("id"),
+        "name": node.get("name"),
+        "address": node.get("address"),
+        "agent_version": node.get("agent_version"),
+        "controller_version": controller_version,
+        "state": node.get("state"),
+        "last_state_change": node.get("last_state_change"),
+        "drain_requested": bool(node.get("drain_requested")),
+        "error": node.get("error"),
+        "current_jobs": list(node.get("jobs") or node.get("current_jobs") or []),
+        "jobs_considered": len(jobs),
+        "failures_before_execution": sum(1 for r in reports if r["phase"] == "setup"),
+        "failures_during_execution": sum(1 for r in reports if r["phase"] == "execution"),
+        "failure_pattern": _pattern(phases) if reports else "no failed jobs",
+        "findings": node_findings(events),
+        "failed_jobs": reports,
+        "recent_events": list(events[-recent:]) if recent > 0 else [],
+    }
+
+
+def _pattern(phases: set[Any]) -> str:
+    if phases == {"setup"}:
+        return "fails before execution (setup)"
+    if phases == {"execution"}:
+        return "fails during execution"
+    return "fails both before and during execution"

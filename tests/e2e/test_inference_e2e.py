@@ -1,0 +1,237 @@
+"""End to end: the OpenAI SDK → controller (real Postgres) → two agents → llama.cpp over RPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from application.controller import Controller
+from domain.catalog import code_of
+from infrastructure.persistence import persistence_env
+from ops import paths
+from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+from tests.conftest import TEST_DATABASE_URL, _drop_schema
+
+pytestmark = pytest.mark.timeout(900)
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    paths.ensure_llama()
+    paths.ensure_model()
+    schema = f"t_e2e_{uuid.uuid4().hex[:8]}"
+    config = ClusterConfig(
+        var_dir=tmp_path_factory.mktemp("cluster"),
+        port=0,
+        grpc_port=0,
+        agents=(
+            AgentSpec("agent-a", 0, memory_limit=160 * MIB, holds_model=True),
+            AgentSpec("agent-b", 0, memory_limit=200 * MIB),
+            AgentSpec("agent-c", 0, memory_limit=160 * MIB),
+        ),
+        database_url=f"{TEST_DATABASE_URL}?schema={schema}",
+        extra_env={
+            "RPC_WORKER_START_TIMEOUT": "4",
+            "DEGRADED_AFTER": "30",
+            "OFFLINE_AFTER": "60",
+        },
+        quiet=True,
+    )
+    with LocalCluster(config) as running:
+        running.schema = schema  # type: ignore[attr-defined]
+        yield running
+    _drop_schema(schema)
+
+
+@pytest.fixture(scope="module")
+def store(cluster: LocalCluster) -> Iterator[Controller]:
+    env = persistence_env(TEST_DATABASE_URL, schema=cluster.schema)  # type: ignore[attr-defined]
+    app = Controller(env=env)
+    yield app
+    app.close()
+
+
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0)
+
+
+def admin(cluster: LocalCluster) -> dict[str, str]:
+    return {"Authorization": f"Bearer {cluster.admin_api_key}"}
+
+
+def job_id_of(completion_id: str) -> str:
+    return str(uuid.UUID(completion_id.removeprefix("chatcmpl-")))
+
+
+def job_timeline(store: Controller, job_id: str) -> list[tuple[int, str, Any]]:
+    """(position, code, event) of the job's events and of node events about the job."""
+    out = []
+    for n in store.recorder.select_notifications(start=1, limit=1_000_000):
+        event = store.mapper.to_domain_event(n)
+        if str(event.originator_id) == job_id or getattr(event, "job_id", None) == job_id:
+            out.append((n.id, code_of(event), event))
+    return out
+
+
+def wait_job(store: Controller, job_id: str, states: set[str], timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = store.get_job(job_id)
+        if job.state in states:
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stayed {job.state}"
+        time.sleep(0.1)
+
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def test_streaming_split_across_two_agents(cluster: LocalCluster, store: Controller) -> None:
+    chunks = list(
+        client(cluster).chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            stream=True,
+            max_tokens=32,
+            seed=3,
+            temperature=0,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices and usage.completion_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text.strip()
+
+    job_id = job_id_of(chunks[0].id)
+    job = wait_job(store, job_id, {"COMPLETED"})
+    assert len(job.plan["workers"]) == 1  # a two-node split
+    assert job.plan["tensor_split"][0] > 0 and job.plan["tensor_split"][1] > 0
+    codes = [code for _, code, _ in job_timeline(store, job_id)]
+    order = ["JOB_DISPATCHED", "RPC_WORKER_STARTED", "TOKEN_STREAM_CHUNK", "JOB_COMPLETED"]
+    positions = [codes.index(c) for c in order]
+    assert positions == sorted(positions), codes
+    assert codes.count("RPC_WORKER_STARTED") == 2  # the primary's own worker and the other
+    recorded = "".join(
+        d["text"]
+        for _, code, event in job_timeline(store, job_id)
+        if code == "TOKEN_STREAM_CHUNK"
+        for d in event.deltas
+    )
+    assert recorded == text
+
+
+def test_non_streaming(cluster: LocalCluster, store: Controller) -> None:
+    completion = client(cluster).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=16, seed=3, temperature=0
+    )
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens > 0
+    assert store.get_job(job_id_of(completion.id)).state == "COMPLETED"
+
+
+def test_models_and_errors(cluster: LocalCluster) -> None:
+    models = client(cluster).models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(cluster).chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(cluster).chat.completions.create(model=MODEL_NAME, messages=[])
+    assert bad.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as hot:
+        client(cluster).chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=7)
+    assert hot.value.param == "temperature"
+    wrong_key = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.models.list()
+
+
+def test_no_capacity_is_503_with_retry_after(cluster: LocalCluster) -> None:
+    registered = httpx.post(
+        f"{cluster.url}/api/admin/models",
+        headers=admin(cluster),
+        timeout=10,
+        json={"name": "ghost", "sha256": "0" * 64, "file_name": "ghost.gguf"},
+    )
+    assert registered.status_code == 201
+    response = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {cluster.ai_api_key}"},
+        json={"model": "ghost", "messages": MESSAGES},
+    )
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) > 0
+    assert response.json()["error"]["code"] == "no_capacity"
+
+
+def test_client_disconnect_cancels_the_job(cluster: LocalCluster, store: Controller) -> None:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST",
+            f"{cluster.url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {cluster.ai_api_key}"},
+            json={
+                "model": MODEL_NAME,
+                "messages": MESSAGES,
+                "stream": True,
+                "max_tokens": 400,
+                "temperature": 0.8,
+                "seed": 1,
+            },
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        completion_id = httpx.Response(200, content=first[6:]).json()["id"]
+        next(line for line in lines if '"content"' in line and '""' not in line)
+    job = wait_job(store, job_id_of(completion_id), {"CANCELLED", "COMPLETED"})
+    assert job.state == "CANCELLED"
+
+
+def test_replans_when_a_worker_agent_dies_before_dispatch(
+    cluster: LocalCluster, store: Controller
+) -> None:
+    """agent-b (the preferred worker) is frozen, as if killed but not yet noticed: its RPC
+    worker never starts, the job is re-planned onto agent-c and still answers."""
+    victim = cluster.agent_procs["agent-b"].popen
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        completion = client(cluster).chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=16, seed=3, temperature=0
+        )
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGCONT)
+    assert completion.choices[0].message.content
+    job_id = job_id_of(completion.id)
+    timeline = job_timeline(store, job_id)
+    codes = [code for _, code, _ in timeline]
+    assert "JOB_REPLANNED" in codes
+    replanned = next(event for _, code, event in timeline if code == "JOB_REPLANNED")
+    assert replanned.excluded_node
+    final_nodes = {
+        replanned.plan["primary"]["node_id"],
+        *(w["node_id"] for w in replanned.plan["workers"]),
+    }
+    assert replanned.excluded_node not in final_nodes
+    assert store.get_job(job_id).state == "COMPLETED"

@@ -1,0 +1,157 @@
+"""FakeAgent: speaks the real control protocol but fakes llama.cpp (for fast job-flow tests).
+
+The real agent with real llama.cpp is tested end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from proto import control_pb2 as pb
+from tests.integration.control_client import RawSession, enroll, inventory
+
+
+class FakeAgent:
+    def __init__(
+        self,
+        target: str,
+        token: str,
+        name: str,
+        *,
+        holds: str = "",
+        memory: int = 160 << 20,
+        words: tuple[str, ...] = ("Hello", " world"),
+    ):
+        self.target, self.token, self.name = target, token, name
+        self.holds = holds  # sha256 of the model file it reports
+        self.memory = memory
+        self.words = words
+        self.unresponsive = False
+        self.fail_setup: pb.SetupResult | None = None
+        self.word_delay = 0.0
+        self.session: RawSession | None = None
+        self.node_id = ""
+        self.plans: list[pb.ExecutionPlan] = []
+        self.cancelled: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> FakeAgent:
+        inv = inventory()
+        inv.labels["dacp.memory_limit_bytes"] = str(self.memory)
+        import grpc
+
+        from proto import control_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+            enrolled = await stub.Enroll(
+                pb.EnrollRequest(
+                    enrollment_token=self.token,
+                    node_name=self.name,
+                    agent_version="fake",
+                    inventory=inv,
+                )
+            )
+        self.node_id = enrolled.node_id
+        self.session = RawSession(self.target, enrolled.node_id, enrolled.node_credential)
+        await self.session.open()
+        models = []
+        if self.holds:
+            models.append(
+                pb.LocalModel(
+                    file_name="m.gguf",
+                    size_bytes=100 << 20,
+                    sha256=self.holds,
+                    layers=30,
+                    context_length=8192,
+                    kv_bytes_per_token=23040,
+                    architecture="llama",
+                )
+            )
+        await self.session.send(
+            pb.AgentMessage(resource_report=pb.ResourceReport(inventory=inv, models=models))
+        )
+        self.session.start_heartbeats(0.2)
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    async def _serve(self) -> None:
+        assert self.session is not None
+        seen = 1
+        while True:
+            await asyncio.sleep(0.01)
+            while seen < len(self.session.received):
+                message = self.session.received[seen]
+                seen += 1
+                if not self.unresponsive:
+                    task = asyncio.create_task(self._handle(message))
+                    self._handlers.add(task)
+                    task.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, message: pb.ControllerMessage) -> None:
+        assert self.session is not None
+        kind = message.WhichOneof("payload")
+        send = self.session.send
+        if kind == "start_rpc_worker":
+            m = message.start_rpc_worker
+            await send(
+                pb.AgentMessage(
+                    rpc_worker_status=pb.RpcWorkerStatus(
+                        job_id=m.job_id, state=pb.RpcWorkerStatus.STARTED, host=m.host, port=m.port
+                    )
+                )
+            )
+        elif kind == "execution_plan":
+            plan = message.execution_plan
+            self.plans.append(plan)
+            if self.fail_setup is not None:
+                result = pb.SetupResult()
+                result.CopyFrom(self.fail_setup)
+                result.job_id = plan.job_id
+                await send(pb.AgentMessage(setup_result=result))
+                return
+            await send(
+                pb.AgentMessage(
+                    setup_result=pb.SetupResult(job_id=plan.job_id, ok=True, role="primary")
+                )
+            )
+            for seq, word in enumerate(self.words):
+                if plan.job_id in self.cancelled:
+                    return
+                await asyncio.sleep(self.word_delay)
+                await send(
+                    pb.AgentMessage(
+                        token_chunk=pb.TokenChunk(
+                            job_id=plan.job_id, deltas=[pb.Delta(seq=seq, text=word, tokens=1)]
+                        )
+                    )
+                )
+            if plan.job_id in self.cancelled:
+                return
+            await send(
+                pb.AgentMessage(
+                    job_result=pb.JobResult(
+                        job_id=plan.job_id,
+                        ok=True,
+                        finish_reason="stop",
+                        prompt_tokens=7,
+                        completion_tokens=len(self.words),
+                        time_to_first_token_ms=5.0,
+                        tokens_per_second=100.0,
+                    )
+                )
+            )
+        elif kind == "cancel_job":
+            self.cancelled.append(message.cancel_job.job_id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+
+__all__ = ["FakeAgent", "enroll"]
+_: Any = None

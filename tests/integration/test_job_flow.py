@@ -1,0 +1,255 @@
+"""The job manager's three phases over real gRPC, Postgres and Redis, with FakeAgents
+standing in for llama.cpp (the real thing runs in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from domain.catalog import code_of
+from interfaces.controller_main import RunningController, controller
+from tests.conftest import controller_settings
+from tests.integration.fake_agent import FakeAgent
+from tests.integration.test_control_plane import token
+
+SHA = "ab" * 32
+AI = {"Authorization": "Bearer test-ai-key"}
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+@pytest.fixture
+async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
+    settings = controller_settings(pg_schema, tmp_path, rpc_worker_timeout=1.0, setup_timeout=2.0)
+    async with controller(settings) as running:
+        yield running
+
+
+async def agents(ctl: RunningController, *specs: dict[str, Any]) -> list[FakeAgent]:
+    target = f"127.0.0.1:{ctl.grpc_port}"
+    started = [await FakeAgent(target, token(), **spec).start() for spec in specs]
+    deadline = time.monotonic() + 10
+    while True:
+        rows = await asyncio.to_thread(ctl.services.read_model.eligibility)
+        if len(rows) == len(specs) and any(r["local_models"] for r in rows):
+            return started
+        assert time.monotonic() < deadline, rows
+        await asyncio.sleep(0.05)
+
+
+async def register(ctl: RunningController, client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/api/admin/models", headers=ADMIN, json={"name": "m", "sha256": SHA, "file_name": "m.gguf"}
+    )
+    assert r.status_code == 201, r.text
+
+
+def http(ctl: RunningController) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=20)
+
+
+def synced(ctl: RunningController) -> RunningController:
+    """Waits until the read model has seen every recorded event."""
+    ctl.services.follower.wait(ctl.services.app.position(), timeout=5)
+    return ctl
+
+
+def job_codes(ctl: RunningController, job_id: str) -> list[str]:
+    return [code_of(e) for e in ctl.services.app.repository.event_store.get(job_id)]
+
+
+def job_id(completion_id: str) -> str:
+    import uuid
+
+    return str(uuid.UUID(completion_id.removeprefix("chatcmpl-")))
+
+
+async def test_one_node_plan_when_the_model_fits(ctl: RunningController) -> None:
+    (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
+    async with http(ctl) as client:
+        await register(ctl, client)
+        r = await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == "Hello world"
+        assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    jid = job_id(body["id"])
+    assert (
+        job_codes(ctl, jid)
+        == [
+            "JOB_SUBMITTED",
+            "JOB_PLANNED",
+            "JOB_DISPATCHED",
+            "JOB_SETUP_VALIDATED",
+            "TOKEN_STREAM_CHUNK",
+            "JOB_COMPLETED",
+        ]
+        or job_codes(ctl, jid).count("TOKEN_STREAM_CHUNK") >= 1
+    )
+    assert len(a.plans) == 1 and not a.plans[0].rpc_peers  # no RPC for a one-node plan
+    await a.stop()
+
+
+async def test_split_plan_streams_and_records_in_order(ctl: RunningController) -> None:
+    a, b = await agents(ctl, {"name": "a", "holds": SHA}, {"name": "b"})
+    async with http(ctl) as client:
+        await register(ctl, client)
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=AI,
+            json={
+                "model": "m",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "x"}],
+            },
+        ) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    import orjson
+
+    chunks = [orjson.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        == "Hello world"
+    )
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    plan = a.plans[0]
+    assert [p.node_id for p in plan.rpc_peers] == [a.node_id, b.node_id]
+    assert abs(sum(plan.tensor_split) - 1.0) < 1e-6
+    jid = job_id(chunks[0]["id"])
+    await asyncio.sleep(0.3)
+    assert "JOB_COMPLETED" in job_codes(ctl, jid)
+    row = synced(ctl).services.read_model.get_job(jid)
+    assert row is not None and row["text"] == "Hello world"
+    for agent in (a, b):
+        await agent.stop()
+
+
+async def test_unresponsive_worker_is_replanned_away(ctl: RunningController) -> None:
+    a, b, c = await agents(
+        ctl,
+        {"name": "a", "holds": SHA},
+        {"name": "b", "memory": 300 << 20},
+        {"name": "c", "memory": 200 << 20},
+    )
+    b.unresponsive = True
+    async with http(ctl) as client:
+        await register(ctl, client)
+        r = await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 200, r.text
+    jid = job_id(r.json()["id"])
+    codes = job_codes(ctl, jid)
+    assert codes.count("JOB_REPLANNED") == 1
+    events = list(ctl.services.app.repository.event_store.get(jid))
+    replanned = next(e for e in events if code_of(e) == "JOB_REPLANNED")
+    assert replanned.excluded_node == b.node_id  # type: ignore[attr-defined]
+    assert [p.node_id for p in a.plans[-1].rpc_peers] == [a.node_id, c.node_id]
+    node_b = ctl.services.app.get_node(b.node_id)
+    assert str(jid) not in node_b.jobs  # released when re-planned
+    for agent in (a, b, c):
+        await agent.stop()
+
+
+async def test_setup_failure_everywhere_gives_503(ctl: RunningController) -> None:
+    from proto import control_pb2 as pb
+
+    (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
+    a.fail_setup = pb.SetupResult(ok=False, error="sha256 differs", error_code="SHA256_MISMATCH")
+    async with http(ctl) as client:
+        await register(ctl, client)
+        r = await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+    assert r.status_code == 503
+    assert "SHA256_MISMATCH" in r.json()["error"]["message"]
+    assert r.headers["retry-after"]
+    jobs = synced(ctl).services.read_model.list_jobs()
+    assert jobs[0]["state"] == "FAILED" and jobs[0]["failure_phase"] == "setup"
+    assert ctl.services.app.get_node(a.node_id).jobs == []
+    await a.stop()
+
+
+async def test_client_disconnect_cancels(ctl: RunningController) -> None:
+    (a,) = await agents(
+        ctl,
+        {
+            "name": "a",
+            "holds": SHA,
+            "memory": 4 << 30,
+            "words": tuple(f" w{i}" for i in range(200)),
+        },
+    )
+    a.word_delay = 0.02
+    async with http(ctl) as client:
+        await register(ctl, client)
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+        ) as r:
+            async for line in r.aiter_lines():
+                if '"content":" w' in line:
+                    break
+    deadline = time.monotonic() + 10
+    while True:
+        jobs = ctl.services.read_model.list_jobs()
+        if jobs and jobs[0]["state"] == "CANCELLED":
+            break
+        assert time.monotonic() < deadline, jobs
+        await asyncio.sleep(0.05)
+    assert a.cancelled == [jobs[0]["job_id"]]
+    assert ctl.services.app.get_node(a.node_id).jobs == []
+    await a.stop()
+
+
+async def test_primary_lost_during_execution_fails_job_and_client_sees_error(
+    ctl: RunningController,
+) -> None:
+    (a,) = await agents(
+        ctl,
+        {
+            "name": "a",
+            "holds": SHA,
+            "memory": 4 << 30,
+            "words": tuple(f" w{i}" for i in range(200)),
+        },
+    )
+    a.word_delay = 0.02
+    async with http(ctl) as client:
+        await register(ctl, client)
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+        ) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if len(lines) == 6:
+                    await a.stop()
+    errors = [line for line in lines if '"error"' in line]
+    assert errors and "lost during execution" in errors[0]
+    jobs = synced(ctl).services.read_model.list_jobs()
+    job = ctl.services.app.get_job(jobs[0]["job_id"])
+    assert job.state == "FAILED" and job.failure_phase == "execution"
