@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import grpc
 import httpx
@@ -49,7 +50,7 @@ def token(**kw: Any) -> str:
 
 
 def codes(ctl: RunningController, node_id: str) -> list[str]:
-    return [code_of(e) for e in ctl.services.app.repository.event_store.get(node_id)]
+    return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(node_id))]
 
 
 async def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import httpx
 import pytest
@@ -60,7 +61,7 @@ def synced(ctl: RunningController) -> RunningController:
 
 
 def job_codes(ctl: RunningController, job_id: str) -> list[str]:
-    return [code_of(e) for e in ctl.services.app.repository.event_store.get(job_id)]
+    return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(job_id))]
 
 
 def job_id(completion_id: str) -> str:
@@ -83,18 +84,16 @@ async def test_one_node_plan_when_the_model_fits(ctl: RunningController) -> None
         assert body["choices"][0]["message"]["content"] == "Hello world"
         assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     jid = job_id(body["id"])
-    assert (
-        job_codes(ctl, jid)
-        == [
-            "JOB_SUBMITTED",
-            "JOB_PLANNED",
-            "JOB_DISPATCHED",
-            "JOB_SETUP_VALIDATED",
-            "TOKEN_STREAM_CHUNK",
-            "JOB_COMPLETED",
-        ]
-        or job_codes(ctl, jid).count("TOKEN_STREAM_CHUNK") >= 1
-    )
+    codes = job_codes(ctl, jid)
+    collapsed = [c for i, c in enumerate(codes) if i == 0 or c != codes[i - 1]]
+    assert collapsed == [
+        "JOB_SUBMITTED",
+        "JOB_PLANNED",
+        "JOB_DISPATCHED",
+        "JOB_SETUP_VALIDATED",
+        "TOKEN_STREAM_CHUNK",
+        "JOB_COMPLETED",
+    ]
     assert len(a.plans) == 1 and not a.plans[0].rpc_peers  # no RPC for a one-node plan
     await a.stop()
 
@@ -157,7 +156,7 @@ async def test_unresponsive_worker_is_replanned_away(ctl: RunningController) -> 
     jid = job_id(r.json()["id"])
     codes = job_codes(ctl, jid)
     assert codes.count("JOB_REPLANNED") == 1
-    events = list(ctl.services.app.repository.event_store.get(jid))
+    events = list(ctl.services.app.repository.event_store.get(UUID(jid)))
     replanned = next(e for e in events if code_of(e) == "JOB_REPLANNED")
     assert replanned.excluded_node == b.node_id  # type: ignore[attr-defined]
     assert [p.node_id for p in a.plans[-1].rpc_peers] == [a.node_id, c.node_id]
