@@ -55,6 +55,8 @@ class Controller(Application[UUID]):
         super().__init__(env)
         self.record_content = record_content
         self._listeners: list[SaveListener] = []
+        #: Called with each successful save's duration in seconds (event-store latency).
+        self.append_observer: Callable[[float], None] | None = None
         self._listeners_lock = threading.Lock()
 
     # ------------------------------------------------------------- plumbing
@@ -86,6 +88,7 @@ class Controller(Application[UUID]):
         """Runs ``command`` (load + mutate) and saves, retrying on version conflicts."""
         for attempt in range(MAX_COMMAND_ATTEMPTS):
             aggregates = command()
+            started = time.perf_counter()
             try:
                 recordings = self.save(*aggregates)
             except RecordConflictError:
@@ -93,6 +96,8 @@ class Controller(Application[UUID]):
                 # collide in lock-step again, then re-run on fresh state.
                 time.sleep(random.uniform(0, 0.002 * 2**attempt))
                 continue
+            if self.append_observer is not None:
+                self.append_observer(time.perf_counter() - started)
             if not recordings:
                 return self.position()
             return max(r.notification.id for r in recordings)

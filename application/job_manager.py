@@ -20,7 +20,7 @@ from uuid import UUID, uuid4
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
 from application.errors import ApplicationError, NotFound
-from application.ports import AgentGateway, PrimaryAssignment, RpcPeer
+from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
 from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError
@@ -88,6 +88,7 @@ class JobRun:
     validated: asyncio.Event = field(default_factory=asyncio.Event)
     held: list[Delta] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
 
 
 class JobManager:
@@ -101,7 +102,9 @@ class JobManager:
         worker_timeout: float = 30.0,
         setup_timeout: float = 120.0,
         max_replans: int = MAX_REPLANS,
+        metrics: Metrics | None = None,
     ) -> None:
+        self.metrics: Metrics = metrics or NullMetrics()
         self.app = app
         self.scheduler = scheduler
         self.gateway = gateway
@@ -283,6 +286,12 @@ class JobManager:
             log.warning("dropping tokens for job %s from node %s", job_id, node_id)
             return
         run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
+        now = time.monotonic()
+        if run.last_token_at is None:
+            self.metrics.observe_time_to_first_token(now - run.submitted_at)
+        else:
+            self.metrics.observe_inter_token(now - run.last_token_at)
+        run.last_token_at = now
         if run.validated.is_set():
             self.recorder.add(job_id, deltas)
         else:

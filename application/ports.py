@@ -64,3 +64,24 @@ class AgentGateway(Protocol):
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool: ...
 
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool: ...
+
+
+class Metrics(Protocol):
+    """Latency observations the application makes on its hot paths (Prometheus adapter)."""
+
+    def observe_time_to_first_token(self, seconds: float) -> None: ...
+
+    def observe_inter_token(self, seconds: float) -> None: ...
+
+    def observe_append(self, seconds: float) -> None: ...
+
+
+class NullMetrics:
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        pass
+
+    def observe_inter_token(self, seconds: float) -> None:
+        pass
+
+    def observe_append(self, seconds: float) -> None:
+        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from eventsourcing.persistence import IntegrityError, Tracking
@@ -36,6 +37,7 @@ class ProjectionFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._subscription: Any = None
+        self._event_listeners: list[Callable[[int, object], None]] = []
         self.uses_subscription = app.factory.env.get("PERSISTENCE_MODULE") == (
             "eventsourcing.postgres"
         )
@@ -60,6 +62,11 @@ class ProjectionFollower:
             self._subscription.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def add_event_listener(self, listener: Callable[[int, object], None]) -> None:
+        """Calls ``listener(position, event)`` for each event once the views reflect it
+        (from the follower's thread; listeners must be quick and thread-safe)."""
+        self._event_listeners.append(listener)
 
     def _on_save(self, position: int) -> None:
         self._wake.set()
@@ -119,6 +126,11 @@ class ProjectionFollower:
         with self._cond:
             self._position = notification.id
             self._cond.notify_all()
+        for listener in self._event_listeners:
+            try:
+                listener(notification.id, event)
+            except Exception:
+                log.exception("event listener failed")
 
     def wait(self, position: int, timeout: float = 5.0) -> None:
         """Blocks until the views reflect ``position`` (read-your-writes)."""
