@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -116,13 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
     reg.set_defaults(func=_cmd_models_register)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    from interfaces import events_cli  # events, replay, diagnose, projections
+
+    events_cli.register(sub)
     return parser
-
-
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = []
-import interfaces.events_cli  # noqa: E402, F401  (registers events/replay/diagnose/projections)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

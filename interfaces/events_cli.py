@@ -193,6 +193,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     with opened(args) as storage:
         uid = resolve(storage, args.ident, args.kind)
         latest = events_of(storage.app, uid)[-1].originator_version
+        if args.version is not None and args.version > latest:
+            raise Refusal(f"{args.kind} {args.ident} has only {latest} versions")
         try:
             aggregate, used = replay(storage.app, uid, version=args.version, at=at)
         except ReplayError as e:
@@ -256,7 +258,10 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
             ["address", str(report.get("address") or "-")],
             ["agent version", str(report.get("agent_version") or "-")],
             ["controller version", str(report["controller_version"])],
-            ["state", f"{report['state']}  (since {report.get('last_state_change') or '-'})"],
+            [
+                "state",
+                f"{report['state']}  (since {table_time(str(report.get('last_state_change')))})",
+            ],
             ["drain requested", "yes" if report.get("drain_requested") else "no"],
             ["error", str(report.get("error") or "-")],
             [
@@ -280,7 +285,9 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
             f"  {j['job_id']}  {j['model']}  failed {j['when']}"
             f"  at {table_time(str(j['failed_at']))}"
         )
-        lines.append(f"    reason: {j['reason']}" + (f" ({j['error_code']})" if j["error_code"] else ""))
+        lines.append(
+            f"    reason: {j['reason']}" + (f" ({j['error_code']})" if j["error_code"] else "")
+        )
         lines.append(f"    check:  {j['check']}")
     lines.append("")
     recent = report["recent_events"]
@@ -420,16 +427,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _store_option(reb)
     reb.set_defaults(func=cmd_projections_rebuild)
-
-
-def _install() -> None:
-    """Registers with ``dacp`` however ``interfaces.cli`` was started (also ``python -m``)."""
-    for name in ("interfaces.cli", "__main__"):
-        module = sys.modules.get(name)
-        commands = getattr(module, "_EXTRA_COMMANDS", None)
-        if isinstance(commands, list) and hasattr(module, "build_parser"):
-            if register not in commands:
-                commands.append(register)
-
-
-_install()

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Router
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from application.version import CONTROLLER_VERSION
 from interfaces.admin_api import AdminRoutes, health
+from interfaces.admin_jobs_api import AdminJobRoutes
+from interfaces.event_feed import event_stream
 from interfaces.http_errors import EXCEPTION_HANDLERS
 from interfaces.models_api import AdminModelRoutes
 from interfaces.openai_api import chat_completions, list_models
+from interfaces.operations_api import operations_handlers
 from interfaces.services import Services
+
+BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
 
 
 def create_app(services: Services, extra_handlers: list[Any] | None = None) -> Litestar:
@@ -22,8 +27,11 @@ def create_app(services: Services, extra_handlers: list[Any] | None = None) -> L
             health,
             AdminRoutes,
             AdminModelRoutes,
-            chat_completions,
-            list_models,
+            AdminJobRoutes,
+            # The OpenAI routes check AI_API_KEY in their guard; the router documents it.
+            Router("/", route_handlers=[chat_completions, list_models], security=BEARER),
+            event_stream,
+            *operations_handlers(),
             *(extra_handlers or []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -1,0 +1,203 @@
+"""``/api/admin/jobs…`` and ``/api/admin/nodes/{id}/events`` over real Postgres and SQLite."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from application.enrollment import EnrollmentService
+from application.timeline import timeline
+from infrastructure.live_state import InProcessLiveState
+from infrastructure.settings import Settings
+from infrastructure.storage import Storage
+from interfaces.admin_jobs_api import AdminJobRoutes
+from interfaces.grpc_server import AgentConnections
+from interfaces.http_app import create_app
+from interfaces.services import Services
+from tests.integration.incident import Incident, script_incident
+
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+def services_for(storage: Storage, admin_key: str | None = "test-admin-key") -> Services:
+    return Services(
+        settings=Settings(admin_api_key=admin_key),
+        app=storage.app,
+        read_model=storage.read_model,
+        follower=storage.follower,
+        live=InProcessLiveState(),
+        connections=AgentConnections(),
+        enrollment=EnrollmentService(storage.app, None),
+    )
+
+
+def admin_app(services: Services) -> Litestar:
+    """The HTTP app with the jobs routes (added here until ``create_app`` has them)."""
+    app = create_app(services)
+    if any(route.path == "/api/admin/jobs" for route in app.routes):
+        return app
+    return create_app(services, extra_handlers=[AdminJobRoutes])
+
+
+@pytest.fixture
+def incident(storage: Storage) -> Incident:
+    return script_incident(storage)
+
+
+@pytest.fixture
+def client(storage: Storage, incident: Incident) -> Iterator[TestClient[Any]]:
+    app = admin_app(services_for(storage))
+    with TestClient(app) as c:
+        yield c
+
+
+def ids(body: dict[str, Any]) -> list[str]:
+    return [row["job_id"] for row in body["data"]]
+
+
+def test_list_filters(client: TestClient[Any], incident: Incident) -> None:
+    body = client.get("/api/admin/jobs", headers=ADMIN).json()
+    assert body["object"] == "list"
+    assert (body["limit"], body["offset"], body["has_more"]) == (50, 0, False)
+    all_jobs = {
+        str(incident.completed_job),
+        str(incident.setup_failed_job),
+        str(incident.execution_failed_job),
+    }
+    assert set(ids(body)) == all_jobs
+    assert ids(body)[0] == str(incident.execution_failed_job)  # newest first
+    assert all("text" not in row and "timings" in row for row in body["data"])
+
+    failed = client.get("/api/admin/jobs", params={"state": "failed"}, headers=ADMIN).json()
+    assert set(ids(failed)) == {str(incident.setup_failed_job), str(incident.execution_failed_job)}
+    done = client.get("/api/admin/jobs", params={"state": "COMPLETED"}, headers=ADMIN).json()
+    assert ids(done) == [str(incident.completed_job)]
+    on_a = client.get(
+        "/api/admin/jobs", params={"node_id": str(incident.node_a)}, headers=ADMIN
+    ).json()
+    assert ids(on_a) == [str(incident.setup_failed_job)]
+    on_b_failed = client.get(
+        "/api/admin/jobs",
+        params={"node_id": str(incident.node_b), "state": "FAILED"},
+        headers=ADMIN,
+    ).json()
+    assert ids(on_b_failed) == [str(incident.execution_failed_job)]
+    assert ids(client.get("/api/admin/jobs?model=smollm2", headers=ADMIN).json()) != []
+    assert ids(client.get("/api/admin/jobs?model=other", headers=ADMIN).json()) == []
+
+
+def test_pagination(client: TestClient[Any]) -> None:
+    everything = ids(client.get("/api/admin/jobs", headers=ADMIN).json())
+    pages = []
+    for offset in range(3):
+        page = client.get(f"/api/admin/jobs?limit=1&offset={offset}", headers=ADMIN).json()
+        assert (page["limit"], page["offset"]) == (1, offset)
+        assert page["has_more"] is (offset < 2)
+        pages.extend(ids(page))
+    assert pages == everything
+    beyond = client.get("/api/admin/jobs?limit=2&offset=3", headers=ADMIN).json()
+    assert beyond["data"] == [] and beyond["has_more"] is False
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("limit=0", "limit"),
+        ("limit=201", "limit"),
+        ("offset=-1", "offset"),
+        ("limit=abc", "limit"),
+        ("state=BOGUS", "state"),
+    ],
+)
+def test_bad_queries_are_400(client: TestClient[Any], query: str, param: str) -> None:
+    response = client.get(f"/api/admin/jobs?{query}", headers=ADMIN)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_one_job_with_plan_timings_and_failure(client: TestClient[Any], incident: Incident) -> None:
+    failed = client.get(f"/api/admin/jobs/{incident.execution_failed_job}", headers=ADMIN).json()
+    assert failed["state"] == "FAILED"
+    assert failed["plan"]["primary"]["node_id"] == str(incident.node_b)
+    assert failed["nodes"] == [str(incident.node_b)]
+    assert failed["failure_phase"] == "execution"
+    assert failed["failure"]["phase"] == "execution"
+    assert "control stream closed" in failed["failure"]["reason"]
+    assert failed["text"] == "Hello" and failed["tokens_streamed"] == 3
+    assert failed["timings"]["setup_ms"] >= 0 and failed["timings"]["total_ms"] >= 0
+
+    setup = client.get(f"/api/admin/jobs/{incident.setup_failed_job}", headers=ADMIN).json()
+    assert setup["failure"]["phase"] == "setup" and setup["validated_at"] is None
+    assert setup["timings"]["setup_ms"] is None
+
+    done = client.get(f"/api/admin/jobs/{incident.completed_job}", headers=ADMIN).json()
+    assert done["failure"] is None
+    assert done["timings"]["time_to_first_token_ms"] == 12.5
+    assert done["timings"]["tokens_per_second"] == 40.0
+    assert done["time_to_first_token_ms"] == 12.5
+
+
+def test_timelines_match_the_cli(
+    client: TestClient[Any], storage: Storage, incident: Incident
+) -> None:
+    job = client.get(f"/api/admin/jobs/{incident.execution_failed_job}/events", headers=ADMIN)
+    assert job.status_code == 200
+    body = job.json()
+    assert body["object"] == "list" and body["job_id"] == str(incident.execution_failed_job)
+    assert body["data"] == timeline(storage.app, incident.execution_failed_job)
+    assert body["data"][-1]["code"] == "JOB_FAILED"
+
+    node = client.get(f"/api/admin/nodes/{incident.node_a}/events", headers=ADMIN).json()
+    assert [e["code"] for e in node["data"]][-2:] == ["HEARTBEAT_TIMEOUT", "NODE_OFFLINE"]
+    assert node["data"][-2]["summary"] == "no heartbeat for 7.0 s"
+
+
+@pytest.mark.parametrize(
+    ("path", "code"),
+    [
+        ("/api/admin/jobs/{missing}", "job_not_found"),
+        ("/api/admin/jobs/not-a-uuid", "job_not_found"),
+        ("/api/admin/jobs/{missing}/events", "job_not_found"),
+        ("/api/admin/jobs/{node}/events", "job_not_found"),
+        ("/api/admin/nodes/{missing}/events", "node_not_found"),
+        ("/api/admin/nodes/{job}/events", "node_not_found"),
+        ("/api/admin/nodes/node-a/events", "node_not_found"),
+    ],
+)
+def test_unknown_ids_are_404(
+    client: TestClient[Any], incident: Incident, path: str, code: str
+) -> None:
+    url = path.format(missing=uuid.uuid4(), node=incident.node_a, job=incident.setup_failed_job)
+    response = client.get(url, headers=ADMIN)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "not_found_error" and error["code"] == code
+    assert error["message"].startswith("unknown ")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/admin/jobs",
+        "/api/admin/jobs/{job}",
+        "/api/admin/jobs/{job}/events",
+        "/api/admin/nodes/{node}/events",
+    ],
+)
+def test_admin_key_required(
+    client: TestClient[Any], storage: Storage, incident: Incident, path: str
+) -> None:
+    url = path.format(job=incident.completed_job, node=incident.node_b)
+    assert client.get(url).status_code == 401
+    wrong = client.get(url, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_api_key"
+    disabled = admin_app(services_for(storage, admin_key=None))
+    with TestClient(disabled) as c:
+        off = c.get(url, headers=ADMIN)
+    assert off.status_code == 403 and off.json()["error"]["code"] == "admin_disabled"
