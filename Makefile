@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv lint typecheck test unit proto llama model demo controller clean
+.PHONY: venv lint typecheck test unit proto llama model demo controller clean browser
 
 venv: $(STAMP)
 
@@ -33,8 +33,12 @@ llama: venv
 model: venv
 	$(PY) -m ops.fetch_model
 
+# Headless Chromium for the dashboard test: Debian's package, never `playwright install`.
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
 # The whole suite: lint, types, unit, integration (real Postgres/Redis), e2e (real llama.cpp).
-test: venv llama model
+test: venv llama model browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py
 	$(VENV)/bin/mypy

@@ -53,6 +53,9 @@ DEFAULT_RPC_PORT = 50052
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 # The controller derives the node's capacity from this inventory label (the proto has no field).
 SLOTS_LABEL = "dacp.slots"
+# The memory (bytes) this agent offers to the scheduler; absent: no limit beyond the hardware.
+MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL})
 
 # The seed's troubleshooting entry for an unreachable control channel.
 CONNECTION_HINT = (
@@ -194,6 +197,10 @@ class AgentConfig:
     llama_bin_dir: Path | None = None
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
     tls_ca_file: Path | None = None
+    memory_limit_bytes: int | None = None  # None: no limit is reported
+    # build_handler() runs llama.cpp only when asked (the CLI does unless --no-runtime).
+    llama_runtime: bool = False
+    runtime_log_dir: Path | None = None  # None: <data_dir>/logs
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     resource_check_interval: float = 30.0
@@ -203,8 +210,15 @@ class AgentConfig:
     def resolved_models_dir(self) -> Path:
         return self.models_dir if self.models_dir is not None else self.data_dir / "models"
 
+    @property
+    def resolved_runtime_log_dir(self) -> Path:
+        return self.runtime_log_dir if self.runtime_log_dir is not None else self.data_dir / "logs"
+
     def inventory_labels(self) -> dict[str, str]:
-        return {**self.labels, SLOTS_LABEL: str(self.slots)}
+        labels = {**self.labels, SLOTS_LABEL: str(self.slots)}
+        if self.memory_limit_bytes is not None:
+            labels[MEMORY_LIMIT_LABEL] = str(self.memory_limit_bytes)
+        return labels
 
 
 # ---------------------------------------------------------------------------

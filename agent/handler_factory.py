@@ -1,17 +1,44 @@
 """Builds the ControlHandler the agent hands downlink messages to.
 
-For now this is :class:`agent.control_client.NullHandler` (every plan is refused with
-"no runtime configured"); the llama.cpp runtime handler plugs in here.
+With ``config.llama_runtime`` (the CLI's default; ``--no-runtime`` turns it off) this is the
+llama.cpp :class:`agent.llama_handler.LlamaHandler`, and missing binaries are a fatal
+configuration error (:class:`RuntimeUnavailable`, printed as one line, exit code 2). Without
+it the agent runs :class:`agent.control_client.NullHandler`, which refuses every plan.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
 
 from __future__ import annotations
 
-from agent.control_client import AgentConfig, ControlHandler, NullHandler
+from agent.control_client import AgentConfig, ConfigError, ControlHandler, NullHandler
+from agent.llama_handler import LlamaHandler
+from agent.runtime import RuntimeMissingError, find_binaries
+
+
+class RuntimeUnavailable(ConfigError):
+    """The llama.cpp binaries are not where the configuration says."""
 
 
 def build_handler(config: AgentConfig) -> ControlHandler:
-    """The handler for this agent's configuration."""
-    del config  # the llama.cpp handler will use llama_bin_dir, models_dir, slots...
-    return NullHandler()
+    """The handler for this agent's configuration.
+
+    Binaries are looked up in ``config.llama_bin_dir`` (``--llama-bin-dir``), else
+    ``$DACP_LLAMA_BIN_DIR``, else the ``ops`` build cache.
+    """
+    if not config.llama_runtime:
+        return NullHandler()
+    try:
+        binaries = find_binaries(config.llama_bin_dir)
+    except RuntimeMissingError as exc:
+        raise RuntimeUnavailable(
+            f"llama.cpp runtime unavailable: {exc}, or pass --llama-bin-dir DIR "
+            "(--no-runtime runs the agent without llama.cpp)"
+        ) from None
+    return LlamaHandler(
+        binaries,
+        models_dir=config.resolved_models_dir,
+        data_dir=config.data_dir,
+        log_dir=config.resolved_runtime_log_dir,
+        slots=config.slots,
+        rpc_port=config.rpc_port,
+    )

@@ -1,7 +1,8 @@
 """``node-agent``: enroll this machine with the controller and keep its control stream open.
 
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM/Ctrl+C); 2 with a one-line message for bad
-flags, a refused enrollment token, a rejected stored identity, or no token and no identity.
+flags, a refused enrollment token, a rejected stored identity, no token and no identity, or
+missing llama.cpp binaries (unless ``--no-runtime``).
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -13,6 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 import socket
 import sys
 from collections.abc import Sequence
@@ -21,9 +23,11 @@ from typing import NoReturn
 
 import psutil
 
+import agent.grpc_fork  # noqa: F401  # before anything imports grpc
 from agent import AGENT_VERSION
 from agent.control_client import (
     DEFAULT_RPC_PORT,
+    RESERVED_LABELS,
     SLOTS_LABEL,
     AgentConfig,
     AgentError,
@@ -159,6 +163,28 @@ def _label(text: str) -> tuple[str, str]:
     return key, value.strip()
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_byte_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``2G``, ``1.5GiB``, ``64kb``: K/M/G/T are powers of 1024."""
+    match = _SIZE_PATTERN.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use bytes or a K/M/G/T suffix, e.g. 2G)")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte: {text!r}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _ip_address(text: str) -> str:
     try:
         return str(ipaddress.ip_address(text.strip()))
@@ -243,7 +269,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--llama-bin-dir",
         type=Path,
         default=None,
-        help="directory with llama-server and ggml-rpc-server (default: the ops build cache)",
+        help=(
+            "directory with llama-server and ggml-rpc-server (default: $DACP_LLAMA_BIN_DIR, "
+            "else the ops build cache)"
+        ),
+    )
+    parser.add_argument(
+        "--no-runtime",
+        action="store_true",
+        help="run without llama.cpp: enroll and report, but refuse every job",
+    )
+    parser.add_argument(
+        "--runtime-log-dir",
+        type=Path,
+        default=None,
+        help="log files of llama-server and ggml-rpc-server (default: <data-dir>/logs)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=_byte_size,
+        default=None,
+        metavar="BYTES",
+        help=(
+            "memory this agent offers to the scheduler, in bytes or with a K/M/G/T suffix "
+            "(powers of 1024), e.g. 2G (default: no limit beyond the hardware)"
+        ),
     )
     parser.add_argument(
         "--heartbeat-interval",
@@ -283,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     labels = dict(args.label)
-    if SLOTS_LABEL in labels:
-        raise ConfigError(f"label {SLOTS_LABEL!r} is reserved; use --slots")
+    for reserved in sorted(RESERVED_LABELS & labels.keys()):
+        flag = "--slots" if reserved == SLOTS_LABEL else "--memory-limit"
+        raise ConfigError(f"label {reserved!r} is reserved; use {flag}")
     data_dir = Path(args.data_dir).expanduser()
     return AgentConfig(
         data_dir=data_dir,
@@ -299,6 +350,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         heartbeat_interval=args.heartbeat_interval,
         tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
+        memory_limit_bytes=args.memory_limit,
+        llama_runtime=not args.no_runtime,
+        runtime_log_dir=Path(args.runtime_log_dir).expanduser() if args.runtime_log_dir else None,
     )
 
 

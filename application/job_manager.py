@@ -90,6 +90,12 @@ class JobRun:
     submitted_at: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
 
+    @property
+    def setup_ok(self) -> bool:
+        """The primary reported a validated setup (JOB_SETUP_VALIDATED may be pending)."""
+        future = self.setup_future
+        return future is not None and future.done() and future.result().ok
+
 
 class JobManager:
     def __init__(
@@ -339,14 +345,21 @@ class JobManager:
         for run in list(self.runs.values()):
             if node_id not in run.nodes:
                 continue
-            if run.phase == "setup":
+            if run.phase == "setup" and not run.setup_ok:
                 future = run.worker_futures.get(node_id)
                 if future is not None and not future.done():
                     future.set_result(lost)
                 if run.setup_future is not None and not run.setup_future.done():
                     run.setup_future.set_result(lost)
                 continue
-            self.runs.pop(run.job_id, None)
+            # The primary validated; wait until that is recorded so the failure is
+            # recorded in the execution phase, where it happened.
+            try:
+                await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
+            except TimeoutError:
+                log.warning("job %s lost its node before its setup was recorded", run.job_id)
+            if self.runs.pop(run.job_id, None) is None:
+                continue
             await self.recorder.flush(run.job_id)
             await self._quietly(
                 self.app.fail, run.job_id, f"node {node_id} lost during execution", "node_lost"

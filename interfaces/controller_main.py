@@ -24,6 +24,7 @@ from infrastructure.storage import Storage, storage_from_url
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
 from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
 from interfaces.http_app import create_app
+from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
 from proto import control_pb2_grpc as pb_grpc
 
@@ -85,6 +86,7 @@ async def start_controller(settings: Settings) -> RunningController:
         heartbeat_interval=settings.heartbeat_interval,
     )
     services.extras["servicer"] = servicer
+    metrics, feed = install_operations(services, loop)
     recorder = TokenChunkRecorder(services.app)
     recorder.start()
     jobs = JobManager(
@@ -99,8 +101,10 @@ async def start_controller(settings: Settings) -> RunningController:
         recorder,
         worker_timeout=settings.rpc_worker_timeout,
         setup_timeout=settings.setup_timeout,
+        metrics=metrics,
     )
     services.extras["jobs"] = jobs
+    metrics.add_collector(cluster_collector(services, jobs, feed))
     services.extras["recorder"] = recorder
     servicer.uplink = JobUplink(jobs)
     orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_unfinished_jobs, services))
@@ -154,6 +158,9 @@ def _unfinished_jobs(services: Services) -> list[str]:
 
 
 async def stop_controller(running: RunningController) -> None:
+    feed = running.services.extras.get("feed")
+    if feed is not None:
+        feed.close()  # open SSE streams end, or uvicorn would wait for them forever
     running.http_server.should_exit = True
     await running.grpc_server.stop(grace=1.0)
     recorder = running.services.extras.get("recorder")

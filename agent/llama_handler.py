@@ -1,0 +1,745 @@
+"""The agent's :class:`~agent.control_client.ControlHandler` backed by llama.cpp.
+
+Downlink messages and what this handler does with them:
+
+* ``StartRpcWorker{host, port}`` — make sure the node's single ``ggml-rpc-server`` runs bound to
+  exactly ``host:port`` (reused when already alive there; a dead one or one on another address
+  is replaced) and answer ``RpcWorkerStatus`` ``STARTED`` or ``FAILED`` with the reason (a
+  wildcard or public bind address is refused). The worker keeps running across jobs so a warm
+  ``llama-server`` on a primary keeps its connection. ``StopRpcWorker`` stops it (``STOPPED``).
+* ``ExecutionPlan`` with role ``PRIMARY`` — setup and validation, answered by one
+  ``SetupResult``: the model file is looked up by name in the models dir (``MODEL_NOT_FOUND``),
+  its sha256 checked against the plan through the model store's hash cache
+  (``SHA256_MISMATCH``), every RPC peer probed with a TCP connect (``RPC_PEER_UNREACHABLE``
+  with ``failed_node_id``), then a ``llama-server`` for (model, context, peers, split) is reused
+  when warm or (re)started (``RUNTIME_START_FAILED`` with the key stderr line). A malformed
+  plan is ``INVALID_PLAN``; a server busy with another job's different spec for longer than
+  ``busy_timeout`` is ``RUNTIME_BUSY``. Then the chat completion streams from the local
+  ``llama-server``: each content piece becomes a ``Delta`` (``seq`` from 0, no gaps,
+  ``tokens=1``) sent at once in a ``TokenChunk`` (pieces that arrive while a send is pending
+  are coalesced into the next chunk), and a ``JobResult`` closes the job (usage and timings
+  from llama-server, measured here when it sends none). A crash or HTTP failure during
+  generation is ``JobResult{ok=false, phase="execution"}`` with ``RUNTIME_CRASHED`` or
+  ``GENERATION_FAILED``.
+* ``ExecutionPlan`` with role ``WORKER`` — nothing to do beyond the RPC worker that
+  ``StartRpcWorker`` already started: logged, no reply (the controller expects setup results
+  from primaries only).
+* ``CancelJob`` — cancels the job's task; closing the HTTP stream makes llama-server stop
+  generating. Answered by ``JobResult{ok=false, finish_reason="cancelled",
+  error_code="CANCELLED"}`` with ``phase`` "setup" or "execution".
+
+A ``llama-server`` or ``ggml-rpc-server`` that exits unexpectedly is reported at once as
+``RuntimeFault{fatal=false}`` (a llama-server crash during a generation is reported by that
+job's ``JobResult`` instead). :meth:`LlamaHandler.close` stops every child process.
+
+RPC workers serve one client at a time and queue at most two pending connections
+(``listen(fd, 1)``), so a TCP probe of a worker that a warm llama-server is connected to would
+sit in its accept queue, and the third such probe would time out. The warm server's own
+connections are therefore inspected instead: endpoints it holds ``ESTABLISHED`` links to are
+not probed, and a warm server whose link to a peer broke (worker restarted or died) is
+restarted rather than reused.
+
+Agent code: imports only the standard library, third-party packages, ``proto`` and ``agent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agent.control_client import DEFAULT_RPC_PORT, Send
+from agent.model_store import ModelStore
+from agent.runtime import (
+    DEFAULT_CTX_SIZE,
+    ChatRequest,
+    LlamaRuntimeError,
+    LlamaServer,
+    ProcessExit,
+    RpcWorker,
+    RuntimeBinaries,
+    RuntimeCrashedError,
+    RuntimeManager,
+    ServerSpec,
+    validate_rpc_bind_host,
+)
+from proto import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# SetupResult / JobResult error codes.
+MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+SHA256_MISMATCH = "SHA256_MISMATCH"
+RPC_PEER_UNREACHABLE = "RPC_PEER_UNREACHABLE"
+RUNTIME_START_FAILED = "RUNTIME_START_FAILED"
+RUNTIME_BUSY = "RUNTIME_BUSY"
+INVALID_PLAN = "INVALID_PLAN"
+JOB_ALREADY_RUNNING = "JOB_ALREADY_RUNNING"
+AGENT_STOPPING = "AGENT_STOPPING"
+RUNTIME_CRASHED = "RUNTIME_CRASHED"
+GENERATION_FAILED = "GENERATION_FAILED"
+CANCELLED = "CANCELLED"
+
+_BUSY_POLL_SECONDS = 0.05
+_FINISHED = "finished"  # _Job.phase once its final message is being sent
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+class SetupFailure(Exception):
+    """Setup and validation failed; becomes ``SetupResult{ok=false}``."""
+
+    def __init__(self, error_code: str, message: str, *, failed_node_id: str = "") -> None:
+        super().__init__(message)
+        self.error_code = error_code
+        self.message = message
+        self.failed_node_id = failed_node_id
+
+
+class DeltaSender:
+    """Sends one job's text pieces as ``TokenChunk`` messages, in order.
+
+    :meth:`push` numbers a piece (``seq`` from 0, no gaps) and returns at once: the piece goes
+    out immediately unless a send is still pending, in which case it joins the next chunk.
+    :meth:`drain` waits until everything pushed has been sent and re-raises a send failure.
+    """
+
+    def __init__(self, job_id: str, send: Send) -> None:
+        self.job_id = job_id
+        self._send = send
+        self._pending: list[pb.Delta] = []
+        self._task: asyncio.Task[None] | None = None
+        self._error: Exception | None = None
+        self.next_seq = 0
+        self.chunks_sent = 0
+
+    def push(self, text: str, tokens: int = 1) -> None:
+        self._pending.append(pb.Delta(seq=self.next_seq, text=text, tokens=tokens))
+        self.next_seq += 1
+        if self._error is None and (self._task is None or self._task.done()):
+            self._task = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                chunk = pb.TokenChunk(job_id=self.job_id, deltas=batch)
+                await self._send(pb.AgentMessage(token_chunk=chunk))
+                self.chunks_sent += 1
+        except Exception as exc:
+            self._error = exc
+
+    async def drain(self) -> None:
+        while self._task is not None and not self._task.done():
+            await self._task
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    tokens_per_second: float
+
+
+def generation_stats(
+    *,
+    started: float,
+    first_piece: float | None,
+    last_piece: float | None,
+    pieces: int,
+    usage_prompt_tokens: int | None = None,
+    usage_completion_tokens: int | None = None,
+    timings_prompt_tokens: int | None = None,
+    timings_prompt_ms: float | None = None,
+    timings_predicted_tokens: int | None = None,
+    timings_predicted_ms: float | None = None,
+) -> GenerationStats:
+    """Usage and speed of one generation: llama-server's numbers when it sent them, else
+    what the agent measured (``time.monotonic()`` seconds; ``pieces`` streamed text pieces)."""
+    completion = usage_completion_tokens
+    if completion is None:
+        completion = timings_predicted_tokens if timings_predicted_tokens is not None else pieces
+    prompt = usage_prompt_tokens
+    if prompt is None:
+        prompt = timings_prompt_tokens or 0
+    if timings_prompt_ms is not None and timings_prompt_ms > 0:
+        ttft_ms = timings_prompt_ms
+    elif first_piece is not None:
+        ttft_ms = (first_piece - started) * 1000.0
+    else:
+        ttft_ms = 0.0
+    if timings_predicted_ms and timings_predicted_tokens:
+        tps = timings_predicted_tokens * 1000.0 / timings_predicted_ms
+    elif first_piece is not None and last_piece is not None and pieces > 1:
+        elapsed = last_piece - first_piece
+        tps = (pieces - 1) / elapsed if elapsed > 0 else 0.0
+    else:
+        tps = 0.0
+    return GenerationStats(
+        prompt_tokens=max(0, prompt),
+        completion_tokens=max(0, completion),
+        time_to_first_token_ms=max(0.0, ttft_ms),
+        tokens_per_second=max(0.0, tps),
+    )
+
+
+def parse_messages(messages_json: str) -> list[dict[str, Any]]:
+    """The plan's chat messages; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
+    try:
+        messages = json.loads(messages_json) if messages_json else None
+    except ValueError as exc:
+        raise SetupFailure(INVALID_PLAN, f"generation.messages_json is not JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise SetupFailure(INVALID_PLAN, "generation.messages_json must be a non-empty list")
+    if not all(isinstance(message, dict) for message in messages):
+        raise SetupFailure(INVALID_PLAN, "every chat message must be a JSON object")
+    return messages
+
+
+def chat_request(
+    generation: pb.GenerationParams, messages: Sequence[Mapping[str, Any]]
+) -> ChatRequest:
+    return ChatRequest(
+        messages=messages,
+        max_tokens=generation.max_tokens or None,
+        temperature=generation.temperature if generation.HasField("temperature") else None,
+        top_p=generation.top_p if generation.HasField("top_p") else None,
+        stop=list(generation.stop) or None,
+        seed=generation.seed if generation.HasField("seed") else None,
+    )
+
+
+def peer_endpoint(peer: pb.RpcPeer) -> str:
+    return f"{peer.host}:{peer.port}"
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
+
+
+def established_endpoints(pid: int, endpoints: Sequence[str]) -> set[str] | None:
+    """Those of ``endpoints`` (``host:port``) process ``pid`` has an ESTABLISHED TCP link to;
+    None when its connections cannot be inspected."""
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    linked: set[str] = set()
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        for conn in connections:
+            raddr = conn.raddr
+            if (
+                raddr
+                and conn.status == psutil.CONN_ESTABLISHED
+                and raddr.port == int(port)
+                and _same_host(raddr.ip, host)
+            ):
+                linked.add(endpoint)
+                break
+    return linked
+
+
+async def probe_peer(host: str, port: int, timeout: float) -> str | None:
+    """None if ``host:port`` accepts a TCP connection within ``timeout``, else the reason."""
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    writer.close()
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(timeout):
+            await writer.wait_closed()
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Handler
+# ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: str
+    task: asyncio.Task[None] | None = None
+    phase: str = "setup"
+    cancel_requested: bool = False
+    cancel_reason: str = ""
+
+
+class LlamaHandler:
+    """Runs the controller's jobs on this node's llama.cpp processes; see the module doc."""
+
+    def __init__(
+        self,
+        binaries: RuntimeBinaries,
+        *,
+        models_dir: Path | str,
+        data_dir: Path | str,
+        log_dir: Path | str,
+        slots: int = 1,
+        rpc_port: int = DEFAULT_RPC_PORT,
+        rpc_threads: int | None = None,
+        server_threads: int | None = None,
+        allow_public_rpc: bool = False,
+        probe_timeout: float = 2.0,
+        start_timeout: float = 180.0,
+        busy_timeout: float = 30.0,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.binaries = binaries
+        self.models_dir = Path(models_dir)
+        self.data_dir = Path(data_dir)
+        self.log_dir = Path(log_dir)
+        self.slots = slots
+        self.rpc_port = rpc_port
+        self.rpc_threads = rpc_threads
+        self.server_threads = server_threads
+        self.allow_public_rpc = allow_public_rpc
+        self.probe_timeout = probe_timeout
+        self.busy_timeout = busy_timeout
+        self.runtime = RuntimeManager(
+            binaries, self.log_dir, on_exit=self._on_child_exit, start_timeout=start_timeout
+        )
+        self._jobs: dict[str, _Job] = {}
+        self._worker_lock = threading.Lock()
+        # Jobs holding the llama-server (from setup until their generation ends) and its spec.
+        self._server_users = 0
+        self._server_spec: ServerSpec | None = None
+        self._workers_starting = 0  # a worker dying while it starts is reported by its status
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send: Send | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- ControlHandler ---------------------------------------------------------------
+
+    def active_job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
+        self._attach(send)
+        port = msg.port or self.rpc_port
+        try:
+            if self._closed:
+                raise LlamaRuntimeError("agent is stopping")
+            self._workers_starting += 1
+            try:
+                worker = await asyncio.to_thread(self._ensure_rpc_worker, msg.host, port)
+            finally:
+                self._workers_starting -= 1
+        except (LlamaRuntimeError, ValueError) as exc:
+            log.warning("job %s: RPC worker on %s:%s failed: %s", msg.job_id, msg.host, port, exc)
+            await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.FAILED, msg.host, port, exc))
+            return
+        log.info("job %s: RPC worker ready on %s (pid %s)", msg.job_id, worker.endpoint, worker.pid)
+        await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, worker.host, worker.port))
+
+    async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
+        self._attach(send)
+        stopped = await asyncio.to_thread(self._stop_rpc_workers)
+        host, port = stopped[0] if stopped else ("", 0)
+        log.info("job %s: RPC worker stopped (%s)", msg.job_id, stopped or "none was running")
+        await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, host, port))
+
+    async def on_plan(self, plan: pb.ExecutionPlan, send: Send) -> None:
+        self._attach(send)
+        if plan.role == pb.ExecutionPlan.WORKER:
+            log.info("job %s: worker role; the RPC worker is all it needs", plan.job_id)
+            return
+        if self._closed or plan.job_id in self._jobs:
+            code, error = (
+                (AGENT_STOPPING, "agent is stopping")
+                if self._closed
+                else (JOB_ALREADY_RUNNING, f"job {plan.job_id} is already running here")
+            )
+            await send(_setup_result(plan.job_id, SetupFailure(code, error)))
+            return
+        job = _Job(plan.job_id)
+        self._jobs[job.job_id] = job
+        job.task = asyncio.create_task(self._run_primary(job, plan, send))
+        try:
+            await job.task
+        finally:
+            if self._jobs.get(job.job_id) is job:
+                del self._jobs[job.job_id]
+
+    async def on_cancel(self, msg: pb.CancelJob, send: Send) -> None:
+        self._attach(send)
+        job = self._jobs.get(msg.job_id)
+        if job is None or job.task is None or job.task.done() or job.phase == _FINISHED:
+            log.info("cancel for job %s: not running here", msg.job_id)
+            return
+        log.info("cancelling job %s (%s) during %s", msg.job_id, msg.reason or "-", job.phase)
+        job.cancel_requested = True
+        job.cancel_reason = msg.reason
+        job.task.cancel()
+
+    async def on_drain(self, send: Send) -> None:
+        self._attach(send)
+        log.info("drain requested; %d job(s) running", len(self._jobs))
+
+    async def on_resume(self, send: Send) -> None:
+        self._attach(send)
+        log.info("resume requested")
+
+    async def close(self) -> None:
+        """Cancel every job and stop every child process. Idempotent."""
+        self._closed = True
+        tasks = [job.task for job in self._jobs.values() if job.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for background in list(self._background):
+            background.cancel()
+        await asyncio.to_thread(self.runtime.close)
+
+    # -- RPC worker ------------------------------------------------------------------------
+
+    def _ensure_rpc_worker(self, host: str, port: int) -> RpcWorker:
+        with self._worker_lock:
+            bind = validate_rpc_bind_host(host, allow_public=self.allow_public_rpc)
+            for worker in self.runtime.rpc_workers.values():
+                if (worker.host, worker.port) != (bind, port):
+                    log.info("replacing RPC worker %s with %s:%s", worker.endpoint, bind, port)
+                    self.runtime.stop_rpc_worker(worker.host, worker.port)
+            return self.runtime.start_rpc_worker(
+                bind, port, threads=self.rpc_threads, allow_public=self.allow_public_rpc
+            )
+
+    def _stop_rpc_workers(self) -> list[tuple[str, int]]:
+        with self._worker_lock:
+            stopped = []
+            for worker in self.runtime.rpc_workers.values():
+                self.runtime.stop_rpc_worker(worker.host, worker.port)
+                stopped.append((worker.host, worker.port))
+            return stopped
+
+    # -- primary: setup ------------------------------------------------------------------
+
+    async def _run_primary(self, job: _Job, plan: pb.ExecutionPlan, send: Send) -> None:
+        try:
+            try:
+                server, messages = await self._setup(plan)
+            except SetupFailure as failure:
+                log.warning(
+                    "job %s: setup failed (%s): %s", job.job_id, failure.error_code, failure
+                )
+                job.phase = _FINISHED
+                await send(_setup_result(job.job_id, failure))
+                return
+            try:
+                await send(
+                    pb.AgentMessage(
+                        setup_result=pb.SetupResult(job_id=job.job_id, ok=True, role="primary")
+                    )
+                )
+                job.phase = "execution"
+                await self._execute(job, server, chat_request(plan.generation, messages), send)
+            finally:
+                self._release_server()
+        except asyncio.CancelledError:
+            if not job.cancel_requested:
+                raise  # the agent is stopping
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            log.info("job %s cancelled during %s", job.job_id, job.phase)
+            await send(
+                _job_failure(
+                    job.job_id,
+                    job.phase,
+                    CANCELLED,
+                    f"cancelled: {job.cancel_reason}" if job.cancel_reason else "cancelled",
+                    finish_reason="cancelled",
+                )
+            )
+
+    async def _setup(self, plan: pb.ExecutionPlan) -> tuple[LlamaServer, list[dict[str, Any]]]:
+        """Validate the plan and return a healthy llama-server (reserved: call
+        :meth:`_release_server` afterwards) and the chat messages."""
+        messages = parse_messages(plan.generation.messages_json)
+        model_path = await asyncio.to_thread(
+            self._find_and_verify_model, plan.model_file_name, plan.model_sha256
+        )
+        spec = self._server_spec_for(plan, model_path)
+        await self._reserve_server(spec)
+        try:
+            warm_links, restart = await asyncio.to_thread(self._warm_links, spec)
+            await self._probe_peers(
+                [p for p in plan.rpc_peers if peer_endpoint(p) not in warm_links]
+            )
+            try:
+                server = await asyncio.to_thread(self._ensure_server, spec, restart)
+            except LlamaRuntimeError as exc:
+                raise SetupFailure(RUNTIME_START_FAILED, str(exc)) from None
+        except BaseException:
+            self._release_server()
+            raise
+        return server, messages
+
+    def _find_and_verify_model(self, file_name: str, expected_sha256: str) -> Path:
+        # A fresh store re-reads the hash cache the agent session keeps up to date.
+        store = ModelStore(self.models_dir, self.data_dir)
+        path = store.find(file_name)
+        if path is None:
+            raise SetupFailure(
+                MODEL_NOT_FOUND, f"model file {file_name!r} not found in {store.models_dir}"
+            )
+        if not store.verify(path, expected_sha256):
+            model = store.describe(path)
+            found = f"cannot be verified: {model.error}" if model.error else f"is {model.sha256}"
+            raise SetupFailure(
+                SHA256_MISMATCH,
+                f"sha256 of {path} {found}; the plan expects {expected_sha256 or '(none)'}",
+            )
+        return path
+
+    def _server_spec_for(self, plan: pb.ExecutionPlan, model_path: Path) -> ServerSpec:
+        try:
+            return ServerSpec(
+                model_path=str(model_path),
+                ctx_size=plan.context_size or DEFAULT_CTX_SIZE,
+                rpc_endpoints=tuple(peer_endpoint(peer) for peer in plan.rpc_peers),
+                tensor_split=tuple(plan.tensor_split),
+                parallel=self.slots,
+                threads=self.server_threads,
+            )
+        except ValueError as exc:
+            raise SetupFailure(INVALID_PLAN, f"invalid execution plan: {exc}") from None
+
+    async def _reserve_server(self, spec: ServerSpec) -> None:
+        """Wait until no running job needs a llama-server with a different spec."""
+        deadline = time.monotonic() + self.busy_timeout
+        while self._server_users > 0 and self._server_spec != spec:
+            if time.monotonic() >= deadline:
+                raise SetupFailure(
+                    RUNTIME_BUSY,
+                    f"llama-server is busy with {self._server_users} job(s) using another "
+                    f"model, context or split for more than {self.busy_timeout:g}s",
+                )
+            await asyncio.sleep(_BUSY_POLL_SECONDS)
+        self._server_users += 1
+        self._server_spec = spec
+
+    def _release_server(self) -> None:
+        self._server_users = max(0, self._server_users - 1)
+
+    def _warm_links(self, spec: ServerSpec) -> tuple[set[str], bool]:
+        """(peers the warm server for ``spec`` is linked to, whether it must be restarted)."""
+        server = self.runtime.server
+        if (
+            server is None
+            or not server.alive
+            or server.spec != spec
+            or server.pid is None
+            or not spec.rpc_endpoints
+        ):
+            return set(), False
+        linked = established_endpoints(server.pid, spec.rpc_endpoints)
+        if linked is None:  # cannot look: trust the warm server rather than fill accept queues
+            return set(spec.rpc_endpoints), False
+        broken = [endpoint for endpoint in spec.rpc_endpoints if endpoint not in linked]
+        if broken:
+            log.info("warm llama-server lost its link to %s; it will be restarted", broken)
+        return linked, bool(broken)
+
+    async def _probe_peers(self, peers: Sequence[pb.RpcPeer]) -> None:
+        if not peers:
+            return
+        reasons = await asyncio.gather(
+            *(probe_peer(peer.host, peer.port, self.probe_timeout) for peer in peers)
+        )
+        for peer, reason in zip(peers, reasons, strict=True):
+            if reason is not None:
+                raise SetupFailure(
+                    RPC_PEER_UNREACHABLE,
+                    f"RPC worker of node {peer.node_id or '?'} at {peer_endpoint(peer)} "
+                    f"is unreachable: {reason}",
+                    failed_node_id=peer.node_id,
+                )
+
+    def _ensure_server(self, spec: ServerSpec, restart: bool) -> LlamaServer:
+        if restart:
+            current = self.runtime.server
+            if current is not None and current.spec == spec:
+                self.runtime.stop_server()
+        return self.runtime.ensure_server(spec)
+
+    # -- primary: execution --------------------------------------------------------------
+
+    async def _execute(
+        self, job: _Job, server: LlamaServer, request: ChatRequest, send: Send
+    ) -> None:
+        sender = DeltaSender(job.job_id, send)
+        started = time.monotonic()
+        first_piece: float | None = None
+        last_piece: float | None = None
+        finish_reason: str | None = None
+        usage = None
+        timings = None
+        failure: tuple[str, str] | None = None
+        stream = server.stream_chat(request)
+        try:
+            async for delta in stream:
+                if delta.text:
+                    last_piece = time.monotonic()
+                    first_piece = first_piece or last_piece
+                    sender.push(delta.text)
+                finish_reason = delta.finish_reason or finish_reason
+                usage = delta.usage or usage
+                timings = delta.timings or timings
+        except RuntimeCrashedError as exc:
+            failure = (RUNTIME_CRASHED, str(exc))
+        except LlamaRuntimeError as exc:
+            failure = (GENERATION_FAILED, str(exc))
+        except asyncio.CancelledError:
+            if job.cancel_requested:
+                await sender.drain()
+            else:
+                sender.cancel()
+            raise
+        finally:
+            await stream.aclose()
+        await sender.drain()
+        job.phase = _FINISHED  # a late CancelJob must not add a second JobResult
+        if failure is not None:
+            log.warning("job %s: generation failed (%s): %s", job.job_id, *failure)
+            await send(_job_failure(job.job_id, "execution", *failure))
+            return
+        stats = generation_stats(
+            started=started,
+            first_piece=first_piece,
+            last_piece=last_piece,
+            pieces=sender.next_seq,
+            usage_prompt_tokens=usage.prompt_tokens if usage else None,
+            usage_completion_tokens=usage.completion_tokens if usage else None,
+            timings_prompt_tokens=timings.prompt_tokens if timings else None,
+            timings_prompt_ms=timings.prompt_ms if timings else None,
+            timings_predicted_tokens=timings.predicted_tokens if timings else None,
+            timings_predicted_ms=timings.predicted_ms if timings else None,
+        )
+        log.info(
+            "job %s done (%s): %d prompt + %d completion tokens, ttft %.0f ms, %.1f tokens/s",
+            job.job_id,
+            finish_reason or "stop",
+            stats.prompt_tokens,
+            stats.completion_tokens,
+            stats.time_to_first_token_ms,
+            stats.tokens_per_second,
+        )
+        await send(
+            pb.AgentMessage(
+                job_result=pb.JobResult(
+                    job_id=job.job_id,
+                    ok=True,
+                    finish_reason=finish_reason or "stop",
+                    prompt_tokens=stats.prompt_tokens,
+                    completion_tokens=stats.completion_tokens,
+                    time_to_first_token_ms=stats.time_to_first_token_ms,
+                    tokens_per_second=stats.tokens_per_second,
+                )
+            )
+        )
+
+    # -- crash reports -------------------------------------------------------------------
+
+    def _attach(self, send: Send) -> None:
+        """Remember the loop and the upstream ``send`` for reports nobody asked for."""
+        self._send = send
+        self._loop = asyncio.get_running_loop()
+
+    def _on_child_exit(self, info: ProcessExit) -> None:
+        """Called from a runtime watcher thread when a child exits unexpectedly."""
+        loop = self._loop
+        if loop is None or self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # loop closed meanwhile
+            loop.call_soon_threadsafe(self._report_exit, info)
+
+    def _report_exit(self, info: ProcessExit) -> None:
+        send = self._send
+        if send is None or self._closed:
+            return
+        if info.role == LlamaServer.role and self._server_users > 0:
+            return  # the job using it reports the crash in its JobResult
+        if info.role == RpcWorker.role and self._workers_starting > 0:
+            return  # RpcWorkerStatus FAILED reports it
+        message = f"{info.error()} (log: {info.log_path})"
+        fault = pb.AgentMessage(runtime_fault=pb.RuntimeFault(message=message, fatal=False))
+        task = asyncio.create_task(_send_one(send, fault))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _send_one(send: Send, message: pb.AgentMessage) -> None:
+    await send(message)
+
+
+def _worker_status(
+    job_id: str,
+    state: pb.RpcWorkerStatus.State,
+    host: str,
+    port: int,
+    error: BaseException | None = None,
+) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        rpc_worker_status=pb.RpcWorkerStatus(
+            job_id=job_id, state=state, host=host, port=port, error=str(error or "")
+        )
+    )
+
+
+def _setup_result(job_id: str, failure: SetupFailure) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        setup_result=pb.SetupResult(
+            job_id=job_id,
+            ok=False,
+            error=failure.message,
+            error_code=failure.error_code,
+            role="primary",
+            failed_node_id=failure.failed_node_id,
+        )
+    )
+
+
+def _job_failure(
+    job_id: str, phase: str, error_code: str, error: str, *, finish_reason: str = ""
+) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        job_result=pb.JobResult(
+            job_id=job_id,
+            ok=False,
+            finish_reason=finish_reason,
+            error=error,
+            error_code=error_code,
+            phase=phase,
+        )
+    )

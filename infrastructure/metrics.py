@@ -1,0 +1,267 @@
+"""Prometheus metrics for the controller (``GET /metrics``).
+
+Three kinds of figures, each from where it is cheapest and truest:
+
+* latency histograms observed on the hot paths through the application's ``Metrics`` port
+  (time to first token, inter-token latency, event-store append latency);
+* counters moved by the projection follower's event listener, once per applied event
+  (jobs by terminal state, failures by phase, tokens generated, events by catalog code);
+* gauges collected at scrape time (nodes by state from the read model, heartbeat age and
+  connection per node from live state, jobs active on this controller, store positions).
+
+Every controller owns its own ``CollectorRegistry``: several controllers can share one
+process (the tests do), and nothing lands in the global default registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+
+from application.ports import LiveNode
+from domain.catalog import code_of
+from domain.states import NodeState
+
+log = logging.getLogger(__name__)
+
+#: The classic text exposition format, understood by every Prometheus version.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+TERMINAL_CODES = {
+    "JOB_COMPLETED": "COMPLETED",
+    "JOB_FAILED": "FAILED",
+    "JOB_CANCELLED": "CANCELLED",
+}
+
+
+class PrometheusMetrics:
+    """Implements :class:`application.ports.Metrics`, plus the event-driven counters."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "dacp_time_to_first_token_seconds",
+            "Time from job submission to the first token relayed to the client.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "dacp_inter_token_latency_seconds",
+            "Time between consecutive token chunks relayed for one job.",
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.append = Histogram(
+            "dacp_event_store_append_seconds",
+            "Time to append one command's events to the event store (one transaction).",
+            buckets=APPEND_BUCKETS,
+            registry=r,
+        )
+        self.jobs_submitted = Counter(
+            "dacp_jobs_submitted", "Jobs submitted (JOB_SUBMITTED).", registry=r
+        )
+        self.jobs_finished = Counter(
+            "dacp_jobs_finished",
+            "Jobs that reached a terminal state, by state.",
+            ["state"],
+            registry=r,
+        )
+        self.jobs_failed = Counter(
+            "dacp_jobs_failed", "Failed jobs by phase (setup or execution).", ["phase"], registry=r
+        )
+        self.tokens_generated = Counter(
+            "dacp_tokens_generated",
+            "Tokens generated, from recorded TOKEN_STREAM_CHUNK events.",
+            registry=r,
+        )
+        self.events = Counter(
+            "dacp_events_applied",
+            "Events applied to the read model since this controller started, by catalog code.",
+            ["code"],
+            registry=r,
+        )
+        for state in TERMINAL_CODES.values():
+            self.jobs_finished.labels(state)
+        for phase in ("setup", "execution"):
+            self.jobs_failed.labels(phase)
+        self._since = 0
+
+    # ------------------------------------------------ application.ports.Metrics
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(max(0.0, seconds))
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token.observe(max(0.0, seconds))
+
+    def observe_append(self, seconds: float) -> None:
+        self.append.observe(max(0.0, seconds))
+
+    # ------------------------------------------------------------ event counters
+
+    def count_after(self, position: int) -> None:
+        """Ignores events at or before ``position`` (history the follower catches up on)."""
+        self._since = position
+
+    def on_event(self, position: int, event: object) -> None:
+        """The follower's listener: called from its thread once per applied event."""
+        if position <= self._since:
+            return
+        code = code_of(event)
+        self.events.labels(code).inc()
+        if code == "JOB_SUBMITTED":
+            self.jobs_submitted.inc()
+        elif code == "TOKEN_STREAM_CHUNK":
+            self.tokens_generated.inc(max(0, int(getattr(event, "token_count", 0) or 0)))
+        elif code in TERMINAL_CODES:
+            self.jobs_finished.labels(TERMINAL_CODES[code]).inc()
+            if code == "JOB_FAILED":
+                phase = str(getattr(event, "phase", "") or "unknown")
+                self.jobs_failed.labels(phase).inc()
+
+    # ----------------------------------------------------------------- scraping
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (runs the scrape-time collectors)."""
+        return generate_latest(self.registry)
+
+
+@dataclass
+class ClusterSources:
+    """Where the scrape-time gauges come from (callables, so nothing here holds a lock)."""
+
+    nodes: Callable[[], Sequence[Mapping[str, Any]]]
+    live: Callable[[], Mapping[str, LiveNode]]
+    connected: Callable[[str], bool]
+    active_jobs: Callable[[], int]
+    store_position: Callable[[], int]
+    read_model_position: Callable[[], int]
+    feed_subscribers: Callable[[], int] = lambda: 0
+    feed_dropped: Callable[[], int] = lambda: 0
+
+
+class ClusterCollector(Collector):
+    """Gauges read at scrape time. A failing source leaves its metrics out and counts in
+    ``dacp_scrape_errors_total`` instead of failing the whole scrape."""
+
+    def __init__(self, sources: ClusterSources) -> None:
+        self.sources = sources
+        self._errors = 0
+        self._lock = threading.Lock()
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # no duplicate-name checks at registration (and no scrape then)
+
+    def _failed(self, what: str) -> None:
+        log.warning("metrics: cannot read %s", what, exc_info=True)
+        with self._lock:
+            self._errors += 1
+
+    def collect(self) -> Iterable[Metric]:
+        now = time.time()
+        out: list[Metric] = []
+        try:
+            rows = list(self.sources.nodes())
+        except Exception:
+            self._failed("the nodes view")
+            rows = None
+        if rows is not None:
+            out.extend(self._nodes(rows, now))
+        for name, doc, fn in (
+            (
+                "dacp_jobs_active",
+                "Jobs submitted to this controller and not yet ended.",
+                self.sources.active_jobs,
+            ),
+            (
+                "dacp_event_store_position",
+                "Highest notification id in the event store.",
+                self.sources.store_position,
+            ),
+            (
+                "dacp_read_model_position",
+                "Last notification id applied to the read model.",
+                self.sources.read_model_position,
+            ),
+            (
+                "dacp_event_feed_subscribers",
+                "Open live event feed streams.",
+                self.sources.feed_subscribers,
+            ),
+        ):
+            try:
+                out.append(_gauge(name, doc, fn))
+            except Exception:
+                self._failed(name)
+        try:
+            dropped = CounterMetricFamily(
+                "dacp_event_feed_dropped",
+                "Feed messages dropped because a subscriber fell behind (oldest first).",
+                value=self.sources.feed_dropped(),
+            )
+            out.append(dropped)
+        except Exception:
+            self._failed("the event feed")
+        with self._lock:
+            errors = self._errors
+        out.append(
+            CounterMetricFamily(
+                "dacp_scrape_errors",
+                "Scrape-time sources that could not be read.",
+                value=errors,
+            )
+        )
+        return out
+
+    def _nodes(self, rows: list[Mapping[str, Any]], now: float) -> list[Metric]:
+        by_state = GaugeMetricFamily(
+            "dacp_nodes", "Enrolled nodes by state (read model).", labels=["state"]
+        )
+        tally = Tally(str(r.get("state")) for r in rows)
+        for state in NodeState:
+            by_state.add_metric([state.value], tally.get(state.value, 0))
+        age = GaugeMetricFamily(
+            "dacp_node_heartbeat_age_seconds",
+            "Seconds since the node's last heartbeat reached the controller (live state).",
+            labels=["node_id", "name"],
+        )
+        connected = GaugeMetricFamily(
+            "dacp_node_connected",
+            "1 when the node's control stream is open to this controller.",
+            labels=["node_id", "name"],
+        )
+        try:
+            live = self.sources.live()
+        except Exception:
+            self._failed("live state")
+            live = {}
+        for row in rows:
+            node_id = str(row.get("node_id"))
+            name = str(row.get("name") or "")
+            seen = live.get(node_id)
+            if seen is not None:
+                age.add_metric([node_id, name], round(max(0.0, now - seen.last_seen), 3))
+            connected.add_metric([node_id, name], 1.0 if self.sources.connected(node_id) else 0.0)
+        return [by_state, age, connected]
+
+
+def _gauge(name: str, doc: str, fn: Callable[[], int]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=fn())

@@ -1,0 +1,300 @@
+"""The live event feed: every event the read model applies, pushed to admin clients over SSE.
+
+The projection follower calls :meth:`EventFeed.on_event` from its own thread once an event
+is reflected in the read model (so a client that reacts by re-reading the admin API sees
+the change). The feed turns the event into a small JSON message there, hands it to the
+event loop with ``call_soon_threadsafe`` and returns at once: the follower never waits for
+a client. On the loop each subscriber has a bounded queue; a subscriber that falls behind
+loses its *oldest* messages, is told how many with an ``event: gap`` message, and the loss
+is counted (``dacp_event_feed_dropped_total``).
+
+``GET /api/admin/events/stream`` (admin key) streams::
+
+    event: ready            data: {"position": <read-model position at connect>}
+    data: {"position", "time", "code", "aggregate_id", "kind", "state", "version", "summary"}
+    event: gap              data: {"dropped": <n>}   (then refresh from the admin API)
+    : keepalive             (a comment, every 15 s without traffic)
+
+Browsers' ``EventSource`` cannot send headers, so this one route also accepts the admin key
+as ``?access_token=<ADMIN_API_KEY>``. The controller does not log request URLs (uvicorn's
+access log is off); keep it that way, or put a proxy in front that strips the query.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import orjson
+from litestar import get
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
+from litestar.params import QueryParameter
+from litestar.response import Stream
+
+from application.timeline import aggregate_kind, entry_of
+from interfaces.http_auth import bearer
+from interfaces.http_errors import ApiError
+from interfaces.services import Services
+
+KEEPALIVE_SECONDS = 15.0
+QUEUE_SIZE = 1000
+RETRY_MS = 3000
+FEED_KINDS = frozenset({"node", "job", "model"})
+
+FeedMessage = dict[str, Any]
+
+
+def feed_message(position: int, event: object) -> FeedMessage | None:
+    """The feed's JSON for one event; ``None`` for events the feed leaves out (token
+    redemptions and other bookkeeping aggregates)."""
+    kind = aggregate_kind(event)
+    if kind not in FEED_KINDS:
+        return None
+    entry = entry_of(event, position)
+    return {
+        "position": position,
+        "time": entry["time"],
+        "code": entry["code"],
+        "aggregate_id": str(getattr(event, "originator_id", "")),
+        "kind": kind,
+        "state": entry["state"],
+        "version": entry["version"],
+        "summary": entry["summary"],
+    }
+
+
+@dataclass(frozen=True)
+class Gap:
+    """``dropped`` messages were lost just before the next one (the subscriber was slow)."""
+
+    dropped: int
+
+
+class FeedClosed(Exception):
+    """The feed is shutting down; the stream ends."""
+
+
+class Subscription:
+    """One client's bounded queue. Used on the event loop only."""
+
+    def __init__(self, feed: EventFeed, maxsize: int) -> None:
+        self.feed = feed
+        self.maxsize = max(1, maxsize)
+        self.dropped = 0
+        self._unreported = 0
+        self._items: deque[FeedMessage] = deque()
+        self._wake = asyncio.Event()
+        self._closed = False
+
+    def put(self, message: FeedMessage) -> None:
+        if self._closed:
+            return
+        if len(self._items) >= self.maxsize:
+            self._items.popleft()
+            self.dropped += 1
+            self._unreported += 1
+            self.feed.dropped += 1
+        self._items.append(message)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def pending(self) -> int:
+        return len(self._items)
+
+    def take(self) -> list[FeedMessage | Gap]:
+        """Everything queued now (a gap first when messages were dropped), without waiting."""
+        out: list[FeedMessage | Gap] = []
+        if self._unreported:
+            out.append(Gap(self._unreported))
+            self._unreported = 0
+        out.extend(self._items)
+        self._items.clear()
+        self._wake.clear()
+        return out
+
+    async def next_batch(self, timeout: float) -> list[FeedMessage | Gap]:
+        """Waits up to ``timeout`` seconds for messages; ``[]`` on timeout.
+
+        Raises :class:`FeedClosed` once the feed is closed and the queue is empty.
+        """
+        if not self._items and not self._unreported:
+            if self._closed:
+                raise FeedClosed
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+        batch = self.take()
+        if not batch and self._closed:
+            raise FeedClosed
+        return batch
+
+
+class EventFeed:
+    """Broadcasts applied events to subscribers on one asyncio loop."""
+
+    def __init__(
+        self, *, queue_size: int = QUEUE_SIZE, keepalive_seconds: float = KEEPALIVE_SECONDS
+    ) -> None:
+        self.queue_size = queue_size
+        self.keepalive_seconds = keepalive_seconds
+        self.published = 0
+        self.dropped = 0
+        self.closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscribers: set[Subscription] = set()
+        self._since = 0
+
+    # ---------------------------------------------------- follower thread side
+
+    def bind(self, loop: asyncio.AbstractEventLoop, *, after_position: int = 0) -> None:
+        """Delivers on ``loop``, and only events past ``after_position`` (not the history
+        the follower may still be catching up on)."""
+        self._loop = loop
+        self._since = after_position
+
+    def on_event(self, position: int, event: object) -> None:
+        """The follower's listener. Quick and non-blocking: never waits for a client."""
+        loop = self._loop
+        if loop is None or self.closed or position <= self._since or not self._subscribers:
+            return
+        message = feed_message(position, event)
+        if message is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            loop.call_soon_threadsafe(self.publish, message)
+
+    # ------------------------------------------------------------- loop side
+
+    def publish(self, message: FeedMessage) -> None:
+        self.published += 1
+        for subscription in list(self._subscribers):
+            subscription.put(message)
+
+    def subscribe(self, queue_size: int | None = None) -> Subscription:
+        subscription = Subscription(self, queue_size or self.queue_size)
+        if self.closed:
+            subscription.close()
+        else:
+            self._subscribers.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
+        subscription.close()
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)
+
+    def close(self) -> None:
+        """Ends every open stream (call before the HTTP server shuts down: it waits for
+        open responses to finish)."""
+        self.closed = True
+        for subscription in list(self._subscribers):
+            subscription.close()
+        self._subscribers.clear()
+
+
+# ----------------------------------------------------------------------- HTTP
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def encode(item: FeedMessage | Gap) -> bytes:
+    if isinstance(item, Gap):
+        return _sse({"dropped": item.dropped}, "gap")
+    return _sse(item)
+
+
+async def sse_stream(feed: EventFeed, position: int) -> AsyncIterator[bytes]:
+    """The bytes of one feed stream. Subscribes on first iteration, so a stream that is
+    never started holds no queue; unsubscribes however it ends."""
+    subscription = feed.subscribe()
+    try:
+        yield f"retry: {RETRY_MS}\n".encode() + _sse({"position": position}, "ready")
+        while True:
+            try:
+                batch = await subscription.next_batch(feed.keepalive_seconds)
+            except FeedClosed:
+                return
+            yield b"".join(encode(item) for item in batch) if batch else b": keepalive\n\n"
+    finally:
+        feed.unsubscribe(subscription)
+
+
+def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """The admin guard, also accepting ``?access_token=`` (EventSource sends no headers)."""
+    expected = connection.app.state.services.settings.admin_api_key
+    if not expected:
+        raise ApiError(
+            403,
+            "the admin API is disabled: set ADMIN_API_KEY on the controller",
+            type_="permission_error",
+            code="admin_disabled",
+        )
+    given = bearer(connection) or connection.query_params.get("access_token") or None
+    if given is None:
+        raise ApiError(
+            401,
+            "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>' "
+            "or ?access_token=<ADMIN_API_KEY>",
+            type_="authentication_error",
+            code="missing_api_key",
+        )
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key")
+
+
+def _feed(state: State) -> tuple[Services, EventFeed]:
+    svc: Services = state.services
+    feed = svc.extras.get("feed")
+    if not isinstance(feed, EventFeed):
+        raise ApiError(503, "the event feed is not running", type_="server_error")
+    return svc, feed
+
+
+@get(
+    "/api/admin/events/stream",
+    guards=[feed_guard],
+    tags=["admin"],
+    security=[{"BearerAuth": []}],
+    summary="Live event feed (server-sent events)",
+    description=(
+        "Every event as the read model applies it: `data: {position, time, code, aggregate_id,"
+        " kind (node|job|model), state, version, summary}`. Starts with `event: ready` (the"
+        " read-model position at connect); `event: gap` says how many messages a slow client"
+        " lost (refresh from the admin API); a `: keepalive` comment every 15 s when idle."
+        " Authenticate with the Bearer header, or with `?access_token=` where headers cannot"
+        " be sent (browsers' EventSource)."
+    ),
+    media_type="text/event-stream",
+)
+async def event_stream(
+    state: State,
+    access_token: Annotated[
+        str | None,
+        QueryParameter(
+            name="access_token",
+            description="The admin key, for clients that cannot send an Authorization header",
+        ),
+    ] = None,
+) -> Stream:
+    svc, feed = _feed(state)
+    return Stream(
+        sse_stream(feed, svc.follower.position),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

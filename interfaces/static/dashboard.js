@@ -1,0 +1,578 @@
+// DACP dashboard: talks only to the controller that served it, with the admin key the
+// operator typed (kept in sessionStorage, never in the page). Plain ES2020, no build step.
+
+const KEY_STORAGE = "dacp.adminKey";
+const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED"]);
+const ACTIVE_STATES = ["SUBMITTED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"];
+const RECENT_LIMIT = 25;
+const LIVE_LIMIT = 100;
+const NODE_POLL_MS = 5000; // heartbeat ages are live state, not events: poll them
+const JOB_POLL_MS = 15000; // a safety net; events keep the job tables current
+const FEED_RETRY_MS = 3000;
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  key: null,
+  nodes: new Map(), // node_id -> node view
+  jobs: new Map(), // job_id -> job view
+  selected: null, // {kind: "node"|"job", id}
+  source: null,
+  timers: [],
+  pending: new Map(), // debounce key -> timeout id
+  liveCount: 0,
+};
+
+// ------------------------------------------------------------------ helpers
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(props)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name === "class") node.className = value;
+    else if (name === "text") node.textContent = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else if (name === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+const short = (id) => (id ? String(id).slice(0, 8) : "");
+const gib = (bytes) => `${(Number(bytes) / 2 ** 30).toFixed(1)} GiB`;
+
+function clock(iso) {
+  if (!iso) return "";
+  const when = new Date(iso);
+  return Number.isNaN(when.getTime()) ? String(iso) : when.toLocaleTimeString();
+}
+
+function badge(value) {
+  return el("span", { class: `badge state state-${value || "UNKNOWN"}`, text: value || "?" });
+}
+
+function debounce(key, ms, fn) {
+  if (state.pending.has(key)) return;
+  state.pending.set(
+    key,
+    setTimeout(() => {
+      state.pending.delete(key);
+      fn();
+    }, ms),
+  );
+}
+
+let toastTimer = null;
+function toast(message, bad = false) {
+  const box = $("toast");
+  box.textContent = message;
+  box.className = bad ? "toast bad" : "toast";
+  box.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => (box.hidden = true), 5000);
+}
+
+class AuthError extends Error {}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, {
+    ...options,
+    headers: { Authorization: `Bearer ${state.key}`, Accept: "application/json" },
+    cache: "no-store",
+  });
+  let body = null;
+  try {
+    body = await response.json();
+  } catch {
+    body = null;
+  }
+  if (response.status === 401 || response.status === 403) {
+    throw new AuthError(body?.error?.message || `HTTP ${response.status}`);
+  }
+  if (!response.ok) {
+    throw new Error(body?.error?.message || `HTTP ${response.status}`);
+  }
+  return body;
+}
+
+function failed(error) {
+  if (error instanceof AuthError) {
+    signOut(`The admin key was refused: ${error.message}`);
+  } else {
+    toast(error.message || String(error), true);
+  }
+}
+
+// -------------------------------------------------------------------- nodes
+
+function resources(node) {
+  const res = node.resources || {};
+  const main = [];
+  if (res.cpu_threads) main.push(`${res.cpu_threads} threads`);
+  if (res.ram_total_bytes) {
+    const free = node.telemetry?.ram_free_bytes ?? res.ram_free_bytes;
+    const total = gib(res.ram_total_bytes);
+    main.push(free != null ? `RAM ${gib(free)} free / ${total}` : `RAM ${total}`);
+  }
+  const gpus = res.gpus || [];
+  main.push(gpus.length ? `${gpus.length} GPU${gpus.length > 1 ? "s" : ""}` : "no GPU");
+  const extra = [];
+  if (res.memory_limit_bytes) extra.push(`offers ${gib(res.memory_limit_bytes)}`);
+  if (node.telemetry?.cpu_percent != null) extra.push(`CPU ${node.telemetry.cpu_percent}%`);
+  const models = node.local_models || [];
+  if (models.length) extra.push(`${models.length} model${models.length > 1 ? "s" : ""}`);
+  return el(
+    "td",
+    { class: "resources" },
+    main.join(" · "),
+    extra.length ? el("span", { class: "sub", text: extra.join(" · ") }) : null,
+  );
+}
+
+function heartbeat(node) {
+  const age = node.heartbeat_age_seconds;
+  if (age === null || age === undefined) return el("td", { class: "heartbeat muted", text: "never" });
+  const text = age < 60 ? `${age.toFixed(1)} s ago` : `${Math.round(age / 60)} min ago`;
+  return el("td", { class: age > 10 ? "heartbeat late" : "heartbeat", text });
+}
+
+function nodeRow(node) {
+  const id = node.node_id;
+  const draining = Boolean(node.drain_requested);
+  const row = el(
+    "tr",
+    {
+      dataset: { nodeId: id },
+      class: state.selected?.id === id ? "selected" : "",
+      onclick: () => openTimeline("node", id),
+    },
+    el(
+      "td",
+      {},
+      el("span", { class: "name", text: node.name || short(id) }),
+      el("span", { class: "sub mono", text: `${short(id)} · ${node.address || ""}` }),
+    ),
+    el(
+      "td",
+      { class: "state-cell" },
+      badge(node.state),
+      node.error ? el("span", { class: "sub error", text: node.error }) : null,
+    ),
+    resources(node),
+    el("td", { class: "jobs", text: `${(node.current_jobs || []).length} / ${node.slots ?? "?"}` }),
+    heartbeat(node),
+    el("td", {
+      class: node.connected ? "connected yes" : "connected no",
+      text: node.connected ? "yes" : "no",
+    }),
+    el(
+      "td",
+      {},
+      el(
+        "div",
+        { class: "actions" },
+        el("button", {
+          type: "button",
+          class: "danger small drain",
+          text: "Drain",
+          disabled: draining,
+          title: "Stop assigning work to this node",
+          onclick: (e) => steer(e, id, "drain"),
+        }),
+        el("button", {
+          type: "button",
+          class: "secondary small resume",
+          text: "Resume",
+          disabled: !draining,
+          title: "Accept work again",
+          onclick: (e) => steer(e, id, "resume"),
+        }),
+      ),
+    ),
+  );
+  return row;
+}
+
+function renderNodes() {
+  const body = $("nodes-table").tBodies[0];
+  const rows = [...state.nodes.values()].sort(
+    (a, b) => (a.name || "").localeCompare(b.name || "") || a.node_id.localeCompare(b.node_id),
+  );
+  body.replaceChildren(...rows.map(nodeRow));
+  $("nodes-empty").hidden = rows.length > 0;
+  renderNodesSummary();
+}
+
+function renderNode(node) {
+  const body = $("nodes-table").tBodies[0];
+  const old = body.querySelector(`tr[data-node-id="${CSS.escape(node.node_id)}"]`);
+  if (!old) return renderNodes();
+  const fresh = nodeRow(node);
+  if (old.querySelector(".badge")?.textContent !== node.state) fresh.classList.add("flash");
+  old.replaceWith(fresh);
+  renderNodesSummary();
+}
+
+function renderNodesSummary() {
+  const counts = {};
+  for (const node of state.nodes.values()) counts[node.state] = (counts[node.state] || 0) + 1;
+  $("nodes-summary").textContent = Object.entries(counts)
+    .map(([s, n]) => `${n} ${s.toLowerCase()}`)
+    .join(" · ");
+}
+
+async function refreshNodes() {
+  try {
+    const body = await api("/api/admin/nodes");
+    state.nodes = new Map(body.data.map((n) => [n.node_id, n]));
+    renderNodes();
+  } catch (error) {
+    failed(error);
+  }
+}
+
+async function refreshNode(id) {
+  try {
+    const node = await api(`/api/admin/nodes/${encodeURIComponent(id)}`);
+    const known = state.nodes.has(id);
+    state.nodes.set(id, node);
+    known ? renderNode(node) : renderNodes();
+  } catch (error) {
+    failed(error);
+  }
+}
+
+async function steer(event, id, command) {
+  event.stopPropagation();
+  const button = event.currentTarget;
+  button.disabled = true;
+  try {
+    const node = await api(`/api/admin/nodes/${encodeURIComponent(id)}/${command}`, { method: "POST" });
+    state.nodes.set(id, node);
+    renderNode(node);
+    toast(`${node.name || short(id)}: ${command === "drain" ? "drain requested" : "resumed"}`);
+  } catch (error) {
+    button.disabled = false;
+    failed(error);
+  }
+}
+
+// --------------------------------------------------------------------- jobs
+
+function nodeNames(ids) {
+  return (ids || []).map((id) => state.nodes.get(id)?.name || short(id)).join(", ");
+}
+
+function timing(job) {
+  const t = job.timings || {};
+  const parts = [];
+  if (t.time_to_first_token_ms != null) {
+    parts.push(`TTFT ${Math.round(t.time_to_first_token_ms)} ms`);
+  } else if (t.first_token_after_submit_ms != null) {
+    parts.push(`first token ${Math.round(t.first_token_after_submit_ms)} ms`);
+  }
+  if (t.total_ms != null) parts.push(`total ${Math.round(t.total_ms)} ms`);
+  if (t.tokens_per_second) parts.push(`${Number(t.tokens_per_second).toFixed(1)} tok/s`);
+  return parts.join(" · ");
+}
+
+function jobRow(job) {
+  const id = job.job_id;
+  const tokens = job.completion_tokens ?? job.tokens_streamed ?? 0;
+  return el(
+    "tr",
+    {
+      dataset: { jobId: id },
+      class: state.selected?.id === id ? "selected" : "",
+      onclick: () => openTimeline("job", id),
+    },
+    el("td", { class: "mono", text: short(id), title: id }),
+    el("td", { text: job.model }),
+    el(
+      "td",
+      { class: "state-cell" },
+      badge(job.state),
+      job.failure
+        ? el("span", { class: "sub error", text: `${job.failure.phase}: ${job.failure.reason}` })
+        : null,
+    ),
+    el("td", { text: nodeNames(job.nodes) }),
+    el("td", { text: clock(job.submitted_at) }),
+    el("td", { text: String(tokens) }),
+    el("td", { class: "muted", text: timing(job) }),
+  );
+}
+
+function renderJobs() {
+  const all = [...state.jobs.values()].sort((a, b) =>
+    String(b.submitted_at).localeCompare(String(a.submitted_at)),
+  );
+  const active = all.filter((j) => !TERMINAL.has(j.state));
+  const recent = all.filter((j) => TERMINAL.has(j.state)).slice(0, RECENT_LIMIT);
+  $("active-jobs").tBodies[0].replaceChildren(...active.map(jobRow));
+  $("recent-jobs").tBodies[0].replaceChildren(...recent.map(jobRow));
+  $("active-empty").hidden = active.length > 0;
+  $("recent-empty").hidden = recent.length > 0;
+  $("active-count").textContent = active.length ? `${active.length} running` : "";
+  // Keep the map bounded: what no table shows is dropped (it comes back on refresh).
+  const keep = new Set([...active, ...recent].map((j) => j.job_id));
+  for (const id of state.jobs.keys()) if (!keep.has(id)) state.jobs.delete(id);
+}
+
+async function refreshJobs() {
+  try {
+    const queries = [
+      `/api/admin/jobs?limit=${RECENT_LIMIT * 2}`,
+      ...ACTIVE_STATES.map((s) => `/api/admin/jobs?state=${s}&limit=100`),
+    ];
+    const results = await Promise.all(queries.map((q) => api(q)));
+    state.jobs = new Map();
+    for (const result of results) for (const job of result.data) state.jobs.set(job.job_id, job);
+    renderJobs();
+  } catch (error) {
+    failed(error);
+  }
+}
+
+async function refreshJob(id) {
+  try {
+    const job = await api(`/api/admin/jobs/${encodeURIComponent(id)}`);
+    delete job.text; // the dashboard never shows prompts or generated text
+    state.jobs.set(id, job);
+    renderJobs();
+  } catch (error) {
+    failed(error);
+  }
+}
+
+// ----------------------------------------------------------------- timeline
+
+function markSelected() {
+  for (const row of document.querySelectorAll("tr[data-node-id], tr[data-job-id]")) {
+    const id = row.dataset.nodeId || row.dataset.jobId;
+    row.classList.toggle("selected", state.selected?.id === id);
+  }
+}
+
+function openTimeline(kind, id) {
+  state.selected = { kind, id };
+  const label = kind === "node" ? state.nodes.get(id)?.name || short(id) : short(id);
+  $("timeline-title").textContent = `Timeline: ${kind} ${label}`;
+  $("timeline-hint").textContent = "Loading...";
+  $("timeline-hint").hidden = false;
+  $("timeline-close").hidden = false;
+  $("timeline-list").replaceChildren();
+  markSelected();
+  loadTimeline();
+}
+
+function closeTimeline() {
+  state.selected = null;
+  $("timeline-title").textContent = "Timeline";
+  $("timeline-hint").textContent = "Click a node or a job to see its events.";
+  $("timeline-hint").hidden = false;
+  $("timeline-close").hidden = true;
+  $("timeline-list").replaceChildren();
+  markSelected();
+}
+
+function eventItem(entry) {
+  return el(
+    "li",
+    { dataset: { code: entry.code } },
+    el("span", { class: "when", text: clock(entry.time) }),
+    el("span", { class: "code", text: entry.code }),
+    entry.state ? " " : null,
+    entry.state ? badge(entry.state) : null,
+    el("span", { class: "summary", text: entry.summary }),
+  );
+}
+
+async function loadTimeline() {
+  const selected = state.selected;
+  if (!selected) return;
+  try {
+    const body = await api(`/api/admin/${selected.kind}s/${encodeURIComponent(selected.id)}/events`);
+    if (state.selected !== selected) return; // another one was opened meanwhile
+    const entries = body.data.slice().reverse(); // newest first
+    $("timeline-list").replaceChildren(...entries.map(eventItem));
+    $("timeline-hint").textContent = `${body.data.length} event${body.data.length === 1 ? "" : "s"}, newest first`;
+  } catch (error) {
+    if (state.selected === selected) $("timeline-hint").textContent = error.message;
+    failed(error);
+  }
+}
+
+// -------------------------------------------------------------- live feed
+
+function setFeed(status) {
+  const pill = $("feed-status");
+  pill.textContent = status;
+  pill.className = `pill ${status === "live" ? "pill-live" : status === "offline" ? "pill-off" : "pill-wait"}`;
+}
+
+function logEvent(message) {
+  const target = el("span", {
+    class: "target mono",
+    text: `${message.kind} ${short(message.aggregate_id)}`,
+    onclick: () => (message.kind === "model" ? null : openTimeline(message.kind, message.aggregate_id)),
+  });
+  const item = el(
+    "li",
+    { dataset: { code: message.code } },
+    el("span", { class: "when", text: clock(message.time) }),
+    el("span", { class: "code", text: message.code }),
+    " ",
+    target,
+    el("span", { class: "summary", text: message.summary }),
+  );
+  const list = $("live-events");
+  list.prepend(item);
+  while (list.children.length > LIVE_LIMIT) list.lastElementChild.remove();
+  state.liveCount += 1;
+  $("live-count").textContent = `${state.liveCount} since opened`;
+}
+
+function onFeedMessage(message) {
+  logEvent(message);
+  const id = message.aggregate_id;
+  if (message.kind === "node") {
+    const known = state.nodes.get(id);
+    if (known && message.state && known.state !== message.state) {
+      // Show the new state at once; the full row follows from the API.
+      known.state = message.state;
+      renderNode(known);
+    }
+    debounce(`node:${id}`, 150, () => refreshNode(id));
+  } else if (message.kind === "job") {
+    const wait = message.code === "TOKEN_STREAM_CHUNK" ? 1000 : 150;
+    debounce(`job:${id}`, wait, () => refreshJob(id));
+  }
+  if (state.selected?.id === id) debounce("timeline", 250, loadTimeline);
+}
+
+function openFeed() {
+  closeFeed();
+  setFeed("connecting");
+  // EventSource cannot send an Authorization header: this one route takes ?access_token=.
+  const source = new EventSource(`/api/admin/events/stream?access_token=${encodeURIComponent(state.key)}`);
+  state.source = source;
+  source.addEventListener("ready", () => {
+    setFeed("live");
+    refreshAll(); // anything missed while (re)connecting
+  });
+  source.addEventListener("gap", () => {
+    toast("The live feed skipped events; refreshed.");
+    refreshAll();
+  });
+  source.onmessage = (event) => {
+    try {
+      onFeedMessage(JSON.parse(event.data));
+    } catch (error) {
+      console.error("bad feed message", error);
+    }
+  };
+  source.onerror = () => {
+    if (state.source !== source) return;
+    if (source.readyState === EventSource.CLOSED) {
+      // Refused or the controller went away: check the key, then try again.
+      setFeed("offline");
+      state.source = null;
+      api("/api/admin/nodes")
+        .then(() => setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS))
+        .catch((error) => {
+          if (error instanceof AuthError) failed(error);
+          else setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS);
+        });
+    } else {
+      setFeed("reconnecting");
+    }
+  };
+}
+
+function closeFeed() {
+  if (state.source) state.source.close();
+  state.source = null;
+}
+
+// ------------------------------------------------------------ sign in / out
+
+async function refreshAll() {
+  await refreshNodes();
+  await refreshJobs();
+  if (state.selected) loadTimeline();
+}
+
+function start() {
+  $("login").hidden = true;
+  $("main").hidden = false;
+  $("sign-out").hidden = false;
+  refreshAll();
+  openFeed();
+  state.timers.push(setInterval(refreshNodes, NODE_POLL_MS));
+  state.timers.push(setInterval(refreshJobs, JOB_POLL_MS));
+}
+
+function signOut(reason = "") {
+  closeFeed();
+  for (const timer of state.timers) clearInterval(timer);
+  state.timers = [];
+  for (const timer of state.pending.values()) clearTimeout(timer);
+  state.pending.clear();
+  sessionStorage.removeItem(KEY_STORAGE);
+  state.key = null;
+  state.nodes.clear();
+  state.jobs.clear();
+  state.selected = null;
+  setFeed("offline");
+  $("main").hidden = true;
+  $("sign-out").hidden = true;
+  $("login").hidden = false;
+  $("admin-key").value = "";
+  $("login-error").textContent = reason;
+  $("login-error").hidden = !reason;
+  $("admin-key").focus();
+}
+
+async function signIn(event) {
+  event.preventDefault();
+  const key = $("admin-key").value.trim();
+  if (!key) return;
+  $("login-button").disabled = true;
+  $("login-error").hidden = true;
+  state.key = key;
+  try {
+    await api("/api/admin/nodes");
+    sessionStorage.setItem(KEY_STORAGE, key);
+    $("admin-key").value = "";
+    start();
+  } catch (error) {
+    state.key = null;
+    $("login-error").textContent =
+      error instanceof AuthError
+        ? `The controller refused this key: ${error.message}`
+        : `Cannot reach the controller: ${error.message}`;
+    $("login-error").hidden = false;
+  } finally {
+    $("login-button").disabled = false;
+  }
+}
+
+function init() {
+  $("login-form").addEventListener("submit", signIn);
+  $("sign-out").addEventListener("click", () => signOut());
+  $("timeline-close").addEventListener("click", closeTimeline);
+  const saved = sessionStorage.getItem(KEY_STORAGE);
+  if (saved) {
+    state.key = saved;
+    start();
+  } else {
+    $("admin-key").focus();
+  }
+}
+
+init();

@@ -1,0 +1,104 @@
+"""node-agent flags for the runtime: --memory-limit, --no-runtime, --runtime-log-dir, and
+build_handler's choice of handler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.control_client import (
+    MEMORY_LIMIT_LABEL,
+    SLOTS_LABEL,
+    AgentConfig,
+    ConfigError,
+    NullHandler,
+)
+from agent.handler_factory import RuntimeUnavailable, build_handler
+from agent.llama_handler import LlamaHandler
+from agent.main import build_parser, config_from_args, parse_byte_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1073741824", 1 << 30),
+        ("512M", 512 << 20),
+        ("2G", 2 << 30),
+        ("2g", 2 << 30),
+        ("1.5GiB", 3 << 29),
+        ("64kb", 64 << 10),
+        ("1T", 1 << 40),
+        (" 8 MB ", 8 << 20),
+    ],
+)
+def test_byte_sizes(text: str, expected: int) -> None:
+    assert parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "2Q", "-1G", "0", "1.5.2G", "2 G B"])
+def test_bad_byte_sizes(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_byte_size(text)
+
+
+def config(tmp_path: Path, *flags: str) -> AgentConfig:
+    args = build_parser().parse_args(["--data-dir", str(tmp_path / "data"), *flags])
+    return config_from_args(args)
+
+
+def test_memory_limit_is_an_inventory_label(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "--memory-limit", "2G", "--slots", "3", "--label", "zone=a")
+    assert cfg.memory_limit_bytes == 2 << 30
+    assert cfg.inventory_labels() == {
+        "zone": "a",
+        SLOTS_LABEL: "3",
+        MEMORY_LIMIT_LABEL: str(2 << 30),
+    }
+    assert MEMORY_LIMIT_LABEL not in config(tmp_path).inventory_labels()
+
+
+def test_memory_limit_label_is_reserved(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--memory-limit"):
+        config(tmp_path, "--label", f"{MEMORY_LIMIT_LABEL}=5")
+
+
+def test_bad_memory_limit_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        config(tmp_path, "--memory-limit", "lots")
+    assert caught.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_runtime_log_dir_defaults_under_the_data_dir(tmp_path: Path) -> None:
+    assert config(tmp_path).resolved_runtime_log_dir == tmp_path / "data" / "logs"
+    custom = config(tmp_path, "--runtime-log-dir", str(tmp_path / "l"))
+    assert custom.resolved_runtime_log_dir == tmp_path / "l"
+
+
+def test_no_runtime_gives_the_null_handler(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "--no-runtime", "--llama-bin-dir", str(tmp_path / "nowhere"))
+    assert not cfg.llama_runtime
+    assert isinstance(build_handler(cfg), NullHandler)
+
+
+def test_missing_binaries_are_a_config_error(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "--llama-bin-dir", str(tmp_path / "nowhere"))
+    assert cfg.llama_runtime
+    with pytest.raises(RuntimeUnavailable, match="nowhere") as caught:
+        build_handler(cfg)
+    assert "\n" not in str(caught.value) and isinstance(caught.value, ConfigError)
+
+
+async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("llama-server", "ggml-rpc-server"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    cfg = config(tmp_path, "--llama-bin-dir", str(bin_dir), "--slots", "2")
+    handler = build_handler(cfg)
+    assert isinstance(handler, LlamaHandler)
+    assert handler.slots == 2 and handler.log_dir == tmp_path / "data" / "logs"
+    assert handler.models_dir == tmp_path / "data" / "models"
+    await handler.close()

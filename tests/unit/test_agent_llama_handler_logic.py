@@ -1,0 +1,212 @@
+"""LlamaHandler logic that needs no llama.cpp process: chunking, stats, plan validation, refusals.
+
+The real runtime paths (streaming, RPC split, warm reuse, cancel) are covered end to end in
+tests/e2e/test_agent_llama_handler.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agent.llama_handler import (
+    INVALID_PLAN,
+    MODEL_NOT_FOUND,
+    SHA256_MISMATCH,
+    DeltaSender,
+    LlamaHandler,
+    SetupFailure,
+    generation_stats,
+    parse_messages,
+)
+from agent.runtime import RuntimeBinaries
+from proto import control_pb2 as pb
+
+
+class SlowSend:
+    """A ``send`` that blocks until released, recording what it got."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.AgentMessage] = []
+        self.gate = asyncio.Event()
+
+    async def __call__(self, message: pb.AgentMessage) -> None:
+        await self.gate.wait()
+        self.sent.append(message)
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.sent: list[pb.AgentMessage] = []
+
+    async def __call__(self, message: pb.AgentMessage) -> None:
+        self.sent.append(message)
+
+
+async def test_delta_sender_sends_at_once_and_coalesces_while_a_send_is_pending() -> None:
+    send = SlowSend()
+    sender = DeltaSender("j", send)
+    sender.push("a")
+    await asyncio.sleep(0)  # the first piece goes out at once (and blocks in send)
+    sender.push("b")
+    sender.push("c")
+    send.gate.set()
+    await sender.drain()
+    chunks = [[(d.seq, d.text, d.tokens) for d in m.token_chunk.deltas] for m in send.sent]
+    assert chunks == [[(0, "a", 1)], [(1, "b", 1), (2, "c", 1)]]
+    assert all(m.token_chunk.job_id == "j" for m in send.sent)
+
+    sender.push("d")
+    await sender.drain()
+    assert [d.seq for d in send.sent[-1].token_chunk.deltas] == [3]
+
+
+async def test_delta_sender_reports_a_failed_send() -> None:
+    async def broken(message: pb.AgentMessage) -> None:
+        raise ConnectionError("gone")
+
+    sender = DeltaSender("j", broken)
+    sender.push("a")
+    sender.push("b")
+    with pytest.raises(ConnectionError):
+        await sender.drain()
+
+
+def test_stats_prefer_llama_server_numbers() -> None:
+    stats = generation_stats(
+        started=0.0,
+        first_piece=0.5,
+        last_piece=1.5,
+        pieces=11,
+        usage_prompt_tokens=20,
+        usage_completion_tokens=10,
+        timings_prompt_tokens=20,
+        timings_prompt_ms=40.0,
+        timings_predicted_tokens=10,
+        timings_predicted_ms=100.0,
+    )
+    assert (stats.prompt_tokens, stats.completion_tokens) == (20, 10)
+    assert stats.time_to_first_token_ms == 40.0
+    assert stats.tokens_per_second == pytest.approx(100.0)
+
+
+def test_stats_are_measured_when_llama_server_sends_none() -> None:
+    stats = generation_stats(started=1.0, first_piece=1.25, last_piece=3.25, pieces=5)
+    assert (stats.prompt_tokens, stats.completion_tokens) == (0, 5)
+    assert stats.time_to_first_token_ms == pytest.approx(250.0)
+    assert stats.tokens_per_second == pytest.approx(2.0)  # 4 pieces after the first in 2 s
+    empty = generation_stats(started=1.0, first_piece=None, last_piece=None, pieces=0)
+    assert (empty.completion_tokens, empty.time_to_first_token_ms, empty.tokens_per_second) == (
+        0,
+        0.0,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize("text", ["", "not json", "{}", "[]", "[1, 2]"])
+def test_bad_messages_are_an_invalid_plan(text: str) -> None:
+    with pytest.raises(SetupFailure) as caught:
+        parse_messages(text)
+    assert caught.value.error_code == INVALID_PLAN
+
+
+def test_messages_are_parsed() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_messages(json.dumps(messages)) == messages
+
+
+# --- handler without processes -----------------------------------------------------------
+
+
+@pytest.fixture
+async def handler(tmp_path: Path) -> AsyncIterator[LlamaHandler]:
+    fake = tmp_path / "bin"  # never executed by these tests
+    binaries = RuntimeBinaries(fake, fake / "llama-server", fake / "ggml-rpc-server")
+    (tmp_path / "models").mkdir()
+    h = LlamaHandler(
+        binaries, models_dir=tmp_path / "models", data_dir=tmp_path, log_dir=tmp_path / "logs"
+    )
+    yield h
+    await h.close()
+
+
+def plan(job_id: str, file_name: str = "m.gguf", messages: str = '[{"role":"user","content":"x"}]'):
+    return pb.ExecutionPlan(
+        job_id=job_id,
+        role=pb.ExecutionPlan.PRIMARY,
+        model_file_name=file_name,
+        model_sha256="a" * 64,
+        generation=pb.GenerationParams(messages_json=messages, max_tokens=4),
+    )
+
+
+def only_setup_result(sent: Collect) -> pb.SetupResult:
+    assert [m.WhichOneof("payload") for m in sent.sent] == ["setup_result"]
+    return sent.sent[0].setup_result
+
+
+async def test_missing_model_is_refused(handler: LlamaHandler) -> None:
+    sent = Collect()
+    await handler.on_plan(plan("j1", file_name="absent.gguf"), sent)
+    result = only_setup_result(sent)
+    assert (result.ok, result.error_code, result.role) == (False, MODEL_NOT_FOUND, "primary")
+    assert "absent.gguf" in result.error
+    assert handler.active_job_ids() == []
+
+
+async def test_path_traversal_is_not_found(handler: LlamaHandler, tmp_path: Path) -> None:
+    (tmp_path / "outside.gguf").write_bytes(b"x")
+    sent = Collect()
+    await handler.on_plan(plan("j1", file_name="../outside.gguf"), sent)
+    assert only_setup_result(sent).error_code == MODEL_NOT_FOUND
+
+
+async def test_unverifiable_model_is_a_sha256_mismatch(
+    handler: LlamaHandler, tmp_path: Path
+) -> None:
+    (tmp_path / "models" / "m.gguf").write_bytes(b"not a gguf file")
+    sent = Collect()
+    await handler.on_plan(plan("j1"), sent)
+    result = only_setup_result(sent)
+    assert result.error_code == SHA256_MISMATCH and "a" * 64 in result.error
+
+
+async def test_bad_messages_are_refused_before_anything_else(handler: LlamaHandler) -> None:
+    sent = Collect()
+    await handler.on_plan(plan("j1", messages="nope"), sent)
+    assert only_setup_result(sent).error_code == INVALID_PLAN
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "8.8.8.8", "::", "not-an-ip"])
+async def test_unsafe_rpc_bind_is_refused(handler: LlamaHandler, host: str) -> None:
+    sent = Collect()
+    await handler.on_start_rpc_worker(pb.StartRpcWorker(job_id="j", host=host, port=50052), sent)
+    [message] = sent.sent
+    status = message.rpc_worker_status
+    assert (status.job_id, status.state, status.host) == ("j", pb.RpcWorkerStatus.FAILED, host)
+    assert status.error
+    assert handler.runtime.rpc_workers == {}
+
+
+async def test_worker_plans_cancels_and_stops_need_no_process(handler: LlamaHandler) -> None:
+    sent = Collect()
+    worker_plan = pb.ExecutionPlan(job_id="j", role=pb.ExecutionPlan.WORKER)
+    await handler.on_plan(worker_plan, sent)
+    await handler.on_cancel(pb.CancelJob(job_id="unknown"), sent)
+    assert sent.sent == []
+    await handler.on_stop_rpc_worker(pb.StopRpcWorker(job_id="j"), sent)
+    [message] = sent.sent
+    assert message.rpc_worker_status.state == pb.RpcWorkerStatus.STOPPED
+
+
+async def test_closed_handler_refuses_plans(handler: LlamaHandler) -> None:
+    await handler.close()
+    await handler.close()  # idempotent
+    sent = Collect()
+    await handler.on_plan(plan("j1"), sent)
+    result = only_setup_result(sent)
+    assert (result.ok, result.error_code) == (False, "AGENT_STOPPING")

@@ -1,0 +1,102 @@
+"""``/schema/openapi.json`` documents every HTTP route, each secured unless it is public."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from litestar import Litestar
+from litestar.routes import HTTPRoute
+from litestar.testing import TestClient
+
+from interfaces.http_app import create_app
+
+PUBLIC = {"/health", "/metrics"}
+EXPECTED = {
+    "/health",
+    "/metrics",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/api/admin/nodes",
+    "/api/admin/nodes/{node_id}",
+    "/api/admin/nodes/{node_id}/drain",
+    "/api/admin/nodes/{node_id}/resume",
+    "/api/admin/nodes/{node_id}/events",
+    "/api/admin/enrollment-tokens",
+    "/api/admin/models",
+    "/api/admin/jobs",
+    "/api/admin/jobs/{job_id}",
+    "/api/admin/jobs/{job_id}/events",
+    "/api/admin/events/stream",
+}
+#: Served, deliberately not API: the dashboard page and its static files.
+NOT_API = ("/dashboard", "/schema")
+
+
+@pytest.fixture(scope="module")
+def app() -> Litestar:
+    return create_app(services=None)  # type: ignore[arg-type]  # the schema needs no services
+
+
+@pytest.fixture(scope="module")
+def schema(app: Litestar) -> dict[str, Any]:
+    with TestClient(app) as client:
+        response = client.get("/schema/openapi.json")
+        assert response.status_code == 200
+        body: dict[str, Any] = response.json()
+        return body
+
+
+def documented_path(route_path: str) -> str:
+    """Litestar's ``/nodes/{node_id:str}`` as OpenAPI writes it: ``/nodes/{node_id}``."""
+    parts = []
+    for part in route_path.split("/"):
+        if part.startswith("{") and ":" in part:
+            part = part.split(":", 1)[0] + "}"
+        parts.append(part)
+    return "/".join(parts)
+
+
+def test_every_api_route_is_documented(app: Litestar, schema: dict[str, Any]) -> None:
+    paths = set(schema["paths"])
+    assert EXPECTED <= paths, sorted(EXPECTED - paths)
+    for route in app.routes:
+        if not isinstance(route, HTTPRoute) or route.path.startswith(NOT_API):
+            continue
+        for handler in route.route_handlers:
+            if handler.include_in_schema:
+                path = documented_path(route.path)
+                assert path in paths, path
+                for method in handler.http_methods:
+                    assert method.lower() in schema["paths"][path], (method, path)
+
+
+def test_every_non_public_operation_requires_the_bearer_key(schema: dict[str, Any]) -> None:
+    scheme = schema["components"]["securitySchemes"]["BearerAuth"]
+    assert scheme == {"type": "http", "scheme": "bearer"}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            security = operation.get("security")
+            if path in PUBLIC:
+                assert not security, (method, path)
+            else:
+                assert security == [{"BearerAuth": []}], (method, path, security)
+
+
+def test_the_event_stream_documents_its_query_token(schema: dict[str, Any]) -> None:
+    operation = schema["paths"]["/api/admin/events/stream"]["get"]
+    params = {(p["name"], p["in"]) for p in operation.get("parameters", [])}
+    assert ("access_token", "query") in params
+    assert "text/event-stream" in str(operation["responses"])
+
+
+def test_the_dashboard_is_served_with_a_strict_policy(app: Litestar) -> None:
+    with TestClient(app) as client:
+        page = client.get("/dashboard")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        policy = page.headers["content-security-policy"]
+        assert "connect-src 'self'" in policy and "script-src 'self'" in policy
+        assert 'src="/dashboard/static/dashboard.js"' in page.text
+        for asset in ("dashboard.js", "dashboard.css"):
+            assert client.get(f"/dashboard/static/{asset}").status_code == 200
