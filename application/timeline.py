@@ -330,6 +330,41 @@ def timeline(app: Application[UUID], aggregate_id: UUID | str) -> list[Entry]:
     return [entry_of(e, where.get(int(e.originator_version))) for e in events]
 
 
+def _plan_nodes(plan: Mapping[str, Any] | None) -> list[str]:
+    if not plan:
+        return []
+    nodes = [plan.get("primary", {}).get("node_id")]
+    nodes += [w.get("node_id") for w in plan.get("workers", [])]
+    return [str(n) for n in nodes if n]
+
+
+def job_timeline(app: Application[UUID], job_id: UUID | str) -> list[Entry]:
+    """A job's own events plus the node events about it (RPC workers started for it, its
+    slots taken and freed), in store order: the whole story of one job."""
+    own = timeline(app, job_id)
+    if not own:
+        return []
+    for entry in own:
+        entry["aggregate_id"] = str(job_id)
+    nodes: list[str] = []
+    for entry in own:
+        payload = entry["payload"]
+        for node_id in [*_plan_nodes(payload.get("plan")), *payload.get("nodes", [])]:
+            if node_id not in nodes:
+                nodes.append(node_id)
+    related: list[Entry] = []
+    for node_id in nodes:
+        where = positions(app, node_id)
+        for event in events_of(app, node_id):
+            if getattr(event, "job_id", None) == str(job_id):
+                entry = entry_of(event, where.get(int(event.originator_version)))
+                entry["aggregate_id"] = node_id
+                related.append(entry)
+    merged = own + related
+    merged.sort(key=lambda e: (e["position"] is None, e["position"] or 0, e["time"]))
+    return merged
+
+
 def timeline_kind(app: Application[UUID], aggregate_id: UUID | str) -> str | None:
     """What the aggregate is (``node``, ``job``, …) or ``None`` when it has no events."""
     uid = as_uuid(aggregate_id)

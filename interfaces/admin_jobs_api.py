@@ -15,7 +15,7 @@ from litestar import get
 from litestar.datastructures import State
 from litestar.params import FromPath, QueryParameter
 
-from application.timeline import as_uuid, parse_time, timeline, timeline_kind
+from application.timeline import as_uuid, job_timeline, parse_time, timeline, timeline_kind
 from domain.states import JobState
 from interfaces.http_auth import admin_guard
 from interfaces.http_errors import ApiError
@@ -130,10 +130,14 @@ class AdminJobRoutes(Routes):
         uid = as_uuid(ident)
         if uid is None or await asyncio.to_thread(timeline_kind, svc.app, uid) != kind:
             raise _not_found(kind, ident)
-        entries = await asyncio.to_thread(timeline, svc.app, uid)
+        story = job_timeline if kind == "job" else timeline
+        entries = await asyncio.to_thread(story, svc.app, uid)
         return {"object": "list", f"{kind}_id": str(uid), "data": entries}
 
-    @get("/jobs/{job_id:str}/events", summary="A job's events, oldest first")
+    @get(
+        "/jobs/{job_id:str}/events",
+        summary="A job's events and the node events about it (RPC workers, slots), in order",
+    )
     async def job_events(self, state: State, job_id: FromPath[str]) -> dict[str, Any]:
         return await self._timeline(_services(state), "job", job_id)
 

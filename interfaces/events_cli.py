@@ -30,6 +30,7 @@ from application.timeline import (
     events_of,
     iso,
     job_row,
+    job_timeline,
     parse_time,
     positions,
     replay,
@@ -174,7 +175,7 @@ def timeline_table(entries: Sequence[Mapping[str, Any]]) -> list[str]:
 def cmd_events(args: argparse.Namespace) -> int:
     with opened(args) as storage:
         uid = resolve(storage, args.ident, args.kind)
-        entries = timeline(storage.app, uid)
+        entries = (job_timeline if args.kind == "job" else timeline)(storage.app, uid)
     if args.json:
         _emit_json(entries)
     else:

@@ -11,7 +11,7 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from application.enrollment import EnrollmentService
-from application.timeline import timeline
+from application.timeline import job_timeline
 from infrastructure.live_state import InProcessLiveState
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage
@@ -150,7 +150,7 @@ def test_timelines_match_the_cli(
     assert job.status_code == 200
     body = job.json()
     assert body["object"] == "list" and body["job_id"] == str(incident.execution_failed_job)
-    assert body["data"] == timeline(storage.app, incident.execution_failed_job)
+    assert body["data"] == job_timeline(storage.app, incident.execution_failed_job)
     assert body["data"][-1]["code"] == "JOB_FAILED"
 
     node = client.get(f"/api/admin/nodes/{incident.node_a}/events", headers=ADMIN).json()

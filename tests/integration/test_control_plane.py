@@ -234,6 +234,8 @@ async def test_admin_api_auth_and_errors(ctl: RunningController) -> None:
 async def test_admin_lists_nodes_with_heartbeat_age(ctl: RunningController) -> None:
     node_id, session = await connected_node(ctl)
     await wait_for(lambda: ctl.services.live.get(node_id) is not None)
+    # The read model is eventually consistent with the enrollment it has to show.
+    await wait_for(lambda: ctl.services.read_model.get_node(node_id) is not None)
     async with http(ctl) as client:
         listing = await client.get("/api/admin/nodes", headers=ADMIN)
         assert listing.status_code == 200

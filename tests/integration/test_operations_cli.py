@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from application.diagnosis import CONTROLLER_UNREACHABLE, PUBLIC_PEER, RPC_WORKER_LOST
-from application.timeline import parse_time, timeline
+from application.timeline import job_timeline, parse_time, timeline
 from application.version import CONTROLLER_VERSION
 from infrastructure.storage import Storage
 from interfaces import cli
@@ -68,7 +68,11 @@ def test_job_timeline_json(
     job = str(incident.execution_failed_job)
     code, out, err = dacp(capsys, storage, "events", "job", job, "--json")
     assert (code, err) == (0, "")
-    entries = json.loads(out)
+    story = json.loads(out)
+    # Node events about the job (its slots taken, RPC workers) are part of its story.
+    assert "NODE_JOB_ASSIGNED" in [e["code"] for e in story]
+    assert [e["position"] for e in story] == sorted(e["position"] for e in story)
+    entries = [e for e in story if e["aggregate_id"] == job]
     assert [e["code"] for e in entries] == [
         "JOB_SUBMITTED",
         "JOB_PLANNED",
@@ -90,7 +94,7 @@ def test_job_timeline_json(
     assert failed["summary"].startswith("phase=execution reason=node node-b lost")
     assert failed["state"] == "FAILED"
     # The CLI prints exactly what the shared timeline code returns.
-    assert entries == json.loads(json.dumps(timeline(storage.app, incident.execution_failed_job)))
+    assert story == json.loads(json.dumps(job_timeline(storage.app, incident.execution_failed_job)))
 
 
 def test_replay_at_version_and_time(

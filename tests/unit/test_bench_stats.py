@@ -313,3 +313,19 @@ def test_cpu_meter_snapshot_is_monotonic() -> None:
     busy1, ours1 = meter.snapshot()
     assert busy1 >= busy0 and ours1 >= ours0
     assert meter.cpus >= 1
+
+
+def test_compare_over_quiet_prompts_only() -> None:
+    direct = _run("a", [(0.100, 50.0, "x"), (0.100, 50.0, "y"), (0.100, 50.0, "z")])
+    ctrl = _run("b1", [(0.200, 25.0, "x"), (0.900, 5.0, "y"), (0.200, 25.0, "z")])
+    for run in (direct, ctrl):
+        for sample, background in zip(run.samples, (1.0, 60.0, 5.0), strict=True):
+            sample.background_cpu_percent = background
+    assert compare_paths.quiet_prompts([direct, ctrl], 10.0) == {0, 2}
+    everything = compare_paths.compare(ctrl, direct)
+    quiet = compare_paths.compare(ctrl, direct, max_background=10.0)
+    assert everything["pairs"] == 3 and quiet["pairs"] == 2
+    assert quiet["ttft_ratio_of_medians"] == pytest.approx(2.0)
+    assert quiet["tokens_per_s_ratio_paired_median"] == pytest.approx(0.5)
+    assert quiet["ttft_overhead_ms_paired_median"] == pytest.approx(100.0)
+    assert compare_paths.compare(ctrl, direct, max_background=0.5)["pairs"] == 0
