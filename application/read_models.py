@@ -89,6 +89,7 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
         new["current_jobs"] = sorted({*row["current_jobs"], event.job_id})
     elif isinstance(event, Node.JobReleased):
         new["current_jobs"] = [j for j in row["current_jobs"] if j != event.job_id]
+        new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
     return new
 
 

@@ -163,6 +163,8 @@ class Node(Aggregate):
 
         def evolve(self, node: Node) -> None:
             node.jobs = [j for j in node.jobs if j != self.job_id]
+            # The worker process may stay warm for the next job; its claim for this one ends.
+            node.rpc_workers = {k: v for k, v in node.rpc_workers.items() if k != self.job_id}
 
     def __init__(
         self,

@@ -188,3 +188,11 @@ def test_resources_differ_rules() -> None:
 def test_deepcopy_equality_holds() -> None:
     node = ready_node()
     assert copy.deepcopy(node) == node
+
+
+def test_released_job_drops_its_rpc_worker_claim() -> None:
+    node = ready_node()
+    node.assign_job("j1", "worker")
+    node.rpc_worker_started("j1", "10.0.0.5", 50052)
+    node.release_job("j1", "completed")
+    assert node.rpc_workers == {}
