@@ -273,6 +273,10 @@ class JobManager:
         if future is not None and not future.done():
             future.set_result(SetupOutcome(ok=started, error=error))
 
+    async def worker_stopped(self, node_id: str, job_id: str, reason: str) -> None:
+        """Records RPC_WORKER_STOPPED while the node still serves the job."""
+        await self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
+
     async def setup_result(self, node_id: str, job_id: str, outcome: SetupOutcome) -> None:
         run = self.runs.get(job_id)
         if run is None or node_id != run.primary:

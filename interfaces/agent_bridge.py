@@ -74,7 +74,9 @@ class JobUplink:
             self.jobs.token_chunk(node_id, chunk.job_id, deltas)
         elif kind == "rpc_worker_status":
             st = message.rpc_worker_status
-            if st.state in (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED):
+            if st.state == pb.RpcWorkerStatus.STOPPED:
+                await self.jobs.worker_stopped(node_id, st.job_id, st.error or "stopped")
+            elif st.state in (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED):
                 await self.jobs.worker_status(
                     node_id,
                     st.job_id,
