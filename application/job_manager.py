@@ -209,14 +209,20 @@ class JobManager:
                 if not self.gateway.start_rpc_worker(
                     node.node_id, run.job_id, node.address, node.rpc_port
                 ):
-                    return f"node {node.node_id} is not connected", node.node_id
+                    return f"node {self._label(node.node_id)} is not connected", node.node_id
             for node_id, future in run.worker_futures.items():
                 try:
                     outcome = await asyncio.wait_for(asyncio.shield(future), self.worker_timeout)
                 except TimeoutError:
-                    return f"RPC worker on node {node_id} did not start in time", node_id
+                    return (
+                        f"RPC worker on node {self._label(node_id)} did not start in time",
+                        node_id,
+                    )
                 if not outcome.ok:
-                    return f"RPC worker on node {node_id} failed: {outcome.error}", node_id
+                    return (
+                        f"RPC worker on node {self._label(node_id)} failed: {outcome.error}",
+                        node_id,
+                    )
         assignment = PrimaryAssignment(
             job_id=run.job_id,
             model_name=model["name"],
@@ -232,11 +238,14 @@ class JobManager:
         )
         run.setup_future = loop.create_future()
         if not self.gateway.assign_primary(run.primary, assignment):
-            return f"primary node {run.primary} is not connected", run.primary
+            return f"primary node {self._label(run.primary)} is not connected", run.primary
         try:
             result = await asyncio.wait_for(asyncio.shield(run.setup_future), self.setup_timeout)
         except TimeoutError:
-            return f"primary node {run.primary} did not validate setup in time", run.primary
+            return (
+                f"primary node {self._label(run.primary)} did not validate setup in time",
+                run.primary,
+            )
         if not result.ok:
             return (
                 f"{result.error_code or 'setup_failed'}: {result.error}",
@@ -253,6 +262,13 @@ class JobManager:
             self.gateway.cancel_job(run.primary, job_id, reason)
         await self.recorder.flush(job_id)
         await self._quietly(self.app.cancel, job_id, reason)
+
+    def _label(self, node_id: str) -> str:
+        """``name (id prefix)`` for messages people read; the id alone if unknown."""
+        try:
+            return f"{self.app.get_node(node_id).name} ({node_id[:8]})"
+        except (NotFound, ValueError):
+            return node_id
 
     async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs a command whose refusal only means someone else recorded the ending."""
@@ -342,7 +358,7 @@ class JobManager:
         """A node's stream closed: setup waits fail over; executions on it are lost."""
         lost = SetupOutcome(
             ok=False,
-            error=f"node {node_id} disconnected",
+            error=f"node {self._label(node_id)} disconnected",
             error_code="NODE_LOST",
             failed_node_id=node_id,
         )
@@ -366,12 +382,15 @@ class JobManager:
                 continue
             await self.recorder.flush(run.job_id)
             await self._quietly(
-                self.app.fail, run.job_id, f"node {node_id} lost during execution", "node_lost"
+                self.app.fail,
+                run.job_id,
+                f"node {self._label(node_id)} lost during execution",
+                "node_lost",
             )
             run.queue.put_nowait(
                 StreamItem(
                     "error",
-                    error=f"node {node_id} was lost during execution; "
+                    error=f"node {self._label(node_id)} was lost during execution; "
                     "uninterrupted generation is not guaranteed",
                     error_code="node_lost",
                 )
