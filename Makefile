@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv lint typecheck test unit proto llama model demo controller clean browser
+.PHONY: venv lint typecheck test unit proto llama model demo controller clean browser bench
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ unit: venv
 
 demo: venv llama model
 	$(PY) -m ops.demo
+
+# Direct llama-server vs through the controller, side by side (results in var/bench/).
+bench: venv llama model
+	$(PY) -m bench.compare_paths --wait-idle 900
 
 controller: venv
 	$(VENV)/bin/dacp controller
