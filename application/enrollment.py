@@ -44,27 +44,44 @@ class EnrolledNode:
     position: int
 
 
+def enrollment_key(secret: str | None) -> bytes:
+    if not secret:
+        raise EnrollmentNotConfigured(
+            "NODE_ENROLLMENT_SECRET is not set on the controller; enrollment is disabled"
+        )
+    return secret.encode("utf-8")
+
+
+def mint_enrollment_token(
+    key: bytes, *, ttl_seconds: float, single_use: bool, node_name: str | None, now: float
+) -> MintedToken:
+    """A token signed with ``key``, valid for ``ttl_seconds`` (no store needed)."""
+    if ttl_seconds <= 0:
+        raise ValueError("ttl_seconds must be positive")
+    token_id = secrets.token_hex(8)
+    expires_at = now + ttl_seconds
+    token = mint_token(key, token_id, expires_at, single_use, node_name or None)
+    return MintedToken(token, token_id, expires_at, single_use, node_name or None)
+
+
 class EnrollmentService:
     def __init__(self, app: Controller, secret: str | None) -> None:
         self.app = app
-        self._secret = secret.encode("utf-8") if secret else None
+        self._secret = secret
 
     def _key(self) -> bytes:
-        if not self._secret:
-            raise EnrollmentNotConfigured(
-                "NODE_ENROLLMENT_SECRET is not set on the controller; enrollment is disabled"
-            )
-        return self._secret
+        return enrollment_key(self._secret)
 
     def mint(
         self, *, ttl_seconds: float, single_use: bool, node_name: str | None, now: float
     ) -> MintedToken:
-        if ttl_seconds <= 0:
-            raise ValueError("ttl_seconds must be positive")
-        token_id = secrets.token_hex(8)
-        expires_at = now + ttl_seconds
-        token = mint_token(self._key(), token_id, expires_at, single_use, node_name or None)
-        return MintedToken(token, token_id, expires_at, single_use, node_name or None)
+        return mint_enrollment_token(
+            self._key(),
+            ttl_seconds=ttl_seconds,
+            single_use=single_use,
+            node_name=node_name,
+            now=now,
+        )
 
     def verify(self, token: str, node_name: str, now: float) -> TokenClaims:
         """Raises :class:`domain.enrollment_token.InvalidTokenError` when refused."""

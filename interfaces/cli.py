@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from application.enrollment import EnrollmentNotConfigured, EnrollmentService
+from application.enrollment import (
+    EnrollmentNotConfigured,
+    enrollment_key,
+    mint_enrollment_token,
+)
 from infrastructure.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -45,9 +49,9 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
-    service = EnrollmentService(app=None, secret=settings.node_enrollment_secret)  # type: ignore[arg-type]
     try:
-        minted = service.mint(
+        minted = mint_enrollment_token(
+            enrollment_key(settings.node_enrollment_secret),
             ttl_seconds=args.ttl,
             single_use=args.single_use,
             node_name=args.node_name,
