@@ -29,6 +29,15 @@ async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController
         yield running
 
 
+@pytest.fixture
+async def quiet_ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
+    """A controller whose health sweep stays quiet for the length of a test, for tests that
+    assert that nothing at all was recorded."""
+    settings = controller_settings(pg_schema, tmp_path, degraded_after=60.0, offline_after=120.0)
+    async with controller(settings) as running:
+        yield running
+
+
 def target(ctl: RunningController) -> str:
     return f"127.0.0.1:{ctl.grpc_port}"
 
@@ -95,8 +104,9 @@ async def test_enroll_records_node_with_inventory(ctl: RunningController) -> Non
     ],
 )
 async def test_bad_tokens_refused_and_nothing_recorded(
-    ctl: RunningController, bad: str, status: grpc.StatusCode
+    quiet_ctl: RunningController, bad: str, status: grpc.StatusCode
 ) -> None:
+    ctl = quiet_ctl
     if bad == "garbage":
         tok = "not-a-token"
     elif bad == "forged":
@@ -119,7 +129,8 @@ async def test_bad_tokens_refused_and_nothing_recorded(
     assert ctl.services.app.position() == before
 
 
-async def test_connect_requires_own_credential(ctl: RunningController) -> None:
+async def test_connect_requires_own_credential(quiet_ctl: RunningController) -> None:
+    ctl = quiet_ctl
     a = await enroll(target(ctl), token(), "a")
     b = await enroll(target(ctl), token(), "b")
     cases = [
