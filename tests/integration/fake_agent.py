@@ -22,10 +22,12 @@ class FakeAgent:
         holds: str = "",
         memory: int = 160 << 20,
         words: tuple[str, ...] = ("Hello", " world"),
+        address: str = "127.0.0.1",
     ):
         self.target, self.token, self.name = target, token, name
         self.holds = holds  # sha256 of the model file it reports
         self.memory = memory
+        self.address = address
         self.words = words
         self.unresponsive = False
         self.fail_setup: pb.SetupResult | None = None
@@ -38,7 +40,7 @@ class FakeAgent:
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> FakeAgent:
-        inv = inventory()
+        inv = inventory(self.address)
         inv.labels["dacp.memory_limit_bytes"] = str(self.memory)
         import grpc
 

@@ -252,3 +252,34 @@ async def test_primary_lost_during_execution_fails_job_and_client_sees_error(
     jobs = synced(ctl).services.read_model.list_jobs()
     job = ctl.services.app.get_job(jobs[0]["job_id"])
     assert job.state == "FAILED" and job.failure_phase == "execution"
+
+
+async def test_peer_outside_allowed_cidrs_is_excluded_and_recorded(
+    ctl: RunningController,
+) -> None:
+    """203.0.113.9 (TEST-NET-3, never contacted) lies outside ALLOWED_PEER_CIDRS."""
+    a, public, c = await agents(
+        ctl,
+        {"name": "a", "holds": SHA},
+        {"name": "public", "memory": 4 << 30, "address": "203.0.113.9"},
+        {"name": "c", "memory": 200 << 20},
+    )
+    async with http(ctl) as client:
+        await register(ctl, client)
+        r = await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert r.status_code == 200, r.text
+    jid = job_id(r.json()["id"])
+    assert [p.node_id for p in a.plans[-1].rpc_peers] == [a.node_id, c.node_id]
+    events = list(ctl.services.app.repository.event_store.get(UUID(public.node_id)))
+    violation = next(e for e in events if code_of(e) == "SECURITY_VIOLATION")
+    assert violation.address == "203.0.113.9"  # type: ignore[attr-defined]
+    assert violation.job_id == jid  # type: ignore[attr-defined]
+    assert public.session is not None
+    kinds = [m.WhichOneof("payload") for m in public.session.received]
+    assert "start_rpc_worker" not in kinds and "execution_plan" not in kinds
+    for agent in (a, public, c):
+        await agent.stop()
