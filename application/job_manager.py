@@ -138,20 +138,30 @@ class JobManager:
         try:
             await self._call(self.app.submit, submission, uid)
             await self._setup(run, model, submission)
-        except BaseException:
+        except NoCapacityError:
             self.runs.pop(run.job_id, None)
+            raise
+        except BaseException as e:
+            # Anything else (store down, cancelled request): stop the primary if it was
+            # already told to run, and end the job so its node slots are not held forever.
+            self.runs.pop(run.job_id, None)
+            self._cancel_on_primary(run, "setup aborted")
+            await self._quietly(self.app.fail, run.job_id, f"setup aborted: {e!r}", "internal")
             raise
         return run
 
     async def _setup(self, run: JobRun, model: dict[str, Any], submission: Submission) -> None:
         excluded: set[str] = set()
+        reported: set[str] = set()
         reason, blamed = "", ""
         for attempt in range(self.max_replans + 1):
             result = await self._call(self.scheduler.place, model, frozenset(excluded))
             for v in result.violations:
-                await self._quietly(
-                    self.app.security_violation, v.node_id, v.address, v.reason, run.job_id
-                )
+                if v.node_id not in reported:  # once per job, not once per attempt
+                    reported.add(v.node_id)
+                    await self._quietly(
+                        self.app.security_violation, v.node_id, v.address, v.reason, run.job_id
+                    )
             if result.plan is None:
                 assert result.no_capacity is not None
                 why = result.no_capacity.reason
@@ -184,6 +194,7 @@ class JobManager:
                 run.validated.set()
                 return
             reason, blamed = failure
+            self._cancel_on_primary(run, f"re-planning: {reason}")
             await self._call(self.app.release_nodes, run.job_id, "replanning")
             log.warning(
                 "job %s setup failed (%s); re-planning without %s",
@@ -270,12 +281,21 @@ class JobManager:
         except (NotFound, ValueError):
             return node_id
 
+    def _cancel_on_primary(self, run: JobRun, reason: str) -> None:
+        """Tells the primary to stop generating (it keeps its runtime otherwise busy)."""
+        if run.primary and run.setup_future is not None:
+            self.gateway.cancel_job(run.primary, run.job_id, reason)
+
     async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Runs a command whose refusal only means someone else recorded the ending."""
+        """Runs a command on a path that must go on whatever happens to the command: a
+        refusal means someone else recorded the ending; a store error is logged, and a job
+        left unfinished is failed by the next controller start."""
         try:
             await self._call(fn, *args)
         except (DomainError, NotFound) as e:
             log.info("%s skipped: %s", getattr(fn, "__name__", fn), e)
+        except Exception:
+            log.exception("%s failed", getattr(fn, "__name__", fn))
 
     # ----------------------------------------------------- messages from agents
 
@@ -308,8 +328,11 @@ class JobManager:
         recorded the deltas are relayed but held back from the recorder.
         """
         run = self.runs.get(job_id)
-        if run is None or node_id != run.primary:
-            log.warning("dropping tokens for job %s from node %s", job_id, node_id)
+        if run is None:
+            log.debug("tokens for ended job %s from node %s dropped", job_id, node_id)
+            return
+        if node_id != run.primary:
+            log.warning("node %s sent tokens for job %s, which it does not lead", node_id, job_id)
             return
         run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
         now = time.monotonic()
@@ -333,7 +356,6 @@ class JobManager:
             log.warning("job %s ended before its setup was recorded", job_id)
         if self.runs.pop(job_id, None) is None:
             return
-        await self.recorder.flush(job_id)
         if result.ok:
             outcome = JobOutcome(
                 finish_reason=result.finish_reason or "stop",
@@ -342,26 +364,32 @@ class JobManager:
                 time_to_first_token_ms=result.time_to_first_token_ms,
                 tokens_per_second=result.tokens_per_second,
             )
-            await self._quietly(self.app.complete, job_id, outcome)
-            run.queue.put_nowait(StreamItem("done", outcome=outcome))
+            item = StreamItem("done", outcome=outcome)
         else:
-            await self._quietly(self.app.fail, job_id, result.error, result.error_code)
-            run.queue.put_nowait(
-                StreamItem(
-                    "error",
-                    error=result.error or "generation failed",
-                    error_code=result.error_code or "execution_failed",
-                )
+            item = StreamItem(
+                "error",
+                error=result.error or "generation failed",
+                error_code=result.error_code or "execution_failed",
             )
+        try:
+            await self.recorder.flush(job_id)
+            if result.ok:
+                await self._quietly(self.app.complete, job_id, item.outcome)
+            else:
+                await self._quietly(self.app.fail, job_id, result.error, result.error_code)
+        finally:
+            run.queue.put_nowait(item)  # the client hears the ending whatever the store does
 
     async def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed: setup waits fail over; executions on it are lost."""
+        label = self._label(node_id)
         lost = SetupOutcome(
             ok=False,
-            error=f"node {self._label(node_id)} disconnected",
+            error=f"node {label} disconnected",
             error_code="NODE_LOST",
             failed_node_id=node_id,
         )
+        executing = []
         for run in list(self.runs.values()):
             if node_id not in run.nodes:
                 continue
@@ -371,7 +399,19 @@ class JobManager:
                     future.set_result(lost)
                 if run.setup_future is not None and not run.setup_future.done():
                     run.setup_future.set_result(lost)
-                continue
+            else:
+                executing.append(run)
+        await asyncio.gather(*(self._lose(run, node_id, label) for run in executing))
+
+    async def _lose(self, run: JobRun, node_id: str, label: str) -> None:
+        """Ends an executing job whose node was lost; the client hears it whatever happens."""
+        item = StreamItem(
+            "error",
+            error=f"node {label} was lost during execution; "
+            "uninterrupted generation is not guaranteed",
+            error_code="node_lost",
+        )
+        try:
             # The primary validated; wait until that is recorded so the failure is
             # recorded in the execution phase, where it happened.
             try:
@@ -379,22 +419,15 @@ class JobManager:
             except TimeoutError:
                 log.warning("job %s lost its node before its setup was recorded", run.job_id)
             if self.runs.pop(run.job_id, None) is None:
-                continue
+                return
+            if node_id != run.primary:
+                self._cancel_on_primary(run, f"RPC worker node {label} lost")
             await self.recorder.flush(run.job_id)
             await self._quietly(
-                self.app.fail,
-                run.job_id,
-                f"node {self._label(node_id)} lost during execution",
-                "node_lost",
+                self.app.fail, run.job_id, f"node {label} lost during execution", "node_lost"
             )
-            run.queue.put_nowait(
-                StreamItem(
-                    "error",
-                    error=f"node {self._label(node_id)} was lost during execution; "
-                    "uninterrupted generation is not guaranteed",
-                    error_code="node_lost",
-                )
-            )
+        finally:
+            run.queue.put_nowait(item)
 
     async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class TokenChunkRecorder:
-    def __init__(self, app: Controller, interval: float = 0.1) -> None:
+    def __init__(self, app: Controller, interval: float = 0.2) -> None:
         self.app = app
         self.interval = interval
         self._pending: dict[str, list[Delta]] = {}
@@ -64,12 +64,22 @@ class TokenChunkRecorder:
             if deltas:
                 await self._record({job_id: deltas})
 
-    def discard(self, job_id: str) -> None:
-        self._pending.pop(job_id, None)
+    def _put_back(self, batch: dict[str, list[Delta]]) -> None:
+        """A batch the store could not take goes back in front of newer deltas."""
+        for job_id, deltas in batch.items():
+            self._pending[job_id] = deltas + self._pending.get(job_id, [])
 
     async def _record(self, batch: dict[str, list[Delta]]) -> None:
         if not batch:
             return
+        try:
+            await self._record_or_split(batch)
+        except Exception:
+            log.exception("recording %d jobs' token chunks failed; will retry", len(batch))
+            self._put_back(batch)
+            raise
+
+    async def _record_or_split(self, batch: dict[str, list[Delta]]) -> None:
         try:
             await asyncio.to_thread(self.app.record_token_chunks, batch)
             self.batches += 1

@@ -44,32 +44,37 @@ class InProcessLiveState:
 
 
 class RedisLiveState:
+    """One hash per node (``<prefix>node:<id>``) plus a set indexing them (``<prefix>index``),
+    so reading every node is one SMEMBERS and one pipelined HGETALL, never a keyspace scan."""
+
     def __init__(self, url: str, prefix: str = KEY_PREFIX) -> None:
         self._redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self._prefix = prefix
+        self._index = f"{prefix}index"
 
     def _key(self, node_id: str) -> str:
-        return f"{self._prefix}{node_id}"
+        return f"{self._prefix}node:{node_id}"
 
-    def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None:
+    def _write(self, node_id: str, mapping: dict[str, Any]) -> None:
         key = self._key(node_id)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(
-            key,
-            mapping={"last_seen": repr(at), "telemetry": orjson.dumps(telemetry), "connected": 1},
-        )
-        pipe.expire(key, TTL_SECONDS)
-        pipe.execute()
-
-    def mark_connected(self, node_id: str, connected: bool, at: float) -> None:
-        key = self._key(node_id)
-        mapping: dict[str, str | int] = {"connected": int(connected)}
-        if connected or not self._redis.hexists(key, "last_seen"):
-            mapping["last_seen"] = repr(at)
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(key, mapping=cast(Any, mapping))
         pipe.expire(key, TTL_SECONDS)
+        pipe.sadd(self._index, node_id)
+        pipe.expire(self._index, TTL_SECONDS)
         pipe.execute()
+
+    def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None:
+        self._write(
+            node_id,
+            {"last_seen": repr(at), "telemetry": orjson.dumps(telemetry), "connected": 1},
+        )
+
+    def mark_connected(self, node_id: str, connected: bool, at: float) -> None:
+        mapping: dict[str, Any] = {"connected": int(connected)}
+        if connected or not self._redis.hexists(self._key(node_id), "last_seen"):
+            mapping["last_seen"] = repr(at)
+        self._write(node_id, mapping)
 
     def _decode(self, node_id: str, raw: dict[bytes, bytes]) -> LiveNode | None:
         if not raw or b"last_seen" not in raw:
@@ -86,18 +91,22 @@ class RedisLiveState:
         return self._decode(node_id, self._redis.hgetall(self._key(node_id)))  # type: ignore[arg-type]
 
     def all(self) -> dict[str, LiveNode]:
-        keys = list(self._redis.scan_iter(match=f"{self._prefix}*", count=500))
-        if not keys:
+        node_ids = sorted(m.decode() for m in self._redis.smembers(self._index))  # type: ignore[union-attr]
+        if not node_ids:
             return {}
         pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
+        for node_id in node_ids:
+            pipe.hgetall(self._key(node_id))
         out: dict[str, LiveNode] = {}
-        for key, raw in zip(keys, pipe.execute(), strict=True):
-            node_id = key.decode()[len(self._prefix) :]
+        gone = []
+        for node_id, raw in zip(node_ids, pipe.execute(), strict=True):
             live = self._decode(node_id, raw)
-            if live is not None:
+            if live is None:
+                gone.append(node_id)
+            else:
                 out[node_id] = live
+        if gone:  # hashes that expired: drop them from the index
+            self._redis.srem(self._index, *gone)
         return out
 
     def ping(self) -> bool:

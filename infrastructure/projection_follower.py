@@ -22,6 +22,8 @@ from infrastructure.read_model_store import ReadModelStore
 log = logging.getLogger(__name__)
 
 BATCH = 500
+#: Attempts before an event that cannot be applied is skipped (and logged) by the views.
+POISON_AFTER = 3
 
 
 class ProjectionFollower:
@@ -38,6 +40,8 @@ class ProjectionFollower:
         self._thread: threading.Thread | None = None
         self._subscription: Any = None
         self._event_listeners: list[Callable[[int, object], None]] = []
+        self._failures: dict[int, int] = {}
+        self.skipped: list[int] = []
         self.uses_subscription = app.factory.env.get("PERSISTENCE_MODULE") == (
             "eventsourcing.postgres"
         )
@@ -92,8 +96,11 @@ class ProjectionFollower:
 
     def _follow_subscription(self) -> None:
         self.catch_up()
-        with self.app.recorder.subscribe(gt=self._position) as subscription:
-            self._subscription = subscription
+        subscription = self.app.recorder.subscribe(gt=self._position)
+        self._subscription = subscription  # before checking _stop: stop() sets it first
+        with subscription:
+            if self._stop.is_set():
+                return
             for notification in subscription:
                 if self._stop.is_set():
                     break
@@ -118,11 +125,29 @@ class ProjectionFollower:
         if notification.id <= self._position:
             return
         event = self.app.mapper.to_domain_event(notification)
+        tracking = Tracking(self.store.view_name, notification.id)
         try:
-            self.store.process_event(event, Tracking(self.store.view_name, notification.id))
+            self.store.process_event(event, tracking)
         except IntegrityError:
             # Already applied (another follower or an earlier run): tracking says so.
             log.debug("notification %s already applied", notification.id)
+        except Exception:
+            failures = self._failures.get(notification.id, 0) + 1
+            self._failures = {notification.id: failures}
+            if failures < POISON_AFTER:
+                raise
+            # One event the views cannot take must not freeze them for every later one.
+            log.error(
+                "read models skip event %s (%s of %s) after %d failures; "
+                "`dacp projections rebuild` once the cause is fixed",
+                notification.id,
+                type(event).__qualname__,
+                notification.originator_id,
+                failures,
+                exc_info=True,
+            )
+            self.skipped.append(notification.id)
+            self.store.insert_tracking(tracking)
         with self._cond:
             self._position = notification.id
             self._cond.notify_all()

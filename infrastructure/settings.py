@@ -7,14 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_ALLOWED_PEER_CIDRS = (
-    "10.0.0.0/8",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "127.0.0.0/8",
-    "::1/128",
-    "fc00::/7",
-)
+from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
 
 
 class SettingsError(ValueError):
@@ -60,6 +53,7 @@ class Settings:
     database_url: str | None = None
     database_pool_size: int = 5
     redis_url: str | None = None
+    redis_key_prefix: str = "dacp:live:"
     ai_api_key: str | None = None
     admin_api_key: str | None = None
     node_enrollment_secret: str | None = None
@@ -85,6 +79,7 @@ class Settings:
             database_url=env.get("DATABASE_URL") or None,
             database_pool_size=_int(env, "DATABASE_POOL_SIZE", 5),
             redis_url=env.get("REDIS_URL") or None,
+            redis_key_prefix=env.get("REDIS_KEY_PREFIX") or "dacp:live:",
             ai_api_key=env.get("AI_API_KEY") or None,
             admin_api_key=env.get("ADMIN_API_KEY") or None,
             node_enrollment_secret=env.get("NODE_ENROLLMENT_SECRET") or None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from litestar import Controller as Routes
-from litestar import Request, get, post
+from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath, JSONBody
 
@@ -130,8 +130,12 @@ class AdminRoutes(Routes):
         }
 
 
-@get("/health", summary="Controller health", tags=["health"])
-async def health(state: State, request: Request[Any, Any, Any]) -> dict[str, Any]:
+@get(
+    "/health",
+    summary="Controller health (503 when the store or live state is down)",
+    tags=["health"],
+)
+async def health(state: State, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     svc = services(state)
 
     def store_ok() -> bool:
@@ -143,13 +147,17 @@ async def health(state: State, request: Request[Any, Any, Any]) -> dict[str, Any
 
     store = await asyncio.to_thread(store_ok)
     live = await asyncio.to_thread(svc.live.ping)
-    return {
-        "status": "ok" if store and live else "degraded",
-        "store": store,
-        "live_state": live,
-        "store_kind": "postgres" if svc.follower.uses_subscription else "sqlite",
-        "read_model_position": svc.follower.position,
-        "controller_version": CONTROLLER_VERSION,
-        "protocol": PROTOCOL_VERSION,
-        "connected_nodes": len(svc.connections.connected()),
-    }
+    healthy = store and live
+    return Response(
+        {
+            "status": "ok" if healthy else "degraded",
+            "store": store,
+            "live_state": live,
+            "store_kind": "postgres" if svc.follower.uses_subscription else "sqlite",
+            "read_model_position": svc.follower.position,
+            "controller_version": CONTROLLER_VERSION,
+            "protocol": PROTOCOL_VERSION,
+            "connected_nodes": len(svc.connections.connected()),
+        },
+        status_code=200 if healthy else 503,
+    )

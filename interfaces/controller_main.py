@@ -56,7 +56,7 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
         app=storage.app,
         read_model=storage.read_model,
         follower=storage.follower,
-        live=live_state_for(settings.redis_url),
+        live=live_state_for(settings.redis_url, settings.redis_key_prefix),
         connections=AgentConnections(),
         enrollment=EnrollmentService(storage.app, settings.node_enrollment_secret),
     )
@@ -185,6 +185,10 @@ async def controller(settings: Settings) -> AsyncIterator[RunningController]:
 
 
 async def serve_forever(settings: Settings) -> None:
+    if not settings.ai_api_key:
+        log.warning("AI_API_KEY is not set: /v1 (the inference API) is open to anyone")
+    if not settings.admin_api_key:
+        log.warning("ADMIN_API_KEY is not set: the admin API and dashboard are disabled")
     async with controller(settings) as running:
         log.warning(
             "controller %s: HTTP on http://%s:%d, gRPC on %s:%d, store %s",

@@ -208,24 +208,26 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 f"credential of node {node_id} cannot speak for node {first.hello.node_id}",
             )
         queue = self.connections.open(node_id)
-        self.live.mark_connected(node_id, True, self.clock())
-        await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
-        yield pb.ControllerMessage(
-            welcome=pb.Welcome(
-                controller_version=CONTROLLER_VERSION,
-                node_id=node_id,
-                heartbeat_interval_seconds=self.heartbeat_interval,
-            )
-        )
-        reader = asyncio.create_task(self._read(node_id, iterator, queue))
+        reader: asyncio.Task[None] | None = None
         try:
+            await self._live(self.live.mark_connected, node_id, True, self.clock())
+            await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
+            yield pb.ControllerMessage(
+                welcome=pb.Welcome(
+                    controller_version=CONTROLLER_VERSION,
+                    node_id=node_id,
+                    heartbeat_interval_seconds=self.heartbeat_interval,
+                )
+            )
+            reader = asyncio.create_task(self._read(node_id, iterator, queue))
             while True:
                 item = await queue.get()
                 if item is _CLOSE:
                     break
                 yield item
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             if self.connections.close(node_id, queue):
                 await self._on_stream_closed(node_id)
 
@@ -243,7 +245,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> None:
         try:
             async for message in iterator:
-                await self._on_message(node_id, message)
+                try:
+                    await self._on_message(node_id, message)
+                except Exception:
+                    # A store or Redis hiccup must not cost the node its control stream.
+                    log.exception(
+                        "handling %s from node %s failed", message.WhichOneof("payload"), node_id
+                    )
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         except Exception:
@@ -251,12 +259,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         finally:
             queue.put_nowait(_CLOSE)
 
+    async def _live(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Live state may be Redis: never block the event loop on it."""
+        return await asyncio.to_thread(fn, *args)
+
     async def _on_message(self, node_id: str, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("payload")
         if kind == "heartbeat":
-            self.live.record_heartbeat(node_id, heartbeat_to_dict(message.heartbeat), self.clock())
+            telemetry = heartbeat_to_dict(message.heartbeat)
+            await self._live(self.live.record_heartbeat, node_id, telemetry, self.clock())
         elif kind == "resource_report":
-            live = self.live.get(node_id)
+            live = await self._live(self.live.get, node_id)
             ram_free = live.telemetry.get("ram_free_bytes") if live else None
             resources = resources_from_report(message.resource_report.inventory, ram_free)
             models = local_models_to_list(message.resource_report.models)
@@ -281,7 +294,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.info("command %s refused: %s", getattr(fn, "__name__", fn), e)
 
     async def _on_stream_closed(self, node_id: str) -> None:
-        self.live.mark_connected(node_id, False, self.clock())
+        """The stream is gone: each step runs even when an earlier one failed."""
+        try:
+            await self._live(self.live.mark_connected, node_id, False, self.clock())
+        except Exception:
+            log.exception("could not mark node %s disconnected in live state", node_id)
         if self.uplink is not None:
-            await self.uplink.on_node_disconnected(node_id)
-        await self._command(self.app.mark_offline, node_id, "control stream closed")
+            try:
+                await self.uplink.on_node_disconnected(node_id)
+            except Exception:
+                log.exception("job clean-up after node %s disconnected failed", node_id)
+        try:
+            await self._command(self.app.mark_offline, node_id, "control stream closed")
+        except Exception:
+            log.exception("could not record node %s offline; the health sweep will", node_id)

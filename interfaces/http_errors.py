@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from eventsourcing.persistence import PersistenceError
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
-from application.errors import NotFound
+from application.errors import ConcurrencyExhausted, NotFound
 from domain.errors import IllegalTransition, InvalidCommand
 
 
@@ -77,6 +78,19 @@ def _http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, A
     return error_response(ApiError(exc.status_code, str(exc.detail), type_=type_))
 
 
+def _unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """The store is slow or contended: retry shortly, nothing was half-recorded."""
+    return error_response(
+        ApiError(
+            503,
+            f"the controller's store is busy or unreachable, retry shortly ({exc})",
+            type_="server_error",
+            code="store_unavailable",
+            headers={"Retry-After": "2"},
+        )
+    )
+
+
 def _internal(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
     import logging
 
@@ -93,5 +107,8 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     InvalidCommand: _invalid,
     ValidationException: _validation,
     HTTPException: _http,
+    TimeoutError: _unavailable,
+    ConcurrencyExhausted: _unavailable,
+    PersistenceError: _unavailable,
     Exception: _internal,
 }

@@ -55,19 +55,14 @@ def storage(store_env: dict[str, str]) -> Iterator[Storage]:
 
 @pytest.fixture
 def pg_schema() -> Iterator[str]:
+    """A fresh Postgres schema; also names the test's Redis keys, removed afterwards."""
+    import redis
+
     schema = f"t_{uuid.uuid4().hex[:12]}"
     yield schema
     _drop_schema(schema)
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    import redis
-
-    prefix = f"dacp-test:{uuid.uuid4().hex[:8]}:live:"
-    yield prefix
     client = redis.Redis.from_url(TEST_REDIS_URL)
-    for key in client.scan_iter(match=f"{prefix}*"):
+    for key in client.scan_iter(match=f"dacp-test:{schema}:*"):
         client.delete(key)
 
 
@@ -76,6 +71,7 @@ def controller_settings(schema: str, tmp_path: Path, **overrides: object) -> Set
     base = Settings(
         database_url=f"{TEST_DATABASE_URL}?schema={schema}",
         redis_url=TEST_REDIS_URL,
+        redis_key_prefix=f"dacp-test:{schema}:",
         ai_api_key="test-ai-key",
         admin_api_key="test-admin-key",
         node_enrollment_secret="test-enrollment-secret",

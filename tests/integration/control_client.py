@@ -61,6 +61,7 @@ class RawSession:
         self._beat: asyncio.Task[None] | None = None
         self._read: asyncio.Task[None] | None = None
         self.error: grpc.aio.AioRpcError | None = None
+        self.final_code: grpc.StatusCode | None = None
 
     async def _requests(self) -> AsyncIterator[pb.AgentMessage]:
         yield pb.AgentMessage(hello=pb.Hello(agent_version="test", node_id=self.hello_id))
@@ -75,7 +76,13 @@ class RawSession:
         stub = pb_grpc.ControlPlaneStub(self.channel)  # type: ignore[no-untyped-call]
         metadata = (("x-node-id", self.node_id), ("x-node-credential", self.credential))
         self.call = stub.Connect(self._requests(), metadata=metadata)
-        first: pb.ControllerMessage = await self.call.read()
+        try:
+            first: pb.ControllerMessage = await self.call.read()
+        except grpc.aio.AioRpcError:
+            # When the server refuses at once, the client's own write of Hello may fail
+            # first (INTERNAL); the call's final status is the server's answer.
+            self.final_code = await self.call.code()
+            raise
         self.received.append(first)
         self._read = asyncio.create_task(self._reader())
         return first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 from uuid import UUID
 
 import pytest
@@ -12,7 +13,7 @@ from application.controller import Controller
 from domain.catalog import code_of
 from domain.errors import InvalidCommand
 from domain.node import Node
-from infrastructure.projection_follower import ProjectionFollower, rebuild
+from infrastructure.projection_follower import POISON_AFTER, ProjectionFollower, rebuild
 from infrastructure.read_model_store import open_read_model
 from infrastructure.storage import Storage, open_storage
 from tests.integration.store_builders import enroll_ready, run_job
@@ -200,3 +201,30 @@ def test_follower_applies_live_events(storage: Storage) -> None:
     follower.wait(position, timeout=5)
     row = storage.read_model.get_node(str(node_id))
     assert row is not None and row["state"] == "OFFLINE"
+
+
+def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage.follower.stop()  # drive the follower by hand
+    app = storage.app
+    node_id = enroll_ready(app, "a")  # positions 1 and 2
+    app.security_violation(node_id, "198.51.100.1", "x")  # position 3
+    real = storage.read_model.process_event
+
+    def broken(event: object, tracking: Any) -> None:
+        if tracking.notification_id == 2:
+            raise RuntimeError("a bug in a projection")
+        real(event, tracking)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage.read_model, "process_event", broken)
+    follower = ProjectionFollower(app, storage.read_model)
+    for _ in range(POISON_AFTER - 1):
+        with pytest.raises(RuntimeError):
+            follower.catch_up()
+    assert follower.catch_up() == 2  # skips 2 after the last failure, then applies 3
+    assert follower.skipped == [2]
+    assert follower.position == 3
+    row = storage.read_model.get_node(str(node_id))
+    assert row is not None and row["security_violations"] == 1
+    assert storage.read_model.max_tracking_id(storage.read_model.view_name) == 3

@@ -283,3 +283,74 @@ async def test_peer_outside_allowed_cidrs_is_excluded_and_recorded(
     assert "start_rpc_worker" not in kinds and "execution_plan" not in kinds
     for agent in (a, public, c):
         await agent.stop()
+
+
+async def test_tokens_from_a_node_that_does_not_lead_the_job_are_ignored(
+    ctl: RunningController,
+) -> None:
+    from proto import control_pb2 as pb
+
+    a, b = await agents(
+        ctl,
+        {"name": "a", "holds": SHA, "memory": 4 << 30, "words": tuple(f" w{i}" for i in range(20))},
+        {"name": "b"},
+    )
+    a.word_delay = 0.02
+    async with http(ctl) as client:
+        await register(ctl, client)
+        request = asyncio.create_task(
+            client.post(
+                "/v1/chat/completions",
+                headers=AI,
+                json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+            )
+        )
+        while not a.plans:
+            await asyncio.sleep(0.01)
+        assert b.session is not None
+        forged = pb.TokenChunk(
+            job_id=a.plans[0].job_id, deltas=[pb.Delta(seq=0, text=" FORGED", tokens=1)]
+        )
+        await b.session.send(pb.AgentMessage(token_chunk=forged))
+        r = await request
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == "".join(f" w{i}" for i in range(20))
+    row = synced(ctl).services.read_model.get_job(job_id(r.json()["id"]))
+    assert row is not None and "FORGED" not in row["text"]
+    for agent in (a, b):
+        await agent.stop()
+
+
+async def test_token_batches_survive_a_store_error(
+    ctl: RunningController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = ctl.services.app
+    real = app.record_token_chunks
+    calls = {"n": 0}
+
+    def flaky(chunks: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("the database blinked")
+        return real(chunks)
+
+    monkeypatch.setattr(app, "record_token_chunks", flaky)
+    (a,) = await agents(
+        ctl,
+        {"name": "a", "holds": SHA, "memory": 4 << 30, "words": tuple(f" w{i}" for i in range(30))},
+    )
+    a.word_delay = 0.02
+    async with http(ctl) as client:
+        await register(ctl, client)
+        r = await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+    assert r.status_code == 200
+    jid = job_id(r.json()["id"])
+    assert calls["n"] > 1
+    assert "JOB_COMPLETED" in job_codes(ctl, jid)
+    row = synced(ctl).services.read_model.get_job(jid)
+    assert row is not None and row["text"] == "".join(f" w{i}" for i in range(30))
+    await a.stop()
