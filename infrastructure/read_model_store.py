@@ -19,6 +19,9 @@ from eventsourcing.utils import Environment
 from psycopg.sql import SQL
 
 from application.read_models import eligibility_of, project_job, project_model, project_node
+from domain.job import Job
+from domain.model import RegisteredModel
+from domain.node import Node
 
 VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models")
 
@@ -76,9 +79,17 @@ class _ReadModelViews:
             self._apply(c, event)
 
     def _apply(self, c: Any, event: object) -> None:
+        # Each aggregate has its own view: look up only the row this event can change.
         ident = str(getattr(event, "originator_id", ""))
-        node_row = self._select_data(c, "nodes", "node_id", ident)
-        node = project_node(node_row, event)
+        if isinstance(event, Node.Event):
+            self._apply_node(c, ident, event)
+        elif isinstance(event, RegisteredModel.Event):
+            self._apply_model(c, ident, event)
+        elif isinstance(event, Job.Event):
+            self._apply_job(c, ident, event)
+
+    def _apply_node(self, c: Any, ident: str, event: object) -> None:
+        node = project_node(self._select_data(c, "nodes", "node_id", ident), event)
         if node is not None:
             c.execute(
                 self._sql(
@@ -109,9 +120,9 @@ class _ReadModelViews:
                         _dumps(eligible),
                     ),
                 )
-            return
-        model_row = self._select_data(c, "models", "model_id", ident)
-        model = project_model(model_row, event)
+
+    def _apply_model(self, c: Any, ident: str, event: object) -> None:
+        model = project_model(self._select_data(c, "models", "model_id", ident), event)
         if model is not None:
             c.execute(
                 self._sql(
@@ -120,7 +131,8 @@ class _ReadModelViews:
                 ),
                 (ident, model["name"], _dumps(model)),
             )
-            return
+
+    def _apply_job(self, c: Any, ident: str, event: object) -> None:
         job_row = self._select_data(c, "jobs", "job_id", ident)
         job = project_job(job_row, event)
         if job is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from litestar.params import QueryParameter
 from litestar.response import Stream
 
 from application.timeline import aggregate_kind, entry_of
-from interfaces.http_auth import bearer
+from interfaces.http_auth import bearer, check_admin_key
 from interfaces.http_errors import ApiError
 from interfaces.services import Services
 
@@ -237,25 +236,9 @@ async def sse_stream(feed: EventFeed, position: int) -> AsyncIterator[bytes]:
 
 def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """The admin guard, also accepting ``?access_token=`` (EventSource sends no headers)."""
-    expected = connection.app.state.services.settings.admin_api_key
-    if not expected:
-        raise ApiError(
-            403,
-            "the admin API is disabled: set ADMIN_API_KEY on the controller",
-            type_="permission_error",
-            code="admin_disabled",
-        )
-    given = bearer(connection) or connection.query_params.get("access_token") or None
-    if given is None:
-        raise ApiError(
-            401,
-            "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>' "
-            "or ?access_token=<ADMIN_API_KEY>",
-            type_="authentication_error",
-            code="missing_api_key",
-        )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key")
+    check_admin_key(
+        connection, bearer(connection) or connection.query_params.get("access_token") or None
+    )
 
 
 def _feed(state: State) -> tuple[Services, EventFeed]:

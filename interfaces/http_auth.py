@@ -23,7 +23,8 @@ def _services(connection: ASGIConnection[Any, Any, Any, Any]) -> Any:
     return connection.app.state.services
 
 
-def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str | None) -> None:
+    """Raises the admin API's 403/401/403 errors unless ``given`` is the admin key."""
     expected = _services(connection).settings.admin_api_key
     if not expected:
         raise ApiError(
@@ -32,7 +33,6 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
             type_="permission_error",
             code="admin_disabled",
         )
-    given = bearer(connection)
     if given is None:
         raise ApiError(
             401,
@@ -42,6 +42,10 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
         )
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key")
+
+
+def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    check_admin_key(connection, bearer(connection))
 
 
 def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
