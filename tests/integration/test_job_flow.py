@@ -129,7 +129,7 @@ async def test_split_plan_streams_and_records_in_order(ctl: RunningController) -
     assert [p.node_id for p in plan.rpc_peers] == [a.node_id, b.node_id]
     assert abs(sum(plan.tensor_split) - 1.0) < 1e-6
     jid = job_id(chunks[0]["id"])
-    await asyncio.sleep(0.3)
+    # The ending is recorded before the client hears it: no waiting needed.
     assert "JOB_COMPLETED" in job_codes(ctl, jid)
     row = synced(ctl).services.read_model.get_job(jid)
     assert row is not None and row["text"] == "Hello world"

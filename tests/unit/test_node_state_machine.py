@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from domain.catalog import code_of
@@ -183,11 +181,6 @@ def test_resources_differ_rules() -> None:
     assert resources_differ({"cpu": "x"}, {"cpu": "y"})
     assert resources_differ({"g": [{"m_free_bytes": 10}]}, {"g": [{"m_free_bytes": 100}]})
     assert not resources_differ({"g": [{"m_free_bytes": 100}]}, {"g": [{"m_free_bytes": 99}]})
-
-
-def test_deepcopy_equality_holds() -> None:
-    node = ready_node()
-    assert copy.deepcopy(node) == node
 
 
 def test_released_job_drops_its_rpc_worker_claim() -> None:
