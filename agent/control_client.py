@@ -30,7 +30,7 @@ import logging
 import random
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -43,6 +43,7 @@ from agent import AGENT_VERSION
 from agent.discovery import Inventory, discover_inventory, sample_telemetry
 from agent.identity import NodeIdentity, identity_path, load_identity, save_identity
 from agent.model_store import LocalModel, ModelStore
+from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -51,10 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_RPC_PORT = 50052
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
-# The controller derives the node's capacity from this inventory label (the proto has no field).
-SLOTS_LABEL = "dacp.slots"
-# The memory (bytes) this agent offers to the scheduler; absent: no limit beyond the hardware.
-MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+# Inventory labels the agent sets itself (SLOTS_LABEL, MEMORY_LIMIT_LABEL: see proto).
 RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL})
 
 # The seed's troubleshooting entry for an unreachable control channel.
@@ -256,45 +254,48 @@ def _role_name(role: int) -> str:
     return "worker" if role == pb.ExecutionPlan.WORKER else "primary"
 
 
+def setup_failure(
+    job_id: str, role: str, error: str, error_code: str, failed_node_id: str = ""
+) -> pb.AgentMessage:
+    """``SetupResult{ok=false}`` for a plan this node cannot run."""
+    return pb.AgentMessage(
+        setup_result=pb.SetupResult(
+            job_id=job_id,
+            ok=False,
+            error=error,
+            error_code=error_code,
+            role=role,
+            failed_node_id=failed_node_id,
+        )
+    )
+
+
+def worker_status(
+    job_id: str, state: pb.RpcWorkerStatus.State, host: str, port: int, error: str = ""
+) -> pb.AgentMessage:
+    """``RpcWorkerStatus`` of this node's RPC worker."""
+    return pb.AgentMessage(
+        rpc_worker_status=pb.RpcWorkerStatus(
+            job_id=job_id, state=state, host=host, port=port, error=error
+        )
+    )
+
+
 class NullHandler:
     """A handler without a runtime: refuses every plan and RPC worker."""
 
     async def on_plan(self, plan: pb.ExecutionPlan, send: Send) -> None:
         log.warning("refusing plan for job %s: %s", plan.job_id, NO_RUNTIME)
-        await send(
-            pb.AgentMessage(
-                setup_result=pb.SetupResult(
-                    job_id=plan.job_id,
-                    ok=False,
-                    error=NO_RUNTIME,
-                    error_code="NO_RUNTIME",
-                    role=_role_name(plan.role),
-                )
-            )
-        )
+        await send(setup_failure(plan.job_id, _role_name(plan.role), NO_RUNTIME, "NO_RUNTIME"))
 
     async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
         log.warning("refusing RPC worker for job %s: %s", msg.job_id, NO_RUNTIME)
         await send(
-            pb.AgentMessage(
-                rpc_worker_status=pb.RpcWorkerStatus(
-                    job_id=msg.job_id,
-                    state=pb.RpcWorkerStatus.FAILED,
-                    host=msg.host,
-                    port=msg.port,
-                    error=NO_RUNTIME,
-                )
-            )
+            worker_status(msg.job_id, pb.RpcWorkerStatus.FAILED, msg.host, msg.port, NO_RUNTIME)
         )
 
     async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
-        await send(
-            pb.AgentMessage(
-                rpc_worker_status=pb.RpcWorkerStatus(
-                    job_id=msg.job_id, state=pb.RpcWorkerStatus.STOPPED
-                )
-            )
-        )
+        await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, "", 0))
 
     async def on_cancel(self, msg: pb.CancelJob, send: Send) -> None:
         log.info("cancel for job %s: nothing is running", msg.job_id)
@@ -781,16 +782,26 @@ class AgentSession:
         conn.queue.put_nowait(pb.AgentMessage(resource_report=resources.to_proto()))
 
     async def _write_loop(self, conn: _Connection) -> None:
+        queue = conn.queue
         while True:
-            message = await conn.queue.get()
-            try:
-                await conn.call.write(message)
-            except grpc.aio.AioRpcError:
-                raise
-            except Exception as exc:  # e.g. InvalidStateError: the RPC already finished
-                if conn.call.done():
-                    raise await _call_ended(conn.call) from None
-                raise _ConnectionLost(f"write failed: {exc!r}", unreachable=False) from None
+            # Never wait to batch: take what queued up behind the previous write and merge
+            # adjacent TokenChunks of one job, so a fast stream costs fewer gRPC writes.
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for message in merge_token_chunks(batch):
+                await self._write(conn, message)
+
+    @staticmethod
+    async def _write(conn: _Connection, message: pb.AgentMessage) -> None:
+        try:
+            await conn.call.write(message)
+        except grpc.aio.AioRpcError:
+            raise
+        except Exception as exc:  # e.g. InvalidStateError: the RPC already finished
+            if conn.call.done():
+                raise await _call_ended(conn.call) from None
+            raise _ConnectionLost(f"write failed: {exc!r}", unreachable=False) from None
 
     async def _read_loop(self, conn: _Connection) -> None:
         while True:
@@ -825,7 +836,9 @@ class AgentSession:
     # -- downlink -----------------------------------------------------------------------
 
     async def send(self, message: pb.AgentMessage) -> None:
-        """The ``send`` given to the handler: queue ``message`` on the current stream."""
+        """The ``send`` given to the handler: queue ``message`` on the current stream. Never
+        blocks or raises; the write loop sends the queue in order (see
+        :func:`merge_token_chunks`)."""
         conn = self._conn
         if conn is None:
             log.warning(
@@ -878,30 +891,56 @@ class AgentSession:
         error = f"agent handler failed: {exc}"
         if kind == "execution_plan":
             plan = message.execution_plan
-            await self.send(
-                pb.AgentMessage(
-                    setup_result=pb.SetupResult(
-                        job_id=plan.job_id,
-                        ok=False,
-                        error=error,
-                        error_code="AGENT_ERROR",
-                        role=_role_name(plan.role),
-                    )
-                )
-            )
+            await self.send(setup_failure(plan.job_id, _role_name(plan.role), error, "AGENT_ERROR"))
         elif kind == "start_rpc_worker":
             start = message.start_rpc_worker
             await self.send(
-                pb.AgentMessage(
-                    rpc_worker_status=pb.RpcWorkerStatus(
-                        job_id=start.job_id,
-                        state=pb.RpcWorkerStatus.FAILED,
-                        host=start.host,
-                        port=start.port,
-                        error=error,
-                    )
+                worker_status(
+                    start.job_id, pb.RpcWorkerStatus.FAILED, start.host, start.port, error
                 )
             )
+
+
+# Bounds on one merged TokenChunk, far below gRPC's default 4 MiB message limit.
+MAX_MERGED_DELTAS = 4096
+MAX_MERGED_TEXT = 256 * 1024  # characters (at most 1 MiB of UTF-8)
+
+
+def merge_token_chunks(messages: Iterable[pb.AgentMessage]) -> list[pb.AgentMessage]:
+    """``messages`` in the same order, with each run of adjacent ``TokenChunk`` messages of
+    one job merged into one (deltas concatenated in order, up to :data:`MAX_MERGED_DELTAS`
+    deltas and :data:`MAX_MERGED_TEXT` characters). Nothing else is merged or reordered; the
+    given messages are not modified."""
+    merged: list[pb.AgentMessage] = []
+    tail: pb.TokenChunk | None = None  # merged[-1]'s chunk while it may still grow
+    owned = False  # whether merged[-1] is a copy made here (safe to extend)
+    deltas = text = 0
+    for message in messages:
+        if message.WhichOneof("payload") != "token_chunk":
+            merged.append(message)
+            tail = None
+            continue
+        chunk = message.token_chunk
+        size = sum(len(delta.text) for delta in chunk.deltas)
+        if (
+            tail is not None
+            and tail.job_id == chunk.job_id
+            and deltas + len(chunk.deltas) <= MAX_MERGED_DELTAS
+            and text + size <= MAX_MERGED_TEXT
+        ):
+            if not owned:
+                copy = pb.AgentMessage()
+                copy.CopyFrom(merged[-1])
+                merged[-1] = copy
+                tail = copy.token_chunk
+                owned = True
+            tail.deltas.extend(chunk.deltas)
+            deltas += len(chunk.deltas)
+            text += size
+            continue
+        merged.append(message)
+        tail, owned, deltas, text = chunk, False, len(chunk.deltas), size
+    return merged
 
 
 def _stub(channel: grpc.aio.Channel) -> Any:

@@ -16,11 +16,11 @@ Downlink messages and what this handler does with them:
   plan is ``INVALID_PLAN``; a server busy with another job's different spec for longer than
   ``busy_timeout`` is ``RUNTIME_BUSY``. Then the chat completion streams from the local
   ``llama-server``: each content piece becomes a ``Delta`` (``seq`` from 0, no gaps,
-  ``tokens=1``) sent at once in a ``TokenChunk`` (pieces that arrive while a send is pending
-  are coalesced into the next chunk), and a ``JobResult`` closes the job (usage and timings
-  from llama-server, measured here when it sends none). A crash or HTTP failure during
-  generation is ``JobResult{ok=false, phase="execution"}`` with ``RUNTIME_CRASHED`` or
-  ``GENERATION_FAILED``.
+  ``tokens=1``) sent at once in its own ``TokenChunk`` (the session's write loop merges
+  adjacent chunks of one job that queue up behind a pending gRPC write), and a ``JobResult``
+  closes the job (usage and timings from llama-server, measured here when it sends none). A
+  crash or HTTP failure during generation is ``JobResult{ok=false, phase="execution"}`` with
+  ``RUNTIME_CRASHED`` or ``GENERATION_FAILED``.
 * ``ExecutionPlan`` with role ``WORKER`` — nothing to do beyond the RPC worker that
   ``StartRpcWorker`` already started: logged, no reply (the controller expects setup results
   from primaries only).
@@ -58,7 +58,7 @@ from typing import Any
 
 import psutil
 
-from agent.control_client import DEFAULT_RPC_PORT, Send
+from agent.control_client import DEFAULT_RPC_PORT, Send, setup_failure, worker_status
 from agent.model_store import ModelStore
 from agent.runtime import (
     DEFAULT_CTX_SIZE,
@@ -110,47 +110,22 @@ class SetupFailure(Exception):
 
 
 class DeltaSender:
-    """Sends one job's text pieces as ``TokenChunk`` messages, in order.
+    """Sends one job's text pieces in order, each at once as its own ``TokenChunk``.
 
-    :meth:`push` numbers a piece (``seq`` from 0, no gaps) and returns at once: the piece goes
-    out immediately unless a send is still pending, in which case it joins the next chunk.
-    :meth:`drain` waits until everything pushed has been sent and re-raises a send failure.
+    :meth:`push` numbers a piece (``seq`` from 0, no gaps). The session's ``send`` only queues
+    the message; its write loop merges chunks that queue up behind a pending gRPC write.
     """
 
     def __init__(self, job_id: str, send: Send) -> None:
         self.job_id = job_id
         self._send = send
-        self._pending: list[pb.Delta] = []
-        self._task: asyncio.Task[None] | None = None
-        self._error: Exception | None = None
         self.next_seq = 0
-        self.chunks_sent = 0
 
-    def push(self, text: str, tokens: int = 1) -> None:
-        self._pending.append(pb.Delta(seq=self.next_seq, text=text, tokens=tokens))
+    async def push(self, text: str, tokens: int = 1) -> None:
+        delta = pb.Delta(seq=self.next_seq, text=text, tokens=tokens)
         self.next_seq += 1
-        if self._error is None and (self._task is None or self._task.done()):
-            self._task = asyncio.create_task(self._flush())
-
-    async def _flush(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending, []
-                chunk = pb.TokenChunk(job_id=self.job_id, deltas=batch)
-                await self._send(pb.AgentMessage(token_chunk=chunk))
-                self.chunks_sent += 1
-        except Exception as exc:
-            self._error = exc
-
-    async def drain(self) -> None:
-        while self._task is not None and not self._task.done():
-            await self._task
-        if self._error is not None:
-            raise self._error
-
-    def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        chunk = pb.TokenChunk(job_id=self.job_id, deltas=[delta])
+        await self._send(pb.AgentMessage(token_chunk=chunk))
 
 
 @dataclass(frozen=True)
@@ -357,17 +332,18 @@ class LlamaHandler:
                 self._workers_starting -= 1
         except (LlamaRuntimeError, ValueError) as exc:
             log.warning("job %s: RPC worker on %s:%s failed: %s", msg.job_id, msg.host, port, exc)
-            await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.FAILED, msg.host, port, exc))
+            failed = pb.RpcWorkerStatus.FAILED
+            await send(worker_status(msg.job_id, failed, msg.host, port, str(exc)))
             return
         log.info("job %s: RPC worker ready on %s (pid %s)", msg.job_id, worker.endpoint, worker.pid)
-        await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, worker.host, worker.port))
+        await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, worker.host, worker.port))
 
     async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
         self._attach(send)
         stopped = await asyncio.to_thread(self._stop_rpc_workers)
         host, port = stopped[0] if stopped else ("", 0)
         log.info("job %s: RPC worker stopped (%s)", msg.job_id, stopped or "none was running")
-        await send(_worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, host, port))
+        await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, host, port))
 
     async def on_plan(self, plan: pb.ExecutionPlan, send: Send) -> None:
         self._attach(send)
@@ -380,7 +356,7 @@ class LlamaHandler:
                 if self._closed
                 else (JOB_ALREADY_RUNNING, f"job {plan.job_id} is already running here")
             )
-            await send(_setup_result(plan.job_id, SetupFailure(code, error)))
+            await send(setup_failure(plan.job_id, "primary", error, code))
             return
         job = _Job(plan.job_id)
         self._jobs[job.job_id] = job
@@ -453,7 +429,15 @@ class LlamaHandler:
                     "job %s: setup failed (%s): %s", job.job_id, failure.error_code, failure
                 )
                 job.phase = _FINISHED
-                await send(_setup_result(job.job_id, failure))
+                await send(
+                    setup_failure(
+                        job.job_id,
+                        "primary",
+                        failure.message,
+                        failure.error_code,
+                        failure.failed_node_id,
+                    )
+                )
                 return
             try:
                 await send(
@@ -612,7 +596,7 @@ class LlamaHandler:
                 if delta.text:
                     last_piece = time.monotonic()
                     first_piece = first_piece or last_piece
-                    sender.push(delta.text)
+                    await sender.push(delta.text)
                 finish_reason = delta.finish_reason or finish_reason
                 usage = delta.usage or usage
                 timings = delta.timings or timings
@@ -620,15 +604,8 @@ class LlamaHandler:
             failure = (RUNTIME_CRASHED, str(exc))
         except LlamaRuntimeError as exc:
             failure = (GENERATION_FAILED, str(exc))
-        except asyncio.CancelledError:
-            if job.cancel_requested:
-                await sender.drain()
-            else:
-                sender.cancel()
-            raise
         finally:
             await stream.aclose()
-        await sender.drain()
         job.phase = _FINISHED  # a late CancelJob must not add a second JobResult
         if failure is not None:
             log.warning("job %s: generation failed (%s): %s", job.job_id, *failure)
@@ -701,33 +678,6 @@ class LlamaHandler:
 
 async def _send_one(send: Send, message: pb.AgentMessage) -> None:
     await send(message)
-
-
-def _worker_status(
-    job_id: str,
-    state: pb.RpcWorkerStatus.State,
-    host: str,
-    port: int,
-    error: BaseException | None = None,
-) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        rpc_worker_status=pb.RpcWorkerStatus(
-            job_id=job_id, state=state, host=host, port=port, error=str(error or "")
-        )
-    )
-
-
-def _setup_result(job_id: str, failure: SetupFailure) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        setup_result=pb.SetupResult(
-            job_id=job_id,
-            ok=False,
-            error=failure.message,
-            error_code=failure.error_code,
-            role="primary",
-            failed_node_id=failure.failed_node_id,
-        )
-    )
 
 
 def _job_failure(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from proto import MEMORY_LIMIT_LABEL
 from proto import control_pb2 as pb
-
-MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
 
 
 def _memory_limit(inv: pb.Inventory) -> int:

@@ -34,6 +34,7 @@ from interfaces.grpc_convert import (
     local_models_to_list,
     resources_from_report,
 )
+from proto import SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -50,9 +51,6 @@ def peer_host(peer: str) -> str:
     if kind == "ipv4":
         return rest.rsplit(":", 1)[0]
     return ""
-
-
-SLOTS_LABEL = "dacp.slots"
 
 
 def _int_label(labels: Any, key: str, default: int) -> int:

@@ -8,4 +8,10 @@ modules are ``proto.control_pb2`` / ``proto.control_pb2_grpc`` (regenerate with
 # The proto package name; bump it (and the package) only for wire-incompatible changes.
 PROTOCOL_VERSION = "dacp.control.v1"
 
-__all__ = ["PROTOCOL_VERSION"]
+# Reserved ``NodeInventory.labels`` keys, part of the wire contract (the proto has no fields):
+# the node's capacity in concurrent jobs, and the memory (bytes) the agent offers to the
+# scheduler (absent: no limit beyond the hardware).
+SLOTS_LABEL = "dacp.slots"
+MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+
+__all__ = ["MEMORY_LIMIT_LABEL", "PROTOCOL_VERSION", "SLOTS_LABEL"]

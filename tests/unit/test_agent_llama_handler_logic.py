@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.control_client import AgentConfig, AgentSession, NullHandler, _Connection
 from agent.llama_handler import (
     INVALID_PLAN,
     MODEL_NOT_FOUND,
@@ -27,18 +28,6 @@ from agent.runtime import RuntimeBinaries
 from proto import control_pb2 as pb
 
 
-class SlowSend:
-    """A ``send`` that blocks until released, recording what it got."""
-
-    def __init__(self) -> None:
-        self.sent: list[pb.AgentMessage] = []
-        self.gate = asyncio.Event()
-
-    async def __call__(self, message: pb.AgentMessage) -> None:
-        await self.gate.wait()
-        self.sent.append(message)
-
-
 class Collect:
     def __init__(self) -> None:
         self.sent: list[pb.AgentMessage] = []
@@ -47,33 +36,63 @@ class Collect:
         self.sent.append(message)
 
 
-async def test_delta_sender_sends_at_once_and_coalesces_while_a_send_is_pending() -> None:
-    send = SlowSend()
+class GatedCall:
+    """The session's gRPC call: ``write`` blocks until ``gate`` is set, recording what it got."""
+
+    def __init__(self) -> None:
+        self.written: list[pb.AgentMessage] = []
+        self.gate = asyncio.Event()
+        self.writing = asyncio.Event()
+
+    async def write(self, message: pb.AgentMessage) -> None:
+        self.writing.set()
+        await self.gate.wait()
+        self.written.append(message)
+
+    def done(self) -> bool:
+        return False
+
+
+def chunks(messages: list[pb.AgentMessage]) -> list[list[tuple[int, str, int]]]:
+    return [[(d.seq, d.text, d.tokens) for d in m.token_chunk.deltas] for m in messages]
+
+
+async def test_delta_sender_sends_each_piece_at_once_numbered_from_zero() -> None:
+    send = Collect()
     sender = DeltaSender("j", send)
-    sender.push("a")
-    await asyncio.sleep(0)  # the first piece goes out at once (and blocks in send)
-    sender.push("b")
-    sender.push("c")
-    send.gate.set()
-    await sender.drain()
-    chunks = [[(d.seq, d.text, d.tokens) for d in m.token_chunk.deltas] for m in send.sent]
-    assert chunks == [[(0, "a", 1)], [(1, "b", 1), (2, "c", 1)]]
+    await sender.push("a")
+    assert chunks(send.sent) == [[(0, "a", 1)]]
+    await sender.push("b")
+    await sender.push("c", tokens=2)
+    assert chunks(send.sent) == [[(0, "a", 1)], [(1, "b", 1)], [(2, "c", 2)]]
     assert all(m.token_chunk.job_id == "j" for m in send.sent)
-
-    sender.push("d")
-    await sender.drain()
-    assert [d.seq for d in send.sent[-1].token_chunk.deltas] == [3]
+    assert sender.next_seq == 3
 
 
-async def test_delta_sender_reports_a_failed_send() -> None:
-    async def broken(message: pb.AgentMessage) -> None:
-        raise ConnectionError("gone")
-
-    sender = DeltaSender("j", broken)
-    sender.push("a")
-    sender.push("b")
-    with pytest.raises(ConnectionError):
-        await sender.drain()
+async def test_pieces_queued_behind_a_pending_write_go_out_as_one_chunk(tmp_path: Path) -> None:
+    """DeltaSender -> AgentSession.send -> the session's write loop, as in production."""
+    session = AgentSession(AgentConfig(data_dir=tmp_path, node_name="n"), NullHandler())
+    call = GatedCall()
+    conn = _Connection(call)  # type: ignore[arg-type]
+    session._conn = conn
+    writer = asyncio.create_task(session._write_loop(conn))
+    try:
+        sender = DeltaSender("j", session.send)
+        await sender.push("a")
+        await asyncio.wait_for(call.writing.wait(), 5)  # "a" is being written (and blocks)
+        for text in "bcd":
+            await sender.push(text)
+        await session.send(pb.AgentMessage(job_result=pb.JobResult(job_id="j", ok=True)))
+        call.gate.set()
+        while len(call.written) < 3:
+            await asyncio.sleep(0)
+    finally:
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+    kinds = [m.WhichOneof("payload") for m in call.written]
+    assert kinds == ["token_chunk", "token_chunk", "job_result"]
+    assert chunks(call.written[:2]) == [[(0, "a", 1)], [(1, "b", 1), (2, "c", 1), (3, "d", 1)]]
+    assert conn.queue.empty()
 
 
 def test_stats_prefer_llama_server_numbers() -> None:
