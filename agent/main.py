@@ -28,7 +28,6 @@ from agent import AGENT_VERSION
 from agent.control_client import (
     DEFAULT_RPC_PORT,
     RESERVED_LABELS,
-    SLOTS_LABEL,
     AgentConfig,
     AgentError,
     ConfigError,
@@ -38,6 +37,7 @@ from agent.control_client import (
 )
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
+from proto import SLOTS_LABEL
 
 PROG = "node-agent"
 EXIT_OK = 0

@@ -32,7 +32,6 @@ import pytest
 from agent import AGENT_VERSION
 from agent.control_client import (
     CONNECTION_HINT,
-    SLOTS_LABEL,
     AgentConfig,
     AgentSession,
     AgentState,
@@ -47,6 +46,7 @@ from agent.control_client import (
 )
 from agent.handler_factory import build_handler
 from agent.identity import NodeIdentity, identity_path, load_identity, save_identity
+from proto import SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 

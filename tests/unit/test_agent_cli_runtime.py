@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 from agent.control_client import (
-    MEMORY_LIMIT_LABEL,
-    SLOTS_LABEL,
     AgentConfig,
     ConfigError,
     NullHandler,
@@ -17,6 +15,7 @@ from agent.control_client import (
 from agent.handler_factory import RuntimeUnavailable, build_handler
 from agent.llama_handler import LlamaHandler
 from agent.main import build_parser, config_from_args, parse_byte_size
+from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
 
 
 @pytest.mark.parametrize(
