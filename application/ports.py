@@ -20,6 +20,9 @@ class LiveNode:
 class LiveState(Protocol):
     """Last-seen times and telemetry per node (Redis when configured, else in process)."""
 
+    #: True when calls do network I/O (callers on an event loop then use a thread).
+    blocking: bool
+
     def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None: ...
 
     def mark_connected(self, node_id: str, connected: bool, at: float) -> None: ...

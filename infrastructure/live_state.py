@@ -16,6 +16,8 @@ TTL_SECONDS = 24 * 3600
 
 
 class InProcessLiveState:
+    blocking = False
+
     def __init__(self) -> None:
         self._nodes: dict[str, LiveNode] = {}
         self._lock = threading.Lock()
@@ -46,6 +48,8 @@ class InProcessLiveState:
 class RedisLiveState:
     """One hash per node (``<prefix>node:<id>``) plus a set indexing them (``<prefix>index``),
     so reading every node is one SMEMBERS and one pipelined HGETALL, never a keyspace scan."""
+
+    blocking = True
 
     def __init__(self, url: str, prefix: str = KEY_PREFIX) -> None:
         self._redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)

@@ -258,8 +258,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             queue.put_nowait(_CLOSE)
 
     async def _live(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Live state may be Redis: never block the event loop on it."""
-        return await asyncio.to_thread(fn, *args)
+        """Redis live state goes through a thread (never block the loop on the network);
+        the in-process one is a dict update, called directly."""
+        if self.live.blocking:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     async def _on_message(self, node_id: str, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("payload")
