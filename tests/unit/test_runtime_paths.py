@@ -28,7 +28,9 @@ from agent.runtime import (
 from ops import build_llama, fetch_model, paths
 from ops.paths import FetchError
 
-posix_only = pytest.mark.skipif(sys.platform == "win32", reason="exec bits are POSIX")
+posix_only = pytest.mark.skipif(  # allowed-skip: platform guard; runs on Linux CI
+    sys.platform == "win32", reason="exec bits are POSIX"
+)
 
 
 def make_executable(path: Path) -> Path:
