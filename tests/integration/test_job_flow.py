@@ -54,6 +54,21 @@ def http(ctl: RunningController) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=20)
 
 
+async def slow_primary(ctl: RunningController, words: int = 200) -> FakeAgent:
+    """One agent holding the model that streams ``words`` tokens 20 ms apart."""
+    (a,) = await agents(
+        ctl,
+        {
+            "name": "a",
+            "holds": SHA,
+            "memory": 4 << 30,
+            "words": tuple(f" w{i}" for i in range(words)),
+        },
+    )
+    a.word_delay = 0.02
+    return a
+
+
 def synced(ctl: RunningController) -> RunningController:
     """Waits until the read model has seen every recorded event."""
     ctl.services.follower.wait(ctl.services.app.position(), timeout=5)
@@ -188,16 +203,7 @@ async def test_setup_failure_everywhere_gives_503(ctl: RunningController) -> Non
 
 
 async def test_client_disconnect_cancels(ctl: RunningController) -> None:
-    (a,) = await agents(
-        ctl,
-        {
-            "name": "a",
-            "holds": SHA,
-            "memory": 4 << 30,
-            "words": tuple(f" w{i}" for i in range(200)),
-        },
-    )
-    a.word_delay = 0.02
+    a = await slow_primary(ctl)
     async with http(ctl) as client:
         await register(ctl, client)
         async with client.stream(
@@ -224,16 +230,7 @@ async def test_client_disconnect_cancels(ctl: RunningController) -> None:
 async def test_primary_lost_during_execution_fails_job_and_client_sees_error(
     ctl: RunningController,
 ) -> None:
-    (a,) = await agents(
-        ctl,
-        {
-            "name": "a",
-            "holds": SHA,
-            "memory": 4 << 30,
-            "words": tuple(f" w{i}" for i in range(200)),
-        },
-    )
-    a.word_delay = 0.02
+    a = await slow_primary(ctl)
     async with http(ctl) as client:
         await register(ctl, client)
         async with client.stream(
