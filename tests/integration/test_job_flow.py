@@ -69,6 +69,17 @@ async def slow_primary(ctl: RunningController, words: int = 200) -> FakeAgent:
     return a
 
 
+async def complete_once(ctl: RunningController) -> httpx.Response:
+    """Registers model ``m`` and asks for one non-streamed completion."""
+    async with http(ctl) as client:
+        await register(ctl, client)
+        return await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+
+
 def synced(ctl: RunningController) -> RunningController:
     """Waits until the read model has seen every recorded event."""
     ctl.services.follower.wait(ctl.services.app.position(), timeout=5)
@@ -87,17 +98,11 @@ def job_id(completion_id: str) -> str:
 
 async def test_one_node_plan_when_the_model_fits(ctl: RunningController) -> None:
     (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
-    async with http(ctl) as client:
-        await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["message"]["content"] == "Hello world"
-        assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    r = await complete_once(ctl)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == "Hello world"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     jid = job_id(body["id"])
     codes = job_codes(ctl, jid)
     collapsed = [c for i, c in enumerate(codes) if i == 0 or c != codes[i - 1]]
@@ -160,14 +165,8 @@ async def test_unresponsive_worker_is_replanned_away(ctl: RunningController) -> 
         {"name": "c", "memory": 200 << 20},
     )
     b.unresponsive = True
-    async with http(ctl) as client:
-        await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
-        assert r.status_code == 200, r.text
+    r = await complete_once(ctl)
+    assert r.status_code == 200, r.text
     jid = job_id(r.json()["id"])
     codes = job_codes(ctl, jid)
     assert codes.count("JOB_REPLANNED") == 1
@@ -186,13 +185,7 @@ async def test_setup_failure_everywhere_gives_503(ctl: RunningController) -> Non
 
     (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
     a.fail_setup = pb.SetupResult(ok=False, error="sha256 differs", error_code="SHA256_MISMATCH")
-    async with http(ctl) as client:
-        await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
+    r = await complete_once(ctl)
     assert r.status_code == 503
     assert "SHA256_MISMATCH" in r.json()["error"]["message"]
     assert r.headers["retry-after"]
@@ -261,14 +254,8 @@ async def test_peer_outside_allowed_cidrs_is_excluded_and_recorded(
         {"name": "public", "memory": 4 << 30, "address": "203.0.113.9"},
         {"name": "c", "memory": 200 << 20},
     )
-    async with http(ctl) as client:
-        await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
-        assert r.status_code == 200, r.text
+    r = await complete_once(ctl)
+    assert r.status_code == 200, r.text
     jid = job_id(r.json()["id"])
     assert [p.node_id for p in a.plans[-1].rpc_peers] == [a.node_id, c.node_id]
     events = list(ctl.services.app.repository.event_store.get(UUID(public.node_id)))
@@ -337,13 +324,7 @@ async def test_token_batches_survive_a_store_error(
         {"name": "a", "holds": SHA, "memory": 4 << 30, "words": tuple(f" w{i}" for i in range(30))},
     )
     a.word_delay = 0.02
-    async with http(ctl) as client:
-        await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
+    r = await complete_once(ctl)
     assert r.status_code == 200
     jid = job_id(r.json()["id"])
     assert calls["n"] > 1
