@@ -322,10 +322,11 @@ def test_children_die_with_a_killed_agent(binaries: RuntimeBinaries, tmp_path: P
         child_pid = json.loads(agent.stdout.readline())["pid"]
         assert psutil.pid_exists(child_pid)
         time.sleep(0.5)  # the starter thread is gone; the child must have survived that
-        assert psutil.Process(child_pid).status() not in {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+        child = psutil.Process(child_pid)  # held before the kill: the child may die at once
+        assert child.status() not in {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
         agent.kill()  # SIGKILL: no atexit, no cleanup in the agent
         agent.wait(timeout=10)
-        gone, _ = psutil.wait_procs([psutil.Process(child_pid)], timeout=10)
+        gone, _ = psutil.wait_procs([child], timeout=10)
         assert gone, "ggml-rpc-server outlived the killed agent"
     finally:
         if agent.poll() is None:
