@@ -3,18 +3,15 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: venv lint typecheck test unit proto llama model demo controller clean browser bench
 
-venv: $(STAMP)
+# First-run set-up (venv, llama.cpp build, model, browser) runs its steps side by side, with
+# the system python3, before the venv exists; see ops/bootstrap.py. Cached steps are no-ops.
+BOOTSTRAP := $(PYTHON) -m ops.bootstrap
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	@rm -f $(VENV)/.installed-*
-	@touch $@
+venv:
+	@$(BOOTSTRAP) test --only venv
 
 proto: venv
 	$(PY) -m proto.generate
@@ -27,18 +24,19 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 # llama.cpp binaries and the test model, cached outside the checkout (see ops/).
-llama: venv
-	$(PY) -m ops.build_llama
+llama:
+	@$(BOOTSTRAP) test --only llama.cpp
 
-model: venv
-	$(PY) -m ops.fetch_model
+model:
+	@$(BOOTSTRAP) test --only model
 
 # Headless Chromium for the dashboard test: Debian's package, never `playwright install`.
 browser:
-	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	@$(BOOTSTRAP) test --only browser
 
 # The whole suite: lint, types, unit, integration (real Postgres/Redis), e2e (real llama.cpp).
-test: venv llama model browser
+test:
+	@$(BOOTSTRAP) test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py
 	$(VENV)/bin/mypy
@@ -47,11 +45,13 @@ test: venv llama model browser
 unit: venv
 	$(VENV)/bin/pytest tests/unit
 
-demo: venv llama model
+demo:
+	@$(BOOTSTRAP) demo
 	$(PY) -m ops.demo
 
 # Direct llama-server vs through the controller, side by side (results in var/bench/).
-bench: venv llama model
+bench:
+	@$(BOOTSTRAP) test --only venv --only llama.cpp --only model
 	$(PY) -m bench.compare_paths --wait-idle 900
 
 controller: venv

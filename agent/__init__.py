@@ -1,4 +1,4 @@
-"""agent layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""
+"""agent layer of the Distributed AI Compute Platform (see docs/architecture.md, 'Layers')."""
 
 AGENT_VERSION = "0.1.0"
 

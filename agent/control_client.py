@@ -972,11 +972,11 @@ async def _call_ended(
 
 
 def _install_signal_handlers(session: AgentSession) -> list[signal.Signals]:
-    """SIGINT/SIGTERM stop the session where the loop supports it (not on Windows, where
-    Ctrl+C arrives as KeyboardInterrupt and asyncio.run cancels the session instead)."""
+    """SIGINT/SIGTERM/SIGHUP stop the session where the loop supports it (not on Windows,
+    where Ctrl+C arrives as KeyboardInterrupt and asyncio.run cancels the session instead)."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
-    for name in ("SIGINT", "SIGTERM"):
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         sig = getattr(signal, name, None)
         if sig is None:
             continue

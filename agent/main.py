@@ -1,6 +1,6 @@
 """``node-agent``: enroll this machine with the controller and keep its control stream open.
 
-Exit codes: 0 after a clean stop (SIGINT/SIGTERM/Ctrl+C); 2 with a one-line message for bad
+Exit codes: 0 after a clean stop (SIGINT/SIGTERM/SIGHUP/Ctrl+C); 2 with a one-line message for bad
 flags, a refused enrollment token, a rejected stored identity, no token and no identity, or
 missing llama.cpp binaries (unless ``--no-runtime``).
 

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
-import ctypes
 import datetime as dt
 import ipaddress
 import json
 import logging
 import os
-import queue
 import re
 import shlex
 import signal
@@ -45,9 +42,11 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
+
+from agent.child_process import spawn_tied_to_agent
 
 log = logging.getLogger(__name__)
 
@@ -270,78 +269,6 @@ def free_loopback_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-# --- spawning children that die with the agent -------------------------------------------
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _linux_prctl() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return cast("Callable[..., int]", prctl)
-
-
-def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
-    """A preexec_fn making the kernel SIGKILL the child when the forking thread exits."""
-    prctl = _linux_prctl()  # resolved before fork: the child only makes the call
-    if prctl is None:
-        return None
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the agent died between fork and prctl
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
-_SpawnJob = tuple[list[str], dict[str, Any], "concurrent.futures.Future[subprocess.Popen[bytes]]"]
-
-
-class _Spawner:
-    """Runs every ``Popen`` on one daemon thread that lives as long as the agent.
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process,
-    so children must not be forked from short-lived threads (``asyncio.to_thread`` workers).
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_SpawnJob] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        if sys.platform != "linux":
-            return cast("subprocess.Popen[bytes]", subprocess.Popen(argv, **kwargs))
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="dacp-runtime-spawner", daemon=True
-                )
-                self._thread.start()
-        future: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
-        self._jobs.put((argv, kwargs, future))
-        return future.result()
-
-    def _run(self) -> None:
-        while True:
-            argv, kwargs, future = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                preexec = _pdeathsig_preexec(os.getpid())
-                proc = subprocess.Popen(argv, preexec_fn=preexec, **kwargs)
-                future.set_result(cast("subprocess.Popen[bytes]", proc))
-            except BaseException as exc:  # handed to the caller
-                future.set_exception(exc)
-
-
-_SPAWNER = _Spawner()
 _LIVE: set[_ChildProcess] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -501,7 +428,7 @@ class _ChildProcess:
             else:
                 kwargs["start_new_session"] = True  # terminal signals go to the agent only
             try:
-                self._proc = _SPAWNER.popen(argv, **kwargs)
+                self._proc = spawn_tied_to_agent(argv, **kwargs)
             except OSError as exc:
                 raise RuntimeStartError(f"cannot start {argv[0]}: {exc}", role=self.role) from exc
         with _LIVE_LOCK:

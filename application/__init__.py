@@ -1,1 +1,1 @@
-"""application layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""
+"""application layer of the Distributed AI Compute Platform (see docs/architecture.md, 'Layers')."""

@@ -189,7 +189,8 @@ class Controller(Application[UUID]):
         """Offline or error: the node's executing jobs end with it, in the same transaction.
 
         Jobs still in setup are left to the job manager, which re-plans them without the
-        node (DESIGN.md §3); the node's claim on them is dropped with the node's state.
+        node (see docs/architecture.md, 'Node lost'); the node's claim on them is dropped
+        with the node's state.
         """
 
         def command() -> list[Aggregate]:

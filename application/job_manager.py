@@ -1,4 +1,5 @@
-"""The job manager: the three phases of a chat completion (DESIGN.md §3).
+"""The job manager: the three phases of a chat completion (see docs/architecture.md,
+'Request flow').
 
 *Setup and validation*: plan, dispatch, start RPC workers, let the primary validate the
 model and its peers; a node that fails here is excluded and the job re-planned (bounded).

@@ -1,1 +1,1 @@
-"""domain layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""
+"""domain layer of the Distributed AI Compute Platform (see docs/architecture.md, 'Layers')."""

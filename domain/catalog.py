@@ -1,4 +1,7 @@
-"""The event catalog (DESIGN.md §5): catalog code → event class, for both aggregates."""
+"""The event catalog: catalog code → event class, for every aggregate.
+
+Each code is documented in docs/architecture.md, 'Event catalogue'.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Job aggregate: one chat completion through its three phases (DESIGN.md §3).
+"""The Job aggregate: one chat completion through its three phases (docs/architecture.md,
+'Job lifecycle').
 
 submitted → planned → dispatched → setup validated → running → completed | failed | cancelled.
 A job is re-planned only before execution; a failure records whether it happened during

@@ -1,4 +1,5 @@
-"""Scheduler and split planner as pure functions (DESIGN.md §3 phase 2).
+"""Scheduler and split planner as pure functions (see docs/architecture.md,
+'Scheduling and split planning').
 
 Given what a model needs and a snapshot of candidate nodes, ``plan_placement`` chooses the
 primary (the node that runs ``llama-server`` and must hold the GGUF file), the RPC workers and

@@ -1,4 +1,7 @@
-"""Node and job states (DESIGN.md §4) as string enums, so they serialise as plain strings."""
+"""Node and job states as string enums, so they serialise as plain strings.
+
+See docs/architecture.md, 'Node state machine' and 'Job lifecycle'.
+"""
 
 from __future__ import annotations
 

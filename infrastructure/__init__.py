@@ -1,1 +1,4 @@
-"""infrastructure layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""
+"""infrastructure layer of the Distributed AI Compute Platform.
+
+See docs/architecture.md, 'Layers'.
+"""

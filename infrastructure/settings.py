@@ -1,4 +1,4 @@
-"""Controller configuration from the environment (DESIGN.md §7)."""
+"""Controller configuration from the environment (see docs/architecture.md, 'Configuration')."""
 
 from __future__ import annotations
 

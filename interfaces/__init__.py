@@ -1,1 +1,1 @@
-"""interfaces layer of the Distributed AI Compute Platform (see DESIGN.md §2)."""
+"""interfaces layer of the Distributed AI Compute Platform (see docs/architecture.md, 'Layers')."""

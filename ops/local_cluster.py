@@ -5,6 +5,12 @@ Each agent offers only ``--memory-limit`` to the scheduler, so the test model do
 on one node and every completion is split across both over llama.cpp RPC.
 
     python -m ops.local_cluster        # foreground until Ctrl-C; prints URL and keys
+
+Shutdown is complete on SIGINT, SIGTERM and SIGHUP alike: the agents are stopped first (each
+takes its llama.cpp children with it), then the controller, and the process exits 0. The
+controller and agents run in sessions of their own, so a terminal's signals reach only this
+process, which stops them in that order; on Linux each is also started with
+``PR_SET_PDEATHSIG`` = SIGTERM, so even a SIGKILL of this process takes them down.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from agent.child_process import pdeathsig_preexec
 from ops import paths
 
 MODEL_NAME = "smollm2-135m"
@@ -37,6 +45,45 @@ DEFAULT_MEMORY_LIMIT = 160 * 1024 * 1024
 
 class ClusterError(RuntimeError):
     pass
+
+
+class ShutdownRequested(BaseException):
+    """SIGTERM or SIGHUP arrived; raised like KeyboardInterrupt so every ``with`` unwinds."""
+
+
+#: Signals that stop the cluster cleanly (SIGINT arrives as KeyboardInterrupt).
+SHUTDOWN_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def _raise_shutdown(signum: int, _frame: object) -> None:
+    raise ShutdownRequested(signal.Signals(signum).name)
+
+
+def install_shutdown_signals() -> None:
+    """Make SIGTERM and SIGHUP unwind the main thread like Ctrl-C does."""
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, _raise_shutdown)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while the cluster stops, so a second one cannot cut the
+    shutdown short; they are re-delivered (and ignored) afterwards."""
+    mask = {signal.SIGINT, *SHUTDOWN_SIGNALS}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
+    try:
+        yield
+    finally:
+        pending = signal.sigpending() & mask
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in pending}
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _port_free(port: int) -> bool:
@@ -124,7 +171,14 @@ class LocalCluster:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = log.open("ab")
         popen = subprocess.Popen(
-            argv, env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            # Its own session: terminal signals reach only us, and we stop children in order.
+            start_new_session=True,
+            preexec_fn=pdeathsig_preexec(os.getpid(), signal.SIGTERM),
         )
         handle.close()
         proc = _Proc(name, popen, log)
@@ -273,6 +327,10 @@ class LocalCluster:
         return proc
 
     def stop(self) -> None:
+        with _signals_deferred():
+            self._stop()
+
+    def _stop(self) -> None:
         for proc in reversed(self.procs):
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGINT if os.name != "nt" else signal.SIGTERM)
@@ -314,8 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         help="bytes each agent offers (default small enough to force a two-node split)",
     )
     args = parser.parse_args(argv)
-    paths.ensure_llama()
-    paths.ensure_model()
+    install_shutdown_signals()
+    try:
+        paths.ensure_llama()
+        paths.ensure_model()
+    except (KeyboardInterrupt, ShutdownRequested):
+        print("local cluster: stopped before it started", file=sys.stderr)
+        return 0
+    except paths.FetchError as e:
+        print(f"local cluster: {e}", file=sys.stderr)
+        return 1
     config = ClusterConfig(
         var_dir=args.var_dir,
         port=args.port,
@@ -330,15 +396,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  AI_API_KEY={cluster.ai_api_key}")
             print(f"  ADMIN_API_KEY={cluster.admin_api_key}")
             print(f"  model: {MODEL_NAME}    logs: {config.var_dir / 'logs'}")
-            print("Ctrl-C stops the cluster.", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    cluster._check_alive()
-                    time.sleep(1)
+            print("Ctrl-C (or SIGTERM/SIGHUP) stops the cluster.", flush=True)
+            while True:
+                cluster._check_alive()
+                time.sleep(1)
+    except (KeyboardInterrupt, ShutdownRequested) as stop:
+        reason = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        print(f"local cluster: stopped ({reason}); every process of the cluster has exited")
+        return 0
     except ClusterError as e:
         print(f"local cluster: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

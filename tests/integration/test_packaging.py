@@ -1,0 +1,61 @@
+"""Installing the project is quiet: setuptools has nothing to warn about, and the wheel carries
+the dashboard's static files and the proto sources."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tracked files, copied: a build writes build/ and *.egg-info next to the sources."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    root = tmp_path_factory.mktemp("src")
+    for name in filter(None, files):
+        relative = Path(name.decode())
+        if not (REPO / relative).is_file():
+            continue
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / relative, root / relative)
+    return root
+
+
+@pytest.mark.parametrize("hook", ["build_wheel", "build_editable"])
+def test_build_hooks_print_no_warning(source_copy: Path, tmp_path: Path, hook: str) -> None:
+    script = f"import setuptools.build_meta as b; print(b.{hook}({str(tmp_path)!r}))"
+    result = subprocess.run(
+        [sys.executable, "-W", "default", "-c", script],
+        cwd=source_copy,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    warnings = [line for line in output.splitlines() if re.search(r"Warning\b|WARNING", line)]
+    assert warnings == []
+    if hook == "build_wheel":
+        wheel = next(tmp_path.glob("*.whl"))
+        names = set(zipfile.ZipFile(wheel).namelist())
+        for expected in (
+            "interfaces/static/dashboard.html",
+            "interfaces/static/dashboard.js",
+            "interfaces/static/dashboard.css",
+            "proto/control.proto",
+            "domain/py.typed",
+        ):
+            assert expected in names

@@ -1,0 +1,155 @@
+"""docs/architecture.md stays true: every event code and every controller setting is documented.
+
+The lists are derived from the code (the catalog module, what ``Settings.from_env`` asks its
+environment for, and a scan of the controller's sources for environment reads), so adding an
+event or a setting without documenting it fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from domain.catalog import CATALOG
+from infrastructure.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "architecture.md"
+#: The controller's packages (the agent has its own command-line options).
+CONTROLLER_PACKAGES = ("application", "infrastructure", "interfaces")
+
+_NAME = r"""["']([A-Z][A-Z0-9_]*)["']"""
+#: Environment reads with a literal variable name: ``os.environ.get("X")``,
+#: ``os.environ["X"]``, ``os.getenv("X")``, ``env.get("X")``, ``env["X"]``,
+#: ``environment.get("X")`` and the settings helpers ``_int(env, "X", …)``.
+ENV_READ_PATTERNS = (
+    re.compile(r"\bos\.environ\.get\(\s*" + _NAME),
+    re.compile(r"\bos\.environ\[\s*" + _NAME + r"\s*\]"),
+    re.compile(r"\bos\.getenv\(\s*" + _NAME),
+    re.compile(r"\b(?:env|environ|environment)\.get\(\s*" + _NAME),
+    re.compile(r"\b(?:env|environ|environment)\[\s*" + _NAME + r"\s*\]"),
+    re.compile(r"\b_(?:int|float|bool|str)\(\s*env\s*,\s*" + _NAME),
+)
+#: Process-environment reads whose variable name the scan above could not see.
+UNSCANNABLE_ENV_READ = re.compile(r"""\bos\.(?:environ\.get\(|environ\[|getenv\()\s*(?!["'])""")
+#: A citation of the retired design document (built so that this file does not match it).
+RETIRED_DESIGN_DOC = re.compile("DESIGN" + r"(?:\.md|\s*§)")
+
+
+def section(title: str) -> str:
+    """The text of the ``## title`` section of the document, up to the next ``## ``."""
+    text = DOC.read_text(encoding="utf-8")
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match is not None, f"docs/architecture.md has no '## {title}' section"
+    return match.group(1)
+
+
+class _RecordingEnv(Mapping[str, str]):
+    """An empty environment that remembers every variable asked for."""
+
+    def __init__(self) -> None:
+        self.asked: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.asked.add(key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def settings_variables() -> set[str]:
+    env = _RecordingEnv()
+    Settings.from_env(env)
+    return env.asked
+
+
+def controller_sources() -> list[Path]:
+    return sorted(p for package in CONTROLLER_PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def scanned_variables() -> set[str]:
+    found: set[str] = set()
+    for path in controller_sources():
+        source = path.read_text(encoding="utf-8")
+        for pattern in ENV_READ_PATTERNS:
+            found.update(pattern.findall(source))
+    return found
+
+
+def test_every_event_code_is_in_the_catalogue() -> None:
+    codes = set(CATALOG)
+    assert {"NODE_ENROLLED", "TOKEN_STREAM_CHUNK", "ENROLLMENT_TOKEN_REDEEMED"} <= codes
+    text = section("Event catalogue")
+    missing = sorted(code for code in codes if f"`{code}`" not in text)
+    assert not missing, f"event codes missing from 'Event catalogue' in {DOC}: {missing}"
+
+
+def test_the_catalogue_documents_no_unknown_code() -> None:
+    rows = re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", section("Event catalogue"), re.M)
+    assert len(rows) == len(set(rows)), "an event code has two rows"
+    assert set(rows) == set(CATALOG), f"stale rows: {sorted(set(rows) - set(CATALOG))}"
+
+
+def test_settings_reads_are_seen() -> None:
+    """Both derivations find the settings, so the documentation test below can fail."""
+    from_settings = settings_variables()
+    scanned = scanned_variables()
+    assert {"DATABASE_URL", "OFFLINE_AFTER", "DEGRADED_AFTER", "NODE_ENROLLMENT_SECRET"} <= (
+        from_settings
+    )
+    assert from_settings <= scanned, "the source scan misses reads Settings.from_env makes"
+    assert {"LOG_LEVEL", "DACP_VAR_DIR", "POSTGRES_SCHEMA"} <= scanned
+
+
+def test_no_environment_read_hides_its_name() -> None:
+    hidden = [
+        f"{path.relative_to(ROOT)}:{source.count(chr(10), 0, match.start()) + 1}"
+        for path in controller_sources()
+        for source in [path.read_text(encoding="utf-8")]
+        for match in UNSCANNABLE_ENV_READ.finditer(source)
+    ]
+    assert not hidden, f"read the environment with a literal name (or extend this test): {hidden}"
+
+
+def test_every_setting_is_documented() -> None:
+    variables = settings_variables() | scanned_variables()
+    text = section("Configuration")
+    missing = sorted(name for name in variables if f"`{name}`" not in text)
+    assert not missing, f"variables missing from 'Configuration' in {DOC}: {missing}"
+
+
+def repository_files() -> list[Path]:
+    """Files git tracks plus new files it does not ignore; every file without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "build", "var", "node_modules"}
+        return [
+            p
+            for p in ROOT.rglob("*")
+            if p.is_file() and not skip.intersection(p.relative_to(ROOT).parts)
+        ]
+    return [ROOT / name for name in listed.decode("utf-8").split("\0") if name]
+
+
+def test_no_file_cites_the_retired_design_document() -> None:
+    files = repository_files()
+    assert any(p.name == "architecture.md" for p in files)
+    citing = [
+        str(path.relative_to(ROOT))
+        for path in files
+        if path.is_file()
+        and RETIRED_DESIGN_DOC.search(path.read_bytes().decode("utf-8", errors="replace"))
+    ]
+    assert not citing, f"cite docs/architecture.md instead: {citing}"
