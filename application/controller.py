@@ -23,6 +23,7 @@ from eventsourcing.persistence import RecordConflictError, Recording
 
 from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
+from domain.errors import IllegalTransition, SlotTaken
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
@@ -256,24 +257,100 @@ class Controller(Application[UUID]):
 
     # ----------------------------------------------------------- job commands
 
+    def _new_job(self, submission: Submission, job_id: UUID) -> Job:
+        canonical = orjson.dumps(submission.messages, option=orjson.OPT_SORT_KEYS).decode()
+        return Job.submit(
+            job_id=job_id,
+            model=submission.model,
+            params=submission.params,
+            messages=submission.messages if self.record_content else None,
+            prompt_sha256=sha256_text(canonical),
+            message_count=len(submission.messages),
+            stream=submission.stream,
+        )
+
     def submit(self, submission: Submission, job_id: UUID | None = None) -> CommandResult:
         new_id = job_id or uuid4()
-        canonical = orjson.dumps(submission.messages, option=orjson.OPT_SORT_KEYS).decode()
+        return CommandResult(self._run(lambda: [self._new_job(submission, new_id)]), new_id)
+
+    def submit_and_queue(
+        self, submission: Submission, job_id: UUID, position: int, reason: str
+    ) -> CommandResult:
+        """JOB_SUBMITTED and JOB_QUEUED in one transaction."""
 
         def command() -> list[Aggregate]:
-            return [
-                Job.submit(
-                    job_id=new_id,
-                    model=submission.model,
-                    params=submission.params,
-                    messages=submission.messages if self.record_content else None,
-                    prompt_sha256=sha256_text(canonical),
-                    message_count=len(submission.messages),
-                    stream=submission.stream,
-                )
-            ]
+            job = self._new_job(submission, job_id)
+            job.enqueue(position, reason)
+            return [job]
 
-        return CommandResult(self._run(command), new_id)
+        return CommandResult(self._run(command), job_id)
+
+    def submit_and_dispatch(
+        self,
+        submission: Submission,
+        job_id: UUID,
+        plan: dict[str, Any],
+        roles: Mapping[str, str],
+        *,
+        allow_degraded: bool = False,
+    ) -> CommandResult:
+        """JOB_SUBMITTED, JOB_PLANNED, the plan's NODE_JOB_ASSIGNED and JOB_DISPATCHED in one
+        transaction. A node that cannot take the job (another placement took its slot first,
+        here or in another controller) raises a domain error and nothing is recorded."""
+
+        def command() -> list[Aggregate]:
+            job = self._new_job(submission, job_id)
+            job.record_plan(plan)
+            return [job, *self._assign(job, roles, allow_degraded)]
+
+        return CommandResult(self._run(command), job_id)
+
+    def plan_and_dispatch(
+        self,
+        job_id: UUID | str,
+        plan: dict[str, Any],
+        roles: Mapping[str, str],
+        *,
+        allow_degraded: bool = False,
+        replan_reason: str | None = None,
+        excluded_node: str = "",
+    ) -> int:
+        """Plans a submitted or queued job (or re-plans one whose setup failed, releasing its
+        old nodes) and dispatches it, all or nothing, like :meth:`submit_and_dispatch`."""
+
+        def command() -> list[Aggregate]:
+            job = self._job(job_id)
+            changed: dict[UUID, Aggregate] = {job.id: job}
+            if replan_reason is None:
+                job.record_plan(plan)
+            else:
+                self._release_nodes(job, changed, outcome="replanned")
+                job.replan(plan, replan_reason, excluded_node)
+            for node in self._assign(job, roles, allow_degraded, changed):
+                changed[node.id] = node
+            return list(changed.values())
+
+        return self._run(command)
+
+    def _assign(
+        self,
+        job: Job,
+        roles: Mapping[str, str],
+        allow_degraded: bool,
+        loaded: Mapping[UUID, Aggregate] | None = None,
+    ) -> list[Node]:
+        """Assigns ``job`` to every node of ``roles`` and records JOB_DISPATCHED."""
+        nodes = []
+        for node_id, role in roles.items():
+            existing = (loaded or {}).get(UUID(node_id))
+            node = existing if isinstance(existing, Node) else self._node(node_id)
+            try:
+                node.assign_job(str(job.id), role, allow_degraded=allow_degraded)
+            except IllegalTransition as e:
+                raise SlotTaken(str(e)) from e
+            nodes.append(node)
+        job.dispatch(list(roles))
+        return nodes
 
     def plan(self, job_id: UUID | str, plan: dict[str, Any]) -> int:
         return self._job_command(job_id, lambda j: j.record_plan(plan))
@@ -311,13 +388,7 @@ class Controller(Application[UUID]):
 
         def command() -> list[Aggregate]:
             job = self._job(job_id)
-            changed: list[Aggregate] = [job]
-            for node_id, role in roles.items():
-                node = self._node(node_id)
-                node.assign_job(str(job.id), role, allow_degraded=allow_degraded)
-                changed.append(node)
-            job.dispatch(list(roles))
-            return changed
+            return [job, *self._assign(job, roles, allow_degraded)]
 
         return self._run(command)
 

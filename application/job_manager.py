@@ -18,13 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 from uuid import UUID, uuid4
 
+from application.admission import (
+    DEFAULT_QUEUE_TIMEOUT,
+    AdmissionQueue,
+    CapacityError,
+    QueueTimeoutError,
+    Ticket,
+)
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
-from application.errors import ApplicationError, NotFound
+from application.errors import NotFound
 from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
 from application.token_recorder import TokenChunkRecorder
-from domain.errors import DomainError
+from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
 from domain.placement import ExecutionPlan
 
@@ -33,14 +40,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class NoCapacityError(ApplicationError):
-    """No plan could be made or set up (HTTP 503 with Retry-After)."""
+class NoCapacityError(CapacityError):
+    """No plan could be made or set up, and waiting would not help (HTTP 503)."""
 
     code = "no_capacity"
 
-    def __init__(self, message: str, retry_after: int = 5) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+
+#: How often one placement may lose the race for a slot before the job queues instead.
+MAX_PLACEMENT_RACES = 16
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """No plan now. ``transient``: one would fit if busy slots were free, so waiting helps."""
+
+    reason: str
+    transient: bool
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,11 @@ class JobRun:
     held: list[Delta] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
+    #: The job exists in the store (JOB_SUBMITTED recorded).
+    recorded: bool = False
+    ticket: Ticket | None = None
+    #: Nodes whose SECURITY_VIOLATION was recorded for this job (once per job and node).
+    reported_violations: set[str] = field(default_factory=set)
 
     @property
     def setup_ok(self) -> bool:
@@ -110,8 +130,15 @@ class JobManager:
         setup_timeout: float = 120.0,
         max_replans: int = MAX_REPLANS,
         metrics: Metrics | None = None,
+        queue: AdmissionQueue | None = None,
+        queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.metrics: Metrics = metrics or NullMetrics()
+        self.queue = queue if queue is not None else AdmissionQueue()
+        self.queue_timeout = queue_timeout
+        self.clock = clock
+        self._placing = asyncio.Lock()
         self.app = app
         self.scheduler = scheduler
         self.gateway = gateway
@@ -129,62 +156,55 @@ class JobManager:
     async def start(
         self, submission: Submission, model: dict[str, Any], job_id: UUID | None = None
     ) -> JobRun:
-        """Submits the job and runs its setup phase; returns once the primary streams.
+        """Admits the job (placing it now, or queueing it) and runs its setup phase; returns
+        once the primary has validated and streams.
 
-        Raises :class:`NoCapacityError` when no plan can be made or set up.
+        Raises a :class:`CapacityError` (no capacity, queue full, queue timeout) when it
+        cannot run. Cancelling the caller (the client went away) records JOB_CANCELLED.
         """
         uid = job_id or uuid4()
         run = JobRun(job_id=str(uid), model=model["name"])
         self.runs[run.job_id] = run
         try:
-            await self._call(self.app.submit, submission, uid)
-            await self._setup(run, model, submission)
-        except NoCapacityError:
+            await self._setup(run, model, submission, uid)
+        except CapacityError:
             self.runs.pop(run.job_id, None)
             raise
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon(run, "client disconnected", cancelled=True))
+            raise
         except BaseException as e:
-            # Anything else (store down, cancelled request): stop the primary if it was
-            # already told to run, and end the job so its node slots are not held forever.
-            self.runs.pop(run.job_id, None)
-            self._cancel_on_primary(run, "setup aborted")
-            await self._quietly(self.app.fail, run.job_id, f"setup aborted: {e!r}", "internal")
+            # Anything else (store down): stop the primary if it was already told to run, and
+            # end the job so its node slots are not held forever.
+            await asyncio.shield(self._abandon(run, f"setup aborted: {e!r}", cancelled=False))
             raise
         return run
 
-    async def _setup(self, run: JobRun, model: dict[str, Any], submission: Submission) -> None:
-        excluded: set[str] = set()
-        reported: set[str] = set()
-        reason, blamed = "", ""
-        for attempt in range(self.max_replans + 1):
-            result = await self._call(self.scheduler.place, model, frozenset(excluded))
-            for v in result.violations:
-                if v.node_id not in reported:  # once per job, not once per attempt
-                    reported.add(v.node_id)
-                    await self._quietly(
-                        self.app.security_violation, v.node_id, v.address, v.reason, run.job_id
-                    )
-            if result.plan is None:
-                assert result.no_capacity is not None
-                why = result.no_capacity.reason
-                if reason:
-                    why = f"{why}; earlier attempt failed: {reason}"
-                await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
-                raise NoCapacityError(why)
-            plan = result.plan
-            if attempt == 0:
-                await self._call(self.app.plan, run.job_id, plan.to_dict())
+    async def _abandon(self, run: JobRun, reason: str, *, cancelled: bool) -> None:
+        self.runs.pop(run.job_id, None)
+        if run.ticket is not None:
+            self.queue.leave(run.ticket)
+            run.ticket = None
+        self._cancel_on_primary(run, reason)
+        if run.recorded:
+            if cancelled:
+                await self._quietly(self.app.cancel, run.job_id, reason)
             else:
-                await self._call(self.app.replan, run.job_id, plan.to_dict(), reason, blamed)
-            roles = {plan.primary.node_id: "primary"}
-            roles.update({w.node_id: "worker" for w in plan.workers})
-            try:
-                await self._call(
-                    self.app.dispatch, run.job_id, roles, allow_degraded=result.fallback_used
-                )
-            except DomainError as e:
-                reason, blamed = f"dispatch refused: {e}", ""
-                continue
-            run.plan, run.nodes, run.primary = plan, set(roles), plan.primary.node_id
+                await self._quietly(self.app.fail, run.job_id, reason, "internal")
+        self.capacity_changed()
+
+    def capacity_changed(self) -> None:
+        """A slot may have come free (or a node joined): the head of every queue tries."""
+        self.queue.wake()
+
+    async def _setup(
+        self, run: JobRun, model: dict[str, Any], submission: Submission, uid: UUID
+    ) -> None:
+        excluded: set[str] = set()
+        failure: tuple[str, str] | None = None
+        for _attempt in range(self.max_replans + 1):
+            plan = await self._admit(run, model, submission, uid, excluded, failure)
+            run.plan, run.nodes, run.primary = plan, set(plan.node_ids), plan.primary.node_id
             failure = await self._validate(run, plan, model, submission)
             if failure is None:
                 await self._call(self.app.validate_setup, run.job_id)
@@ -205,9 +225,174 @@ class JobManager:
             )
             if blamed:
                 excluded.add(blamed)
-        why = f"setup failed after {self.max_replans + 1} plans: {reason}"
+        assert failure is not None
+        why = f"setup failed after {self.max_replans + 1} plans: {failure[0]}"
         await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
+        self.capacity_changed()
         raise NoCapacityError(why)
+
+    async def _admit(
+        self,
+        run: JobRun,
+        model: dict[str, Any],
+        submission: Submission,
+        uid: UUID,
+        excluded: set[str],
+        failure: tuple[str, str] | None,
+    ) -> ExecutionPlan:
+        """A dispatched plan for the job: placed at once, or after waiting in the queue.
+
+        A new request for a model whose queue is not empty joins the queue (first come,
+        first served); a re-plan tries at once, as its job already waited its turn.
+        """
+        if failure is not None or self.queue.depth(run.model) == 0:
+            placed = await self._place(run, model, submission, uid, excluded, failure)
+            if isinstance(placed, ExecutionPlan):
+                return placed
+            if not placed.transient or failure is not None:
+                raise await self._no_capacity(run, submission, uid, placed.reason, failure)
+            reason = placed.reason
+        else:
+            reason = f"{self.queue.depth(run.model)} request(s) for {run.model} wait already"
+        return await self._wait_in_queue(run, model, submission, uid, excluded, reason)
+
+    async def _no_capacity(
+        self,
+        run: JobRun,
+        submission: Submission,
+        uid: UUID,
+        reason: str,
+        failure: tuple[str, str] | None,
+    ) -> NoCapacityError:
+        """Records the job's failure (submitting it first if need be) and returns the error."""
+        why = f"{reason}; earlier attempt failed: {failure[0]}" if failure else reason
+        if not run.recorded:
+            await self._call(self.app.submit, submission, uid)
+            run.recorded = True
+        await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
+        self.capacity_changed()
+        return NoCapacityError(why)
+
+    async def _wait_in_queue(
+        self,
+        run: JobRun,
+        model: dict[str, Any],
+        submission: Submission,
+        uid: UUID,
+        excluded: set[str],
+        reason: str,
+    ) -> ExecutionPlan:
+        ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: nothing recorded
+        run.ticket = ticket
+        queued_at = self.clock()
+        deadline = queued_at + self.queue_timeout
+        try:
+            await self._call(self.app.submit_and_queue, submission, uid, ticket.position, reason)
+            run.recorded = True
+            while True:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise await self._queue_timeout(run, ticket)
+                try:
+                    async with asyncio.timeout(remaining):
+                        await ticket.wakeup.wait()
+                except TimeoutError:
+                    raise await self._queue_timeout(run, ticket) from None
+                ticket.wakeup.clear()
+                if not self.queue.is_head(ticket):
+                    continue
+                placed = await self._place(run, model, submission, uid, excluded, None)
+                if isinstance(placed, ExecutionPlan):
+                    self.metrics.observe_queue_wait(self.clock() - queued_at)
+                    return placed
+                if not placed.transient:
+                    raise await self._no_capacity(run, submission, uid, placed.reason, None)
+        finally:
+            self.queue.leave(ticket)
+            run.ticket = None
+
+    async def _queue_timeout(self, run: JobRun, ticket: Ticket) -> QueueTimeoutError:
+        why = (
+            f"waited {self.queue_timeout:g} s in the admission queue for model {run.model} "
+            f"(joined at position {ticket.position}) and no slot came free"
+        )
+        self.metrics.observe_queue_wait(self.queue_timeout)
+        await self._quietly(self.app.fail, run.job_id, why, "queue_timeout")
+        return QueueTimeoutError(why)
+
+    async def _place(
+        self,
+        run: JobRun,
+        model: dict[str, Any],
+        submission: Submission,
+        uid: UUID,
+        excluded: set[str],
+        failure: tuple[str, str] | None,
+    ) -> ExecutionPlan | Unplaced:
+        """Plans and dispatches in one transaction, or says why not.
+
+        Placements in this process take turns, so they never pick the same free slot; the
+        store's version check refuses a slot that another controller took meanwhile
+        (:class:`SlotTaken`), which costs a fresh placement, never a re-plan or an event.
+        """
+        for _race in range(MAX_PLACEMENT_RACES):
+            async with self._placing:
+                result = await self._call(
+                    self.scheduler.place,
+                    model,
+                    frozenset(excluded),
+                    connected=self.gateway.is_connected,
+                )
+                for v in result.violations:
+                    if v.node_id not in run.reported_violations:  # once per job and node
+                        run.reported_violations.add(v.node_id)
+                        await self._quietly(
+                            self.app.security_violation, v.node_id, v.address, v.reason, run.job_id
+                        )
+                if result.plan is None:
+                    assert result.no_capacity is not None
+                    return await self._unplaced(model, excluded, result.no_capacity.reason)
+                plan = result.plan
+                roles = {plan.primary.node_id: "primary"}
+                roles.update({w.node_id: "worker" for w in plan.workers})
+                degraded = result.fallback_used
+                try:
+                    if not run.recorded:
+                        await self._call(
+                            self.app.submit_and_dispatch,
+                            submission,
+                            uid,
+                            plan.to_dict(),
+                            roles,
+                            allow_degraded=degraded,
+                        )
+                        run.recorded = True
+                    else:
+                        await self._call(
+                            self.app.plan_and_dispatch,
+                            run.job_id,
+                            plan.to_dict(),
+                            roles,
+                            allow_degraded=degraded,
+                            replan_reason=failure[0] if failure else None,
+                            excluded_node=failure[1] if failure else "",
+                        )
+                except SlotTaken as e:
+                    log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
+                    continue
+                return plan
+        return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
+
+    async def _unplaced(self, model: dict[str, Any], excluded: set[str], reason: str) -> Unplaced:
+        """Whether waiting can help: would a plan fit if every busy slot were free?"""
+        idle = await self._call(
+            self.scheduler.place,
+            model,
+            frozenset(excluded),
+            connected=self.gateway.is_connected,
+            assume_idle=True,
+        )
+        return Unplaced(reason, transient=idle.plan is not None)
 
     async def _validate(
         self, run: JobRun, plan: ExecutionPlan, model: dict[str, Any], submission: Submission
@@ -270,10 +455,13 @@ class JobManager:
         run = self.runs.pop(job_id, None)
         if run is None:
             return
+        if run.ticket is not None:
+            self.queue.leave(run.ticket)
         if run.primary:
             self.gateway.cancel_job(run.primary, job_id, reason)
         await self.recorder.flush(job_id)
         await self._quietly(self.app.cancel, job_id, reason)
+        self.capacity_changed()
 
     def _label(self, node_id: str) -> str:
         """``name (id prefix)`` for messages people read; the id alone if unknown."""
@@ -380,6 +568,7 @@ class JobManager:
                 await self._quietly(self.app.fail, job_id, result.error, result.error_code)
         finally:
             run.queue.put_nowait(item)  # the client hears the ending whatever the store does
+            self.capacity_changed()
 
     async def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed: setup waits fail over; executions on it are lost."""
@@ -429,6 +618,7 @@ class JobManager:
             )
         finally:
             run.queue.put_nowait(item)
+            self.capacity_changed()
 
     async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""

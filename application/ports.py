@@ -78,6 +78,8 @@ class Metrics(Protocol):
 
     def observe_append(self, seconds: float) -> None: ...
 
+    def observe_queue_wait(self, seconds: float) -> None: ...
+
 
 class NullMetrics:
     def observe_time_to_first_token(self, seconds: float) -> None:
@@ -87,4 +89,7 @@ class NullMetrics:
         pass
 
     def observe_append(self, seconds: float) -> None:
+        pass
+
+    def observe_queue_wait(self, seconds: float) -> None:
         pass

@@ -133,6 +133,8 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "nodes": [],
             "replans": 0,
             "submitted_at": at,
+            "queued_at": None,
+            "queue_position": None,
             "planned_at": None,
             "dispatched_at": None,
             "validated_at": None,
@@ -158,7 +160,9 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
     new["state"] = event.resulting_state.value
     new["last_event"] = code_of(event)
     new["version"] = event.originator_version
-    if isinstance(event, Job.Planned):
+    if isinstance(event, Job.Queued):
+        new["queued_at"], new["queue_position"] = at, event.position
+    elif isinstance(event, Job.Planned):
         new["plan"], new["planned_at"] = event.plan, at
     elif isinstance(event, Job.Replanned):
         new["plan"], new["replans"] = event.plan, row["replans"] + 1

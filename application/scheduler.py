@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from application.ports import LiveNode, LiveState
-from application.read_models import ReadModel
+from application.read_models import ReadModel, eligibility_of
 from domain.placement import (
     MODEL_NOT_PRESENT,
     Candidate,
@@ -21,6 +21,7 @@ from domain.placement import (
     PlacementResult,
     plan_placement,
 )
+from domain.states import NodeState
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,13 @@ def model_needs(model: dict[str, Any], nodes: list[dict[str, Any]]) -> ModelNeed
     return None
 
 
+def idle_eligibility(node: dict[str, Any]) -> dict[str, Any] | None:
+    """The eligibility row ``node`` would have with none of its slots taken."""
+    if node["state"] == NodeState.BUSY:
+        node = {**node, "state": NodeState.READY}
+    return eligibility_of({**node, "current_jobs": []})
+
+
 class Scheduler:
     def __init__(
         self,
@@ -83,8 +91,19 @@ class Scheduler:
         self.catch_up = catch_up
 
     def place(
-        self, model: dict[str, Any], exclude: frozenset[str] = frozenset()
+        self,
+        model: dict[str, Any],
+        exclude: frozenset[str] = frozenset(),
+        *,
+        connected: Callable[[str], bool] | None = None,
+        assume_idle: bool = False,
     ) -> PlacementResult:
+        """A plan for ``model`` now, or why there is none.
+
+        ``connected`` narrows the candidates to nodes whose agents hold a control stream to
+        this controller (a controller can only dispatch to those). ``assume_idle`` plans as if
+        every in-service node had all its slots free: whether waiting can ever help.
+        """
         # Read your own writes: a slot freed by the job that just ended must be seen.
         self.catch_up()
         nodes = {n["node_id"]: n for n in self.read_model.list_nodes()}
@@ -100,7 +119,14 @@ class Scheduler:
             )
         live = self.live.all()
         candidates = []
-        for eligible in self.read_model.eligibility():
+        rows = (
+            [idle_eligibility(n) for n in nodes.values()]
+            if assume_idle
+            else self.read_model.eligibility()
+        )
+        for eligible in rows:
+            if eligible is None:
+                continue
             node_id = eligible["node_id"]
             node = nodes.get(node_id)
             if node is None:
@@ -116,7 +142,9 @@ class Scheduler:
                     usable_memory_bytes=usable_memory(eligible, node, entry),
                     free_slots=int(eligible["free_slots"]),
                     has_model=model["sha256"] in eligible["local_models"],
-                    heartbeat_fresh=entry is not None and entry.connected,
+                    heartbeat_fresh=entry is not None
+                    and entry.connected
+                    and (connected is None or connected(node_id)),
                 )
             )
         context_size = min(int(model["context_size"]), needs.context_length_max)

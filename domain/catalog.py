@@ -30,6 +30,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
 
 JOB_EVENTS: tuple[type[Job.Event] | type[Job.Submitted], ...] = (
     Job.Submitted,
+    Job.Queued,
     Job.Planned,
     Job.Replanned,
     Job.Dispatched,

@@ -29,3 +29,11 @@ class InvalidCommand(DomainError):
     """A command's arguments are malformed (wrong sequence number, empty batch, ...)."""
 
     code = "invalid_command"
+
+
+class SlotTaken(DomainError):
+    """A node cannot take a job any more: another placement (here or in another controller)
+    took its slot first, or it left service, since the plan was made. Nothing was recorded;
+    placing again is the answer, not a re-plan."""
+
+    code = "slot_taken"

@@ -1,7 +1,8 @@
 """The Job aggregate: one chat completion through its three phases (docs/architecture.md,
 'Job lifecycle').
 
-submitted → planned → dispatched → setup validated → running → completed | failed | cancelled.
+submitted [→ queued] → planned → dispatched → setup validated → running → completed | failed |
+cancelled. A job waits in the admission queue (queued) when no plan can start at once.
 A job is re-planned only before execution; a failure records whether it happened during
 setup or execution, derived from the state it was in, so the two can never disagree.
 """
@@ -49,6 +50,17 @@ class Job(Aggregate):
         prompt_sha256: str
         message_count: int
         stream: bool
+
+    class Queued(Event):
+        """No plan could start at once; the job waits in its model's admission queue."""
+
+        code: ClassVar[str] = "JOB_QUEUED"
+        resulting_state: ClassVar[JobState] = JobState.QUEUED
+        position: int
+        reason: str
+
+        def evolve(self, job: Job) -> None:
+            job.queued_at = self.timestamp.isoformat()
 
     class Planned(Event):
         code: ClassVar[str] = "JOB_PLANNED"
@@ -158,6 +170,7 @@ class Job(Aggregate):
         self.nodes: list[str] = []
         self.next_seq = 0
         self.tokens_streamed = 0
+        self.queued_at: str | None = None
         self.planned_at: str | None = None
         self.dispatched_at: str | None = None
         self.validated_at: str | None = None
@@ -201,9 +214,16 @@ class Job(Aggregate):
             stream=stream,
         )
 
-    def record_plan(self, plan: dict[str, Any]) -> None:
+    def enqueue(self, position: int, reason: str) -> None:
         if self.state != JobState.SUBMITTED:
-            raise self._refuse("be planned", "only a submitted job is planned")
+            raise self._refuse("be queued", "only a submitted job is queued")
+        if position < 1:
+            raise InvalidCommand(f"a queue position starts at 1, got {position}")
+        self.trigger_event(self.Queued, position=position, reason=reason)
+
+    def record_plan(self, plan: dict[str, Any]) -> None:
+        if self.state not in (JobState.SUBMITTED, JobState.QUEUED):
+            raise self._refuse("be planned", "only a submitted or queued job is planned")
         self.trigger_event(self.Planned, plan=plan)
 
     def replan(self, plan: dict[str, Any], reason: str, excluded_node: str = "") -> None:

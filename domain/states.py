@@ -25,6 +25,7 @@ FALLBACK_NODE_STATES = frozenset({NodeState.DEGRADED})
 
 class JobState(StrEnum):
     SUBMITTED = "SUBMITTED"
+    QUEUED = "QUEUED"
     PLANNED = "PLANNED"
     DISPATCHED = "DISPATCHED"
     SETUP_VALIDATED = "SETUP_VALIDATED"
@@ -35,8 +36,12 @@ class JobState(StrEnum):
 
 
 TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
-SETUP_PHASE_STATES = frozenset({JobState.SUBMITTED, JobState.PLANNED, JobState.DISPATCHED})
+SETUP_PHASE_STATES = frozenset(
+    {JobState.SUBMITTED, JobState.QUEUED, JobState.PLANNED, JobState.DISPATCHED}
+)
 EXECUTION_PHASE_STATES = frozenset({JobState.SETUP_VALIDATED, JobState.RUNNING})
+#: Every state of a job that has not ended (what a controller restart must account for).
+UNFINISHED_JOB_STATES = SETUP_PHASE_STATES | EXECUTION_PHASE_STATES
 
 
 class FailurePhase(StrEnum):

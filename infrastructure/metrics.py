@@ -72,6 +72,12 @@ class PrometheusMetrics:
             buckets=APPEND_BUCKETS,
             registry=r,
         )
+        self.queue_wait = Histogram(
+            "dacp_queue_wait_seconds",
+            "Time a job waited in the admission queue before it was placed (or timed out).",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.jobs_submitted = Counter(
             "dacp_jobs_submitted", "Jobs submitted (JOB_SUBMITTED).", registry=r
         )
@@ -111,6 +117,9 @@ class PrometheusMetrics:
 
     def observe_append(self, seconds: float) -> None:
         self.append.observe(max(0.0, seconds))
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(max(0.0, seconds))
 
     # ------------------------------------------------------------ event counters
 
@@ -156,6 +165,7 @@ class ClusterSources:
     read_model_position: Callable[[], int]
     feed_subscribers: Callable[[], int] = lambda: 0
     feed_dropped: Callable[[], int] = lambda: 0
+    queue_depths: Callable[[], Mapping[str, int]] = dict
 
 
 class ClusterCollector(Collector):
@@ -211,6 +221,17 @@ class ClusterCollector(Collector):
                 out.append(_gauge(name, doc, fn))
             except Exception:
                 self._failed(name)
+        try:
+            depth = GaugeMetricFamily(
+                "dacp_queue_depth",
+                "Requests waiting in the admission queue, by model.",
+                labels=["model"],
+            )
+            for model, waiting in sorted(self.sources.queue_depths().items()):
+                depth.add_metric([model], waiting)
+            out.append(depth)
+        except Exception:
+            self._failed("the admission queue")
         try:
             dropped = CounterMetricFamily(
                 "dacp_event_feed_dropped",

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from application.admission import DEFAULT_QUEUE_MAX, DEFAULT_QUEUE_TIMEOUT
 from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
 
 
@@ -69,6 +70,8 @@ class Settings:
     record_content: bool = True
     rpc_worker_timeout: float = 30.0
     setup_timeout: float = 120.0
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    queue_max: int = DEFAULT_QUEUE_MAX
     var_dir: Path = field(default_factory=lambda: Path("var"))
 
     @classmethod
@@ -95,8 +98,12 @@ class Settings:
             record_content=_bool(env, "RECORD_CONTENT", True),
             rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", 30.0),
             setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
+            queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
+            queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
         )
+        if settings.queue_max < 1:
+            raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")
         if settings.offline_after <= settings.degraded_after:
             raise SettingsError(
                 f"OFFLINE_AFTER ({settings.offline_after}) must exceed "

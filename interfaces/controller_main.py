@@ -13,11 +13,13 @@ from typing import Any
 import grpc
 import uvicorn
 
+from application.admission import AdmissionQueue
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
+from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
@@ -29,6 +31,9 @@ from interfaces.services import Services
 from proto import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+#: How often queued requests re-check for capacity that changed outside this process.
+QUEUE_POLL_INTERVAL = 0.5
 
 SWEEP_INTERVAL = 0.5
 
@@ -61,6 +66,14 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
         enrollment=EnrollmentService(storage.app, settings.node_enrollment_secret),
     )
     return services, storage
+
+
+async def _wake_queue_forever(jobs: JobManager) -> None:
+    """Local job endings wake the admission queue at once; this catches the rest (a node
+    that joined or recovered, a drain lifted, a slot freed by another controller)."""
+    while True:
+        await asyncio.sleep(QUEUE_POLL_INTERVAL)
+        jobs.capacity_changed()
 
 
 async def _sweep_forever(monitor: HealthMonitor) -> None:
@@ -102,6 +115,8 @@ async def start_controller(settings: Settings) -> RunningController:
         worker_timeout=settings.rpc_worker_timeout,
         setup_timeout=settings.setup_timeout,
         metrics=metrics,
+        queue=AdmissionQueue(settings.queue_max),
+        queue_timeout=settings.queue_timeout,
     )
     services.extras["jobs"] = jobs
     metrics.add_collector(cluster_collector(services, jobs, feed))
@@ -133,6 +148,7 @@ async def start_controller(settings: Settings) -> RunningController:
     tasks = [
         asyncio.create_task(http_server.serve(), name="http"),
         asyncio.create_task(_sweep_forever(monitor), name="health-sweep"),
+        asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
     ]
     while not http_server.started:
         if tasks[0].done():
@@ -149,7 +165,7 @@ async def start_controller(settings: Settings) -> RunningController:
 
 def _unfinished_jobs(services: Services) -> list[str]:
     services.follower.wait(services.app.position(), timeout=30)
-    live_states = ("SUBMITTED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING")
+    live_states = sorted(UNFINISHED_JOB_STATES)
     return [
         row["job_id"]
         for state in live_states

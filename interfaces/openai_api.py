@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,9 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from application.job_manager import JobManager, JobRun, NoCapacityError
+from application.admission import CapacityError
+from application.commands import Submission
+from application.job_manager import JobManager, JobRun, StreamItem
 from interfaces.http_auth import inference_guard
 from interfaces.http_errors import ApiError, error_body
 from interfaces.openai_validation import parse_chat_request
@@ -93,31 +96,73 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
             code="model_not_found",
         )
     jobs = _jobs(svc)
+    admitted = asyncio.ensure_future(_admit(jobs, submission, model))
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        run = await jobs.start(submission, model)
-    except NoCapacityError as e:
+        await asyncio.wait({admitted, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not admitted.done():
+        # The client went away while queued or in setup: the job ends as JOB_CANCELLED and
+        # takes no slot. Nobody reads this response.
+        admitted.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await admitted
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        run, first = admitted.result()
+    except CapacityError as e:
         raise ApiError(
             503,
             f"no capacity for model {submission.model}: {e}",
             type_="server_error",
-            code="no_capacity",
+            code=e.code,
             headers={"Retry-After": str(e.retry_after)},
         ) from e
+    if first.kind == "error":
+        # Nothing was sent yet, so the failure keeps its real status.
+        raise ApiError(502, first.error, type_="server_error", code=first.error_code)
     completion_id = "chatcmpl-" + run.job_id.replace("-", "")
     created = int(time.time())
     if submission.stream:
         include_usage = bool(submission.params.get("include_usage"))
         return Stream(
-            _stream(jobs, run, completion_id, created, submission.model, include_usage),
+            _stream(jobs, run, first, completion_id, created, submission.model, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _collect(jobs, run, completion_id, created, submission.model)
+    return await _collect(jobs, run, first, completion_id, created, submission.model)
+
+
+#: nginx's "client closed request": logged when a client leaves before any byte is sent.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _admit(
+    jobs: JobManager, submission: Submission, model: dict[str, Any]
+) -> tuple[JobRun, StreamItem]:
+    """Starts the job (queueing if need be) and waits for its first stream item, so that no
+    response header is sent before the request is known to succeed or how it failed."""
+    run = await jobs.start(submission, model)
+    try:
+        return run, await run.queue.get()
+    except asyncio.CancelledError:
+        _spawn(jobs.cancel(run.job_id, "client disconnected before the first token"))
+        raise
+
+
+async def _client_gone(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _stream(
     jobs: JobManager,
     run: JobRun,
+    first: StreamItem,
     completion_id: str,
     created: int,
     model: str,
@@ -139,12 +184,13 @@ async def _stream(
     finished = False
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}))
+        item = first
         while True:
-            item = await run.queue.get()
             if item.kind == "deltas":
                 text = "".join(d.text for d in item.deltas)
                 if text:
                     yield _sse(chunk({"content": text}))
+                item = await run.queue.get()
                 continue
             finished = True
             if item.kind == "error":
@@ -181,15 +227,21 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 async def _collect(
-    jobs: JobManager, run: JobRun, completion_id: str, created: int, model: str
+    jobs: JobManager,
+    run: JobRun,
+    first: StreamItem,
+    completion_id: str,
+    created: int,
+    model: str,
 ) -> Response[Any]:
     parts: list[str] = []
     finished = False
+    item = first
     try:
         while True:
-            item = await run.queue.get()
             if item.kind == "deltas":
                 parts.extend(d.text for d in item.deltas)
+                item = await run.queue.get()
                 continue
             finished = True
             if item.kind == "error":

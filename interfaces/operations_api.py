@@ -73,6 +73,7 @@ def cluster_collector(services: Services, jobs: JobManager, feed: EventFeed) -> 
             read_model_position=lambda: services.follower.position,
             feed_subscribers=lambda: feed.subscriber_count,
             feed_dropped=lambda: feed.dropped,
+            queue_depths=jobs.queue.depths,
         )
     )
 

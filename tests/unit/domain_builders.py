@@ -52,6 +52,9 @@ def job_in(state: str) -> Job:
     ]
     if state == "SUBMITTED":
         return job
+    if state == "QUEUED":
+        job.enqueue(1, "every slot is taken")
+        return job
     for name, step in steps:
         step()
         if name == state:

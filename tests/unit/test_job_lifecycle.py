@@ -8,7 +8,7 @@ from domain.job import MAX_REPLANS, Job
 from domain.states import JobState
 from tests.unit.domain_builders import job_in, new_job
 
-ALL = ["SUBMITTED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"]
+ALL = ["SUBMITTED", "QUEUED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"]
 
 
 def assert_refused(job: Job, command) -> None:  # type: ignore[no-untyped-def]
@@ -64,12 +64,36 @@ def test_submit_validates() -> None:
         )
 
 
-@pytest.mark.parametrize("state", ["SUBMITTED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"])
-def test_plan_only_when_submitted(state: str) -> None:
-    if state == "SUBMITTED":
-        job_in(state).record_plan({})
+@pytest.mark.parametrize("state", ALL)
+def test_plan_only_when_submitted_or_queued(state: str) -> None:
+    if state in ("SUBMITTED", "QUEUED"):
+        job = job_in(state)
+        job.record_plan({})
+        assert job.state == JobState.PLANNED
     else:
         assert_refused(job_in(state), lambda j: j.record_plan({}))
+
+
+@pytest.mark.parametrize("state", ALL)
+def test_queue_only_when_submitted(state: str) -> None:
+    job = job_in(state)
+    if state == "SUBMITTED":
+        job.enqueue(3, "every slot is taken")
+        assert job.state == JobState.QUEUED
+        assert code_of(job.collect_events()[-1]) == "JOB_QUEUED"
+    else:
+        assert_refused(job, lambda j: j.enqueue(1, "again"))
+
+
+def test_queue_position_starts_at_one() -> None:
+    with pytest.raises(InvalidCommand):
+        job_in("SUBMITTED").enqueue(0, "x")
+
+
+def test_a_queued_job_can_be_cancelled_or_time_out() -> None:
+    job_in("QUEUED").cancel("client disconnected while queued")
+    job = job_in("QUEUED")
+    assert job.fail("waited 120 s in the queue", "queue_timeout") == "setup"
 
 
 @pytest.mark.parametrize("state", ALL)
@@ -104,7 +128,7 @@ def test_dispatch_needs_nodes() -> None:
         job_in("PLANNED").dispatch([])
 
 
-@pytest.mark.parametrize("state", ["SUBMITTED", "PLANNED", "DISPATCHED"])
+@pytest.mark.parametrize("state", ["SUBMITTED", "QUEUED", "PLANNED", "DISPATCHED"])
 def test_no_tokens_or_completion_before_execution(state: str) -> None:
     job = job_in(state)
     assert_refused(job, lambda j: j.record_chunk([{"seq": 0, "text": "a", "tokens": 1}]))
@@ -135,7 +159,7 @@ def test_chunk_sequence_must_be_contiguous() -> None:
 def test_failure_phase_follows_state(state: str) -> None:
     job = job_in(state)
     phase = job.fail("boom", "x")
-    expected = "setup" if state in ("SUBMITTED", "PLANNED", "DISPATCHED") else "execution"
+    expected = "setup" if state in ("SUBMITTED", "QUEUED", "PLANNED", "DISPATCHED") else "execution"
     assert phase == expected
     assert job.failure_phase == expected
     assert job.state == JobState.FAILED

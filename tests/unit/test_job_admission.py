@@ -1,0 +1,339 @@
+"""The job manager's admission: queue, race-free placement, cancellation while queued.
+
+JobManager and Scheduler run for real on an in-memory event store (eventsourcing's POPO
+recorder), a read model that projects the store on every query, and a fake agent gateway. No
+sleeps and no wall-clock windows: the tests wait for recorded events and gateway calls, with a
+timeout only as a guard against hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+import pytest
+
+from application.admission import AdmissionQueue, QueueFullError, QueueTimeoutError
+from application.commands import Enrollment, Submission
+from application.controller import Controller
+from application.job_manager import AgentJobResult, JobManager, NoCapacityError, SetupOutcome
+from application.scheduler import Scheduler, SchedulerConfig
+from application.token_recorder import TokenChunkRecorder
+from domain.catalog import code_of
+from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
+from infrastructure.live_state import InProcessLiveState
+from tests.unit.fakes import FakeAgentGateway, FakeReadModel
+
+GIB = 1 << 30
+MODEL: dict[str, Any] = {
+    "name": "m",
+    "sha256": "a" * 64,
+    "file_name": "m.gguf",
+    "context_size": 2048,
+}
+GUARD = 10.0  # seconds; only ever reached when a test is about to fail
+
+
+def submission(text: str = "hi") -> Submission:
+    return Submission("m", [{"role": "user", "content": text}], {"max_tokens": 4}, True)
+
+
+class Cluster:
+    """A controller with ``nodes`` single-slot nodes that each hold the model."""
+
+    def __init__(self, nodes: int, *, queue_max: int = 512, queue_timeout: float = 60.0) -> None:
+        self.app = Controller()
+        self.read = FakeReadModel(self.app)
+        self.live = InProcessLiveState()
+        self.gateway = FakeAgentGateway()
+        self.loop = asyncio.get_running_loop()
+        self.saved = asyncio.Event()
+        self.app.add_save_listener(self._on_save)
+        self.scheduler_hook: Callable[[], None] = lambda: None
+        scheduler = Scheduler(
+            self.read,
+            self.live,
+            SchedulerConfig(DEFAULT_ALLOWED_PEER_CIDRS),
+            catch_up=lambda: self.scheduler_hook(),
+        )
+        self.jobs = JobManager(
+            self.app,
+            scheduler,
+            self.gateway,
+            TokenChunkRecorder(self.app),
+            queue=AdmissionQueue(queue_max),
+            queue_timeout=queue_timeout,
+        )
+        self.app.register_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], 2048)
+        self.node_ids = [self.add_node(f"n{i:02d}") for i in range(nodes)]
+
+    def _on_save(self, _position: int) -> None:
+        self.loop.call_soon_threadsafe(self.saved.set)
+
+    def add_node(self, name: str) -> str:
+        ram = 8 * GIB
+        result = self.app.enroll(
+            Enrollment(
+                name=name,
+                inventory={"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []},
+                agent_version="test",
+                address="127.0.0.1",
+                rpc_port=50052,
+                labels={},
+                credential_sha256="c" * 64,
+                token_id=f"tok-{name}",
+                single_use_token=False,
+            )
+        )
+        assert result.aggregate_id is not None
+        node_id = str(result.aggregate_id)
+        self.app.mark_ready(node_id)
+        local = {
+            "sha256": MODEL["sha256"],
+            "file_name": MODEL["file_name"],
+            "size_bytes": 100 << 20,
+            "layers": 30,
+            "kv_bytes_per_token": 1024,
+            "context_length": 8192,
+        }
+        self.app.report_resources(
+            node_id, {"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []}, [local]
+        )
+        self.live.mark_connected(node_id, True, 0.0)
+        self.live.record_heartbeat(node_id, {}, 0.0)
+        return node_id
+
+    def _events(self, aggregate_id: str) -> list[Any]:
+        return list(self.app.events.get(UUID(aggregate_id)))
+
+    def job_codes(self, job_id: str) -> list[str]:
+        return [code_of(e) for e in self._events(job_id)]
+
+    def all_codes(self) -> list[tuple[str, str]]:
+        """(code, aggregate id) of every stored event, in store order."""
+        out = []
+        for notification in self.app.recorder.select_notifications(1, 100_000):
+            event = self.app.mapper.to_domain_event(notification)
+            out.append((code_of(event), str(event.originator_id)))
+        return out
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        """Waits for the store to satisfy ``condition`` (checked after every save)."""
+
+        async def wait() -> None:
+            while not condition():
+                self.saved.clear()
+                if condition():
+                    return
+                await self.saved.wait()
+
+        await asyncio.wait_for(wait(), GUARD)
+
+    async def primary_assigned(self, count: int) -> list[tuple[str, str]]:
+        """Waits until ``count`` primaries were assigned; returns (node, job) of each."""
+
+        async def wait() -> None:
+            while len(self.gateway.primaries) < count:
+                self.gateway.assigned.clear()
+                await self.gateway.assigned.wait()
+
+        await asyncio.wait_for(wait(), GUARD)
+        return [(node, a.job_id) for node, a in self.gateway.primaries[:count]]
+
+    async def validate(self, node_id: str, job_id: str) -> None:
+        await self.jobs.setup_result(node_id, job_id, SetupOutcome(ok=True))
+
+    async def finish(self, node_id: str, job_id: str) -> None:
+        await self.jobs.job_result(
+            node_id, job_id, AgentJobResult(ok=True, finish_reason="stop", completion_tokens=1)
+        )
+
+
+def count(cluster: Cluster, code: str) -> int:
+    return sum(1 for c, _ in cluster.all_codes() if c == code)
+
+
+def queued_count_is(cluster: Cluster, expected: int) -> bool:
+    return count(cluster, "JOB_QUEUED") == expected
+
+
+async def test_a_request_waits_for_a_busy_slot_instead_of_being_refused() -> None:
+    cluster = Cluster(nodes=1)
+    first = asyncio.create_task(cluster.jobs.start(submission("one"), MODEL))
+    [(node, job_one)] = await cluster.primary_assigned(1)
+    second = asyncio.create_task(cluster.jobs.start(submission("two"), MODEL))
+    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    await cluster.validate(node, job_one)
+    await first
+    assert not second.done()
+
+    await cluster.finish(node, job_one)
+    [_, (node_two, job_two)] = await cluster.primary_assigned(2)
+    assert node_two == node
+    await cluster.validate(node, job_two)
+    await second
+    assert cluster.job_codes(job_two)[:4] == [
+        "JOB_SUBMITTED",
+        "JOB_QUEUED",
+        "JOB_PLANNED",
+        "JOB_DISPATCHED",
+    ]
+    queued = next(e for e in cluster._events(job_two) if code_of(e) == "JOB_QUEUED")
+    assert queued.position == 1
+    assert count(cluster, "JOB_REPLANNED") == 0
+
+
+async def test_queued_jobs_are_dispatched_in_queue_order() -> None:
+    cluster = Cluster(nodes=1)
+    blocker = asyncio.create_task(cluster.jobs.start(submission("first"), MODEL))
+    [(node, running)] = await cluster.primary_assigned(1)
+    waiting = []
+    for i in range(4):
+        waiting.append(asyncio.create_task(cluster.jobs.start(submission(f"w{i}"), MODEL)))
+        await cluster.until(functools.partial(queued_count_is, cluster, i + 1))
+    await cluster.validate(node, running)
+    await blocker
+    for i in range(4):
+        await cluster.finish(node, running)
+        assigned = await cluster.primary_assigned(i + 2)
+        running = assigned[-1][1]
+        await cluster.validate(node, running)
+    await asyncio.gather(*waiting)
+    queued_order = [job for code, job in cluster.all_codes() if code == "JOB_QUEUED"]
+    dispatch_order = [job for code, job in cluster.all_codes() if code == "JOB_DISPATCHED"]
+    assert dispatch_order[1:] == queued_order
+    positions = [
+        e.position
+        for job in queued_order
+        for e in cluster._events(job)
+        if code_of(e) == "JOB_QUEUED"
+    ]
+    assert positions == [1, 2, 3, 4]
+
+
+async def test_a_full_queue_refuses_at_once_and_records_nothing() -> None:
+    cluster = Cluster(nodes=1, queue_max=1)
+    runs = asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))
+    await cluster.primary_assigned(1)
+    waits = asyncio.create_task(cluster.jobs.start(submission("waits"), MODEL))
+    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    before = len(cluster.all_codes())
+    with pytest.raises(QueueFullError) as refused:
+        await cluster.jobs.start(submission("refused"), MODEL)
+    assert refused.value.code == "queue_full" and refused.value.retry_after > 0
+    assert len(cluster.all_codes()) == before
+    runs.cancel()
+    waits.cancel()
+
+
+async def test_a_queue_timeout_fails_the_job_and_frees_its_place() -> None:
+    cluster = Cluster(nodes=1, queue_timeout=0.0)
+    runs = asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))
+    await cluster.primary_assigned(1)
+    with pytest.raises(QueueTimeoutError) as timed_out:
+        await cluster.jobs.start(submission("too late"), MODEL)
+    assert timed_out.value.code == "queue_timeout"
+    failed = [job for code, job in cluster.all_codes() if code == "JOB_FAILED"]
+    assert len(failed) == 1
+    assert cluster.job_codes(failed[0]) == ["JOB_SUBMITTED", "JOB_QUEUED", "JOB_FAILED"]
+    row = cluster.read.get_job(failed[0])
+    assert row is not None and row["error_code"] == "queue_timeout"
+    assert len(cluster.jobs.queue) == 0
+    runs.cancel()
+
+
+async def test_a_client_that_leaves_while_queued_cancels_without_taking_a_slot() -> None:
+    cluster = Cluster(nodes=1)
+    first = asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))
+    [(node, job_one)] = await cluster.primary_assigned(1)
+    leaver = asyncio.create_task(cluster.jobs.start(submission("leaves"), MODEL))
+    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    cancelled = [job for code, job in cluster.all_codes() if code == "JOB_CANCELLED"]
+    assert len(cancelled) == 1
+    assert cluster.job_codes(cancelled[0]) == ["JOB_SUBMITTED", "JOB_QUEUED", "JOB_CANCELLED"]
+    assert len(cluster.jobs.queue) == 0
+    await cluster.validate(node, job_one)
+    await first
+    await cluster.finish(node, job_one)
+    freed = cluster.read.get_node(node)
+    assert freed is not None and freed["current_jobs"] == []  # nobody took the freed slot
+
+
+async def test_concurrent_placements_never_collide() -> None:
+    cluster = Cluster(nodes=30)
+    starts = [
+        asyncio.create_task(cluster.jobs.start(submission(f"j{i}"), MODEL)) for i in range(30)
+    ]
+    assigned = await cluster.primary_assigned(30)
+    assert len({node for node, _ in assigned}) == 30  # one job per single-slot node
+    for node, job in assigned:
+        await cluster.validate(node, job)
+    await asyncio.gather(*starts)
+    codes = [code for code, _ in cluster.all_codes()]
+    assert codes.count("JOB_DISPATCHED") == 30
+    assert "JOB_QUEUED" not in codes and "JOB_REPLANNED" not in codes and "JOB_FAILED" not in codes
+    running = [n for n in cluster.read.list_nodes() if len(n["current_jobs"]) == 1]
+    assert len(running) == 30
+
+
+async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_replan() -> None:
+    cluster = Cluster(nodes=2)
+    rival_done = False
+
+    def rival_takes_first_node() -> None:
+        # Another controller dispatches to n00 between this one's read and its write.
+        nonlocal rival_done
+        if rival_done:
+            return
+        rival_done = True
+        rival = cluster.app.submit(submission("rival"))
+        assert rival.aggregate_id is not None
+        target = min(cluster.node_ids, key=lambda n: n)
+        cluster.app.plan(rival.aggregate_id, {"primary": target, "workers": []})
+        cluster.app.dispatch(rival.aggregate_id, {target: "primary"})
+        cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # stale view
+
+    real_catch_up = cluster.read.catch_up
+
+    def hook() -> None:
+        real_catch_up()
+        rival_takes_first_node()
+
+    cluster.scheduler_hook = hook
+    task = asyncio.create_task(cluster.jobs.start(submission("mine"), MODEL))
+    await cluster.until(lambda: rival_done)
+    cluster.read.catch_up = real_catch_up  # type: ignore[method-assign]
+    [(node, job)] = await cluster.primary_assigned(1)
+    await cluster.validate(node, job)
+    await task
+    codes = cluster.job_codes(job)
+    assert codes[:3] == ["JOB_SUBMITTED", "JOB_PLANNED", "JOB_DISPATCHED"]
+    assert "JOB_REPLANNED" not in codes and "JOB_QUEUED" not in codes
+
+
+async def test_no_node_can_ever_hold_the_model_fails_fast_without_queueing() -> None:
+    cluster = Cluster(nodes=1)
+    ghost = {**MODEL, "name": "ghost", "sha256": "f" * 64}
+    with pytest.raises(NoCapacityError):
+        await cluster.jobs.start(
+            Submission("ghost", [{"role": "user", "content": "x"}], {}, False), ghost
+        )
+    codes = [code for code, _ in cluster.all_codes()]
+    assert "JOB_QUEUED" not in codes
+    assert codes[-2:] == ["JOB_SUBMITTED", "JOB_FAILED"]
+
+
+async def test_only_nodes_connected_to_this_controller_are_placed_on() -> None:
+    cluster = Cluster(nodes=2)
+    cluster.gateway.disconnected.add(cluster.node_ids[0])
+    task = asyncio.create_task(cluster.jobs.start(submission(), MODEL))
+    [(node, job)] = await cluster.primary_assigned(1)
+    assert node == cluster.node_ids[1]
+    await cluster.validate(node, job)
+    await task
