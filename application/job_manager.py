@@ -191,11 +191,16 @@ class JobManager:
                 await self._quietly(self.app.cancel, run.job_id, reason)
             else:
                 await self._quietly(self.app.fail, run.job_id, reason, "internal")
-        self.capacity_changed()
+        self._ended(run.job_id)
 
     def capacity_changed(self) -> None:
         """A slot may have come free (or a node joined): the head of every queue tries."""
         self.queue.wake()
+
+    def _ended(self, job_id: str) -> None:
+        """The job's ending (or release) is recorded: its slots are free for placement now."""
+        self.scheduler.ledger.released(job_id)
+        self.capacity_changed()
 
     async def _setup(
         self, run: JobRun, model: dict[str, Any], submission: Submission, uid: UUID
@@ -217,6 +222,7 @@ class JobManager:
             reason, blamed = failure
             self._cancel_on_primary(run, f"re-planning: {reason}")
             await self._call(self.app.release_nodes, run.job_id, "replanning")
+            self.scheduler.ledger.released(run.job_id)
             log.warning(
                 "job %s setup failed (%s); re-planning without %s",
                 run.job_id,
@@ -228,7 +234,7 @@ class JobManager:
         assert failure is not None
         why = f"setup failed after {self.max_replans + 1} plans: {failure[0]}"
         await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
-        self.capacity_changed()
+        self._ended(run.job_id)
         raise NoCapacityError(why)
 
     async def _admit(
@@ -270,7 +276,7 @@ class JobManager:
             await self._call(self.app.submit, submission, uid)
             run.recorded = True
         await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
-        self.capacity_changed()
+        self._ended(run.job_id)
         return NoCapacityError(why)
 
     async def _wait_in_queue(
@@ -379,7 +385,9 @@ class JobManager:
                         )
                 except SlotTaken as e:
                     log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
+                    await self._call(self.scheduler.catch_up)  # learn who took it
                     continue
+                self.scheduler.ledger.assigned(run.job_id, roles)
                 return plan
         return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
 
@@ -461,7 +469,7 @@ class JobManager:
             self.gateway.cancel_job(run.primary, job_id, reason)
         await self.recorder.flush(job_id)
         await self._quietly(self.app.cancel, job_id, reason)
-        self.capacity_changed()
+        self._ended(job_id)
 
     def _label(self, node_id: str) -> str:
         """``name (id prefix)`` for messages people read; the id alone if unknown."""
@@ -568,7 +576,7 @@ class JobManager:
                 await self._quietly(self.app.fail, job_id, result.error, result.error_code)
         finally:
             run.queue.put_nowait(item)  # the client hears the ending whatever the store does
-            self.capacity_changed()
+            self._ended(job_id)
 
     async def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed: setup waits fail over; executions on it are lost."""
@@ -618,7 +626,7 @@ class JobManager:
             )
         finally:
             run.queue.put_nowait(item)
-            self.capacity_changed()
+            self._ended(run.job_id)
 
     async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from application.ports import LiveNode, LiveState
 from application.read_models import ReadModel, eligibility_of
+from application.slot_ledger import SlotLedger
 from domain.placement import (
     MODEL_NOT_PRESENT,
     Candidate,
@@ -84,11 +85,15 @@ class Scheduler:
         live: LiveState,
         config: SchedulerConfig,
         catch_up: Callable[[], None] = lambda: None,
+        ledger: SlotLedger | None = None,
     ) -> None:
         self.read_model = read_model
         self.live = live
         self.config = config
+        #: Waits until the read model has every event stored so far (slow under load: only
+        #: after a placement lost a slot to a write the ledger cannot know about).
         self.catch_up = catch_up
+        self.ledger = ledger if ledger is not None else SlotLedger()
 
     def place(
         self,
@@ -104,9 +109,9 @@ class Scheduler:
         this controller (a controller can only dispatch to those). ``assume_idle`` plans as if
         every in-service node had all its slots free: whether waiting can ever help.
         """
-        # Read your own writes: a slot freed by the job that just ended must be seen.
-        self.catch_up()
-        nodes = {n["node_id"]: n for n in self.read_model.list_nodes()}
+        # This controller's own assignments and releases count at once (the ledger); the
+        # read model supplies everyone else's, a little late.
+        nodes = {n["node_id"]: self.ledger.adjust(n) for n in self.read_model.list_nodes()}
         needs = model_needs(model, list(nodes.values()))
         if needs is None:
             return PlacementResult(
@@ -119,11 +124,8 @@ class Scheduler:
             )
         live = self.live.all()
         candidates = []
-        rows = (
-            [idle_eligibility(n) for n in nodes.values()]
-            if assume_idle
-            else self.read_model.eligibility()
-        )
+        judge = idle_eligibility if assume_idle else eligibility_of
+        rows = [judge(n) for n in nodes.values()]
         for eligible in rows:
             if eligible is None:
                 continue

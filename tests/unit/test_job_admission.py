@@ -284,32 +284,26 @@ async def test_concurrent_placements_never_collide() -> None:
 
 async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_replan() -> None:
     cluster = Cluster(nodes=2)
-    rival_done = False
-
-    def rival_takes_first_node() -> None:
-        # Another controller dispatches to n00 between this one's read and its write.
-        nonlocal rival_done
-        if rival_done:
-            return
-        rival_done = True
-        rival = cluster.app.submit(submission("rival"))
-        assert rival.aggregate_id is not None
-        target = min(cluster.node_ids, key=lambda n: n)
-        cluster.app.plan(rival.aggregate_id, {"primary": target, "workers": []})
-        cluster.app.dispatch(rival.aggregate_id, {target: "primary"})
-        cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # stale view
-
+    cluster.read.catch_up()
     real_catch_up = cluster.read.catch_up
+    cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # the view goes stale
+    # Another controller dispatches a job to n00; this one's read model has not seen it.
+    target = min(cluster.node_ids)
+    rival = cluster.app.submit(submission("rival"))
+    assert rival.aggregate_id is not None
+    cluster.app.plan(rival.aggregate_id, {"primary": target, "workers": []})
+    cluster.app.dispatch(rival.aggregate_id, {target: "primary"})
+    caught_up = []
 
-    def hook() -> None:
+    def catch_up() -> None:  # what the job manager asks for after losing a slot
+        cluster.read.catch_up = real_catch_up  # type: ignore[method-assign]
         real_catch_up()
-        rival_takes_first_node()
+        caught_up.append(True)
 
-    cluster.scheduler_hook = hook
+    cluster.scheduler_hook = catch_up
     task = asyncio.create_task(cluster.jobs.start(submission("mine"), MODEL))
-    await cluster.until(lambda: rival_done)
-    cluster.read.catch_up = real_catch_up  # type: ignore[method-assign]
     [(node, job)] = await cluster.primary_assigned(1)
+    assert node != target and caught_up == [True]
     await cluster.validate(node, job)
     await task
     codes = cluster.job_codes(job)

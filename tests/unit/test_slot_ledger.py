@@ -1,0 +1,44 @@
+"""SlotLedger: this controller's own assignments count before the read model shows them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from application.slot_ledger import SlotLedger
+
+
+def row(jobs: list[str], state: str = "READY", slots: int = 2) -> dict[str, Any]:
+    return {"node_id": "n", "current_jobs": jobs, "state": state, "slots": slots}
+
+
+def test_a_fresh_assignment_counts_before_the_read_model_sees_it() -> None:
+    ledger = SlotLedger()
+    ledger.assigned("j1", ["n", "w"])
+    ledger.assigned("j2", ["n"])
+    adjusted = ledger.adjust(row([]))
+    assert adjusted["current_jobs"] == ["j1", "j2"]
+    assert adjusted["state"] == "BUSY"  # both slots taken
+
+
+def test_a_release_frees_the_slot_before_the_read_model_sees_it() -> None:
+    ledger = SlotLedger()
+    ledger.assigned("j1", ["n"])
+    ledger.released("j1")
+    adjusted = ledger.adjust(row(["j1", "other"], state="BUSY"))
+    assert adjusted["current_jobs"] == ["other"]
+    assert adjusted["state"] == "READY"
+    # Once the read model shows the release, the entry is forgotten.
+    assert ledger.adjust(row(["other"])) == row(["other"])
+    assert len(ledger) == 0
+
+
+def test_rows_of_draining_or_offline_nodes_keep_their_state() -> None:
+    ledger = SlotLedger()
+    ledger.assigned("j1", ["n"])
+    assert ledger.adjust(row([], state="DRAINING"))["state"] == "DRAINING"
+
+
+def test_an_unchanged_row_is_returned_as_is() -> None:
+    ledger = SlotLedger()
+    original = row(["x"])
+    assert ledger.adjust(original) is original
