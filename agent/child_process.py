@@ -7,8 +7,13 @@ it. Two users:
 * the agent's llama.cpp children (:func:`spawn_tied_to_agent`, SIGKILL: nothing to clean up in
   a ``llama-server``), forked from one long-lived thread because the agent's asyncio code runs
   blocking calls on short-lived worker threads;
-* the local cluster's controller and agents (:func:`pdeathsig_preexec` with SIGTERM, so they
-  shut down in order and take their own children with them).
+* the local cluster's controller and agents (:func:`set_parent_death_signal` with SIGTERM,
+  through ``ops.tied``, so they shut down in order and take their own children with them).
+
+A ``preexec_fn`` forces a real ``fork()`` of the parent, which runs gRPC's ``pthread_atfork``
+handlers in the child; in a parent that uses gRPC with fork support on (a test process, say)
+that can crash the child before ``exec``. So the local cluster does not use one: ``ops.tied``
+sets the signal in the child after ``exec`` and then ``exec``s the real command.
 
 Elsewhere (macOS, Windows) these fall back to a plain ``Popen``: the callers' own cleanup
 (``atexit`` hooks, context managers) is then the only guarantee.
@@ -41,6 +46,18 @@ def _linux_prctl() -> Callable[..., int] | None:
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
     return cast("Callable[..., int]", prctl)
+
+
+def set_parent_death_signal(sig: signal.Signals, expected_parent: int) -> bool:
+    """Asks the kernel to send ``sig`` to this process when its parent dies; kills this process
+    with ``sig`` at once when the parent is already gone. False where unsupported."""
+    prctl = _linux_prctl()
+    if prctl is None:
+        return False
+    prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != expected_parent:
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def pdeathsig_preexec(

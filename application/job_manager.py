@@ -93,6 +93,9 @@ class StreamItem:
 class JobRun:
     job_id: str
     model: str
+    #: The validated request and the registered model's row it runs.
+    submission: Submission
+    model_row: dict[str, Any]
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     plan: ExecutionPlan | None = None
     nodes: set[str] = field(default_factory=set)
@@ -110,6 +113,12 @@ class JobRun:
     ticket: Ticket | None = None
     #: Nodes whose SECURITY_VIOLATION was recorded for this job (once per job and node).
     reported_violations: set[str] = field(default_factory=set)
+    #: Nodes blamed for a failed setup of this job; later plans leave them out.
+    excluded: set[str] = field(default_factory=set)
+
+    @property
+    def uid(self) -> UUID:
+        return UUID(self.job_id)
 
     @property
     def setup_ok(self) -> bool:
@@ -163,10 +172,10 @@ class JobManager:
         cannot run. Cancelling the caller (the client went away) records JOB_CANCELLED.
         """
         uid = job_id or uuid4()
-        run = JobRun(job_id=str(uid), model=model["name"])
+        run = JobRun(str(uid), model["name"], submission, model)
         self.runs[run.job_id] = run
         try:
-            await self._setup(run, model, submission, uid)
+            await self._setup(run)
         except CapacityError:
             self.runs.pop(run.job_id, None)
             raise
@@ -202,15 +211,12 @@ class JobManager:
         self.scheduler.ledger.released(job_id)
         self.capacity_changed()
 
-    async def _setup(
-        self, run: JobRun, model: dict[str, Any], submission: Submission, uid: UUID
-    ) -> None:
-        excluded: set[str] = set()
+    async def _setup(self, run: JobRun) -> None:
         failure: tuple[str, str] | None = None
         for _attempt in range(self.max_replans + 1):
-            plan = await self._admit(run, model, submission, uid, excluded, failure)
+            plan = await self._admit(run, failure)
             run.plan, run.nodes, run.primary = plan, set(plan.node_ids), plan.primary.node_id
-            failure = await self._validate(run, plan, model, submission)
+            failure = await self._validate(run, plan)
             if failure is None:
                 await self._call(self.app.validate_setup, run.job_id)
                 run.phase = "execution"
@@ -230,70 +236,51 @@ class JobManager:
                 blamed or "-",
             )
             if blamed:
-                excluded.add(blamed)
+                run.excluded.add(blamed)
         assert failure is not None
         why = f"setup failed after {self.max_replans + 1} plans: {failure[0]}"
         await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
         self._ended(run.job_id)
         raise NoCapacityError(why)
 
-    async def _admit(
-        self,
-        run: JobRun,
-        model: dict[str, Any],
-        submission: Submission,
-        uid: UUID,
-        excluded: set[str],
-        failure: tuple[str, str] | None,
-    ) -> ExecutionPlan:
+    async def _admit(self, run: JobRun, failure: tuple[str, str] | None) -> ExecutionPlan:
         """A dispatched plan for the job: placed at once, or after waiting in the queue.
 
         A new request for a model whose queue is not empty joins the queue (first come,
         first served); a re-plan tries at once, as its job already waited its turn.
         """
         if failure is not None or self.queue.depth(run.model) == 0:
-            placed = await self._place(run, model, submission, uid, excluded, failure)
+            placed = await self._place(run, failure)
             if isinstance(placed, ExecutionPlan):
                 return placed
             if not placed.transient or failure is not None:
-                raise await self._no_capacity(run, submission, uid, placed.reason, failure)
+                raise await self._no_capacity(run, placed.reason, failure)
             reason = placed.reason
         else:
             reason = f"{self.queue.depth(run.model)} request(s) for {run.model} wait already"
-        return await self._wait_in_queue(run, model, submission, uid, excluded, reason)
+        return await self._wait_in_queue(run, reason)
 
     async def _no_capacity(
-        self,
-        run: JobRun,
-        submission: Submission,
-        uid: UUID,
-        reason: str,
-        failure: tuple[str, str] | None,
+        self, run: JobRun, reason: str, failure: tuple[str, str] | None
     ) -> NoCapacityError:
         """Records the job's failure (submitting it first if need be) and returns the error."""
         why = f"{reason}; earlier attempt failed: {failure[0]}" if failure else reason
         if not run.recorded:
-            await self._call(self.app.submit, submission, uid)
+            await self._call(self.app.submit, run.submission, run.uid)
             run.recorded = True
         await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
         self._ended(run.job_id)
         return NoCapacityError(why)
 
-    async def _wait_in_queue(
-        self,
-        run: JobRun,
-        model: dict[str, Any],
-        submission: Submission,
-        uid: UUID,
-        excluded: set[str],
-        reason: str,
-    ) -> ExecutionPlan:
+    async def _wait_in_queue(self, run: JobRun, reason: str) -> ExecutionPlan:
         ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: nothing recorded
         run.ticket = ticket
         queued_at = self.clock()
         deadline = queued_at + self.queue_timeout
         try:
-            await self._call(self.app.submit_and_queue, submission, uid, ticket.position, reason)
+            await self._call(
+                self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
+            )
             run.recorded = True
             while True:
                 remaining = deadline - self.clock()
@@ -307,12 +294,12 @@ class JobManager:
                 ticket.wakeup.clear()
                 if not self.queue.is_head(ticket):
                     continue
-                placed = await self._place(run, model, submission, uid, excluded, None)
+                placed = await self._place(run, None)
                 if isinstance(placed, ExecutionPlan):
                     self.metrics.observe_queue_wait(self.clock() - queued_at)
                     return placed
                 if not placed.transient:
-                    raise await self._no_capacity(run, submission, uid, placed.reason, None)
+                    raise await self._no_capacity(run, placed.reason, None)
         finally:
             self.queue.leave(ticket)
             run.ticket = None
@@ -327,13 +314,7 @@ class JobManager:
         return QueueTimeoutError(why)
 
     async def _place(
-        self,
-        run: JobRun,
-        model: dict[str, Any],
-        submission: Submission,
-        uid: UUID,
-        excluded: set[str],
-        failure: tuple[str, str] | None,
+        self, run: JobRun, failure: tuple[str, str] | None
     ) -> ExecutionPlan | Unplaced:
         """Plans and dispatches in one transaction, or says why not.
 
@@ -345,8 +326,8 @@ class JobManager:
             async with self._placing:
                 result = await self._call(
                     self.scheduler.place,
-                    model,
-                    frozenset(excluded),
+                    run.model_row,
+                    frozenset(run.excluded),
                     connected=self.gateway.is_connected,
                 )
                 for v in result.violations:
@@ -357,7 +338,7 @@ class JobManager:
                         )
                 if result.plan is None:
                     assert result.no_capacity is not None
-                    return await self._unplaced(model, excluded, result.no_capacity.reason)
+                    return await self._unplaced(run, result.no_capacity.reason)
                 plan = result.plan
                 roles = {plan.primary.node_id: "primary"}
                 roles.update({w.node_id: "worker" for w in plan.workers})
@@ -366,8 +347,8 @@ class JobManager:
                     if not run.recorded:
                         await self._call(
                             self.app.submit_and_dispatch,
-                            submission,
-                            uid,
+                            run.submission,
+                            run.uid,
                             plan.to_dict(),
                             roles,
                             allow_degraded=degraded,
@@ -391,20 +372,18 @@ class JobManager:
                 return plan
         return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
 
-    async def _unplaced(self, model: dict[str, Any], excluded: set[str], reason: str) -> Unplaced:
+    async def _unplaced(self, run: JobRun, reason: str) -> Unplaced:
         """Whether waiting can help: would a plan fit if every busy slot were free?"""
         idle = await self._call(
             self.scheduler.place,
-            model,
-            frozenset(excluded),
+            run.model_row,
+            frozenset(run.excluded),
             connected=self.gateway.is_connected,
             assume_idle=True,
         )
         return Unplaced(reason, transient=idle.plan is not None)
 
-    async def _validate(
-        self, run: JobRun, plan: ExecutionPlan, model: dict[str, Any], submission: Submission
-    ) -> tuple[str, str] | None:
+    async def _validate(self, run: JobRun, plan: ExecutionPlan) -> tuple[str, str] | None:
         """Starts RPC workers and lets the primary validate; (reason, node to blame) or None."""
         loop = asyncio.get_running_loop()
         multi = bool(plan.workers)
@@ -430,16 +409,16 @@ class JobManager:
                     )
         assignment = PrimaryAssignment(
             job_id=run.job_id,
-            model_name=model["name"],
-            model_file_name=model["file_name"],
-            model_sha256=model["sha256"],
+            model_name=run.model_row["name"],
+            model_file_name=run.model_row["file_name"],
+            model_sha256=run.model_row["sha256"],
             context_size=plan.context_size,
             rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in plan.nodes)
             if multi
             else (),
             tensor_split=plan.tensor_split if multi else (),
-            messages=submission.messages,
-            params=submission.params,
+            messages=run.submission.messages,
+            params=run.submission.params,
         )
         run.setup_future = loop.create_future()
         if not self.gateway.assign_primary(run.primary, assignment):

@@ -34,7 +34,6 @@ from typing import Any
 
 import httpx
 
-from agent.child_process import pdeathsig_preexec
 from ops import paths
 
 MODEL_NAME = "smollm2-135m"
@@ -62,8 +61,13 @@ def _raise_shutdown(signum: int, _frame: object) -> None:
 
 
 def install_shutdown_signals() -> None:
-    """Make SIGTERM and SIGHUP unwind the main thread like Ctrl-C does."""
+    """Make SIGTERM and SIGHUP unwind the main thread like Ctrl-C does, and make sure Ctrl-C
+    does: a shell starts background jobs with SIGINT ignored, and Python then keeps it ignored.
+    A SIGHUP ignored on purpose (``nohup``) stays ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in SHUTDOWN_SIGNALS:
+        if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
         signal.signal(sig, _raise_shutdown)
 
 
@@ -170,6 +174,8 @@ class LocalCluster:
         log = self.config.var_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = log.open("ab")
+        if sys.platform == "linux":  # SIGTERM when this process dies, even by SIGKILL
+            argv = [sys.executable, "-m", "ops.tied", str(os.getpid()), "--", *argv]
         popen = subprocess.Popen(
             argv,
             env=env,
@@ -178,7 +184,6 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             # Its own session: terminal signals reach only us, and we stop children in order.
             start_new_session=True,
-            preexec_fn=pdeathsig_preexec(os.getpid(), signal.SIGTERM),
         )
         handle.close()
         proc = _Proc(name, popen, log)

@@ -56,18 +56,21 @@ def cluster_process(
     log = tmp_path / "cluster.out"
     env = {**os.environ, "AI_API_KEY": AI_KEY, "ADMIN_API_KEY": ADMIN_KEY}
     with log.open("wb") as out:
+        cluster = [
+            sys.executable,
+            "-m",
+            "ops.local_cluster",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--var-dir",
+            str(tmp_path / "var"),
+        ]
+        # Started the way a shell starts a background job: SIGINT ignored, which Python keeps
+        # ignored unless the program installs its own handler (the cluster must).
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ops.local_cluster",
-                "--port",
-                "0",
-                "--grpc-port",
-                "0",
-                "--var-dir",
-                str(tmp_path / "var"),
-            ],
+            ["bash", "-c", 'trap "" INT; exec "$@"', "bash", *cluster],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
