@@ -41,6 +41,9 @@ def _ms_between(start: str | None, end: str | None) -> float | None:
 def timings(row: dict[str, Any]) -> dict[str, Any]:
     """How long each phase of a job took (ms), and the runtime's own figures."""
     return {
+        "queue_wait_ms": _ms_between(
+            row.get("queued_at"), row.get("planned_at") or row.get("ended_at")
+        ),
         "planning_ms": _ms_between(row.get("submitted_at"), row.get("planned_at")),
         "setup_ms": _ms_between(row.get("dispatched_at"), row.get("validated_at")),
         "first_token_after_submit_ms": _ms_between(

@@ -3,7 +3,7 @@
 
 const KEY_STORAGE = "dacp.adminKey";
 const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED"]);
-const ACTIVE_STATES = ["SUBMITTED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"];
+const ACTIVE_STATES = ["SUBMITTED", "QUEUED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"];
 const RECENT_LIMIT = 25;
 const LIVE_LIMIT = 100;
 const NODE_POLL_MS = 5000; // heartbeat ages are live state, not events: poll them
@@ -300,7 +300,10 @@ function jobRow(job) {
         ? el("span", { class: "sub error", text: `${job.failure.phase}: ${job.failure.reason}` })
         : null,
     ),
-    el("td", { text: nodeNames(job.nodes) }),
+    el("td", {
+      text:
+        job.state === "QUEUED" ? `queued at #${job.queue_position ?? "?"}` : nodeNames(job.nodes),
+    }),
     el("td", { text: clock(job.submitted_at) }),
     el("td", { text: String(tokens) }),
     el("td", { class: "muted", text: timing(job) }),

@@ -7,6 +7,8 @@ never needed. The screenshot lands in ``test-artifacts/dashboard.png``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -141,4 +143,49 @@ async def test_dashboard_shows_the_cluster_live(ctl: RunningController, browser:
     await page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     assert not problems, problems
     await page.close()
+    await agent.stop()
+
+
+async def test_dashboard_shows_a_queued_job_and_its_place(
+    ctl: RunningController, browser: Browser
+) -> None:
+    expect.set_options(timeout=WAIT_MS)
+    base = f"http://127.0.0.1:{ctl.http_port}"
+    agent = await FakeAgent(
+        f"127.0.0.1:{ctl.grpc_port}",
+        token(),
+        "solo",
+        holds=SHA,
+        memory=4 << 30,
+        words=tuple(f" w{i}" for i in range(400)),
+    ).start()
+    agent.word_delay = 0.05  # the one slot stays busy for the whole test
+    read = ctl.services.read_model
+    await wait_for(lambda: (read.get_node(agent.node_id) or {}).get("state") == "READY")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        await register(ctl, client)
+
+        async def stream() -> None:
+            async with client.stream("POST", "/v1/chat/completions", headers=AI, json=body) as r:
+                async for _ in r.aiter_lines():
+                    pass
+
+        running = asyncio.create_task(stream())
+        await wait_for(lambda: bool(read.list_jobs(state="RUNNING")))
+        waiting = asyncio.create_task(stream())
+        await wait_for(lambda: bool(read.list_jobs(state="QUEUED")))
+        queued_id = read.list_jobs(state="QUEUED")[0]["job_id"]
+
+        page = await browser.new_page(viewport={"width": 1440, "height": 960})
+        await page.goto(f"{base}/dashboard")
+        await sign_in(page, "test-admin-key")
+        row = page.locator(f'#active-jobs tr[data-job-id="{queued_id}"]')
+        await expect(row.locator(".state-cell .badge")).to_have_text("QUEUED")
+        await expect(row).to_contain_text("queued at #1")
+        await page.close()
+        for task in (waiting, running):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     await agent.stop()
