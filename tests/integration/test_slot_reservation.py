@@ -13,8 +13,8 @@ from uuid import UUID, uuid4
 
 from application.commands import JobOutcome, Submission
 from application.controller import Controller
-from domain.catalog import code_of
 from domain.errors import SlotTaken
+from domain.node import Node
 from tests.integration.store_builders import enroll_ready
 
 ROUNDS = 15
@@ -58,11 +58,10 @@ def test_two_controllers_never_double_book_a_slot(postgres_env: dict[str, str]) 
     # The node's own history: a job is never assigned while another holds the only slot.
     held: set[str] = set()
     for event in controllers[0].repository.event_store.get(UUID(node_id)):
-        code = code_of(event)
-        if code == "NODE_JOB_ASSIGNED":
+        if isinstance(event, Node.JobAssigned):
             assert not held, f"{event.job_id} assigned while {held} held the slot"
             held.add(event.job_id)
-        elif code == "NODE_JOB_RELEASED":
+        elif isinstance(event, Node.JobReleased):
             held.discard(event.job_id)
     for app in controllers:
         app.close()
