@@ -11,8 +11,9 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 from agent.control_client import AgentConfig, ConfigError, ControlHandler, NullHandler
+from agent.llama_binaries import find_binaries
 from agent.llama_handler import LlamaHandler
-from agent.runtime import RuntimeMissingError, find_binaries
+from agent.runtime_errors import RuntimeMissingError
 
 
 class RuntimeUnavailable(ConfigError):

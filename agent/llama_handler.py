@@ -59,20 +59,14 @@ from typing import Any
 import psutil
 
 from agent.control_client import DEFAULT_RPC_PORT, Send, setup_failure, worker_status
+from agent.endpoints import validate_rpc_bind_host
+from agent.llama_binaries import RuntimeBinaries
+from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, ServerSpec
+from agent.managed_child import ProcessExit
 from agent.model_store import ModelStore
-from agent.runtime import (
-    DEFAULT_CTX_SIZE,
-    ChatRequest,
-    LlamaRuntimeError,
-    LlamaServer,
-    ProcessExit,
-    RpcWorker,
-    RuntimeBinaries,
-    RuntimeCrashedError,
-    RuntimeManager,
-    ServerSpec,
-    validate_rpc_bind_host,
-)
+from agent.rpc_worker import RpcWorker
+from agent.runtime import RuntimeManager
+from agent.runtime_errors import LlamaRuntimeError, RuntimeCrashedError
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)

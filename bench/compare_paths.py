@@ -2,7 +2,7 @@
 
 Paths (all serve the cached SmolLM2-135M GGUF, all are streamed with the same OpenAI SDK code):
 
-* ``a``  -- one ``llama-server`` started with :mod:`agent.runtime`, queried directly;
+* ``a``  -- one ``llama-server`` started with the agent's runtime modules, queried directly;
 * ``b1`` -- a local cluster with ONE agent holding the model and a large memory limit, so the
   plan is one node: the difference to ``a`` is the controller + agent overhead;
 * ``b2`` -- the default two-agent local cluster (each agent offers 160 MiB), so every request
@@ -48,7 +48,8 @@ import psutil
 from openai import OpenAI, OpenAIError
 from openai.types.chat import ChatCompletionMessageParam
 
-from agent import runtime
+from agent import llama_binaries, llama_server, managed_child, rpc_worker, runtime_errors
+from agent.endpoints import free_loopback_port
 from bench import stats
 from ops import paths
 from ops.local_cluster import (
@@ -229,7 +230,7 @@ _START_LINE = re.compile(r"^=== \S+ starting: (?P<argv>.+)$", re.MULTILINE)
 
 
 def parse_start_lines(log_text: str) -> list[list[str]]:
-    """Every command line agent.runtime logged (``=== <time> starting: <argv>``), in order."""
+    """Every command line the agent's runtime logged (``=== <time> starting: <argv>``), in order."""
     commands = []
     for match in _START_LINE.finditer(log_text):
         with contextlib.suppress(ValueError):
@@ -241,7 +242,7 @@ def parse_start_lines(log_text: str) -> list[list[str]]:
 class ServerSettings:
     """The performance-relevant ``llama-server`` settings, as the agents ran them."""
 
-    ctx_size: int = runtime.DEFAULT_CTX_SIZE
+    ctx_size: int = llama_server.DEFAULT_CTX_SIZE
     parallel: int = 1
     threads: int | None = None
     n_gpu_layers: int | None = None
@@ -268,7 +269,7 @@ _SPEC_FLAGS = {
 def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
     """The :class:`ServerSettings` of a logged ``llama-server`` command line.
 
-    Flags :class:`agent.runtime.ServerSpec` writes itself are dropped; flags it does not know
+    Flags :class:`agent.llama_server.ServerSpec` writes itself are dropped; flags it does not know
     are kept, in order, as ``extra_args``.
     """
     values: dict[str, str] = {}
@@ -299,7 +300,7 @@ def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
     threads = values.get("--threads")
     layers = values.get("--n-gpu-layers")
     return ServerSettings(
-        ctx_size=int(values.get("--ctx-size", runtime.DEFAULT_CTX_SIZE)),
+        ctx_size=int(values.get("--ctx-size", llama_server.DEFAULT_CTX_SIZE)),
         parallel=int(values.get("--parallel", 1)),
         threads=int(threads) if threads is not None else None,
         n_gpu_layers=int(layers) if layers is not None else None,
@@ -390,7 +391,7 @@ def describe_machine() -> dict[str, Any]:
         "load_average_at_start": load,
         "os": platform.platform(),
         "python": platform.python_version(),
-        "llama_cpp": runtime.LLAMA_DIST_VERSION,
+        "llama_cpp": llama_binaries.LLAMA_DIST_VERSION,
         "model_file": paths.MODEL_FILE_NAME,
         "model_sha256": paths.MODEL_SHA256,
     }
@@ -476,7 +477,7 @@ def collect_diagnostics(run: PathRun, var_dir: Path) -> list[str]:
     if run.cluster is not None:
         for proc in run.cluster.procs:
             code = proc.popen.poll()
-            state = "running" if code is None else runtime.describe_exit(code)
+            state = "running" if code is None else managed_child.describe_exit(code)
             out.append(f"process {proc.name} (pid {proc.popen.pid}) {state}")
     for log in sorted(var_dir.rglob("*.log")):
         out.append(f"--- {log} (last {_LOG_TAIL_LINES} lines)")
@@ -518,24 +519,24 @@ def start_cluster(
 def start_direct(
     stack: contextlib.ExitStack,
     run: PathRun,
-    binaries: runtime.RuntimeBinaries,
+    binaries: llama_binaries.RuntimeBinaries,
     log_dir: Path,
     settings: ServerSettings,
     *,
     rpc_workers: int,
     rpc_threads: int | None,
 ) -> None:
-    """``llama-server`` (and its RPC workers) via agent.runtime, stopped by ``stack``."""
+    """``llama-server`` (and its RPC workers) via the agent's runtime, stopped by ``stack``."""
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     endpoints: list[str] = []
     try:
         for _ in range(rpc_workers):
-            worker = runtime.RpcWorker(
+            worker = rpc_worker.RpcWorker(
                 binaries,
                 "127.0.0.1",
-                runtime.free_loopback_port(),
+                free_loopback_port(),
                 log_dir=log_dir,
                 threads=rpc_threads,
             )
@@ -545,7 +546,7 @@ def start_direct(
         split = settings.tensor_split if rpc_workers else ()
         if rpc_workers and len(split) != rpc_workers:
             split = tuple(1.0 / rpc_workers for _ in range(rpc_workers))
-        spec = runtime.ServerSpec(
+        spec = llama_server.ServerSpec(
             model_path=str(paths.model_path()),
             ctx_size=settings.ctx_size,
             rpc_endpoints=tuple(endpoints),
@@ -555,10 +556,10 @@ def start_direct(
             threads=settings.threads,
             extra_args=settings.extra_args,
         )
-        server = runtime.LlamaServer(binaries, spec, log_dir=log_dir)
+        server = llama_server.LlamaServer(binaries, spec, log_dir=log_dir)
         stack.callback(server.stop)
         server.start()
-    except (runtime.LlamaRuntimeError, OSError, ValueError) as exc:
+    except (runtime_errors.LlamaRuntimeError, OSError, ValueError) as exc:
         fail(run, f"{type(exc).__name__}: {exc}", log_dir)
         return
     run.base_url = f"{server.base_url}/v1"
@@ -840,7 +841,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
     )
     paths.ensure_llama()
     paths.ensure_model()
-    binaries = runtime.find_binaries()
+    binaries = llama_binaries.find_binaries()
     var_dir: Path = args.var_dir
     runs = {key: PathRun(key, LABELS[key]) for key in args.path_keys}
     prompts = prompt_list(args.prompts)

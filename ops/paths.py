@@ -9,7 +9,7 @@ Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/da
 
 ``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards.
 The agent does not import this module (``agent/`` may import only ``proto``); it recomputes
-the same cache path in ``agent/runtime.py``.
+the same cache path in ``agent/llama_binaries.py``.
 """
 
 from __future__ import annotations

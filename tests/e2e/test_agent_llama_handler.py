@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.endpoints import free_loopback_port
+from agent.llama_binaries import RuntimeBinaries, find_binaries
 from agent.llama_handler import LlamaHandler
-from agent.runtime import RuntimeBinaries, find_binaries, free_loopback_port
 from ops.paths import MODEL_SHA256, ensure_llama, ensure_model
 from proto import control_pb2 as pb
 

@@ -22,23 +22,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.runtime import (
-    ChatDelta,
-    ChatRequest,
+from agent.endpoints import free_loopback_port
+from agent.llama_binaries import RuntimeBinaries, find_binaries
+from agent.llama_server import ChatDelta, ChatRequest, LlamaServer, ServerSpec
+from agent.managed_child import ProcessExit
+from agent.rpc_worker import RpcWorker
+from agent.runtime import RuntimeManager
+from agent.runtime_errors import (
     GenerationError,
     LlamaRuntimeError,
-    LlamaServer,
     PortInUseError,
-    ProcessExit,
-    RpcWorker,
-    RuntimeBinaries,
     RuntimeCrashedError,
-    RuntimeManager,
     RuntimeMissingError,
-    ServerSpec,
     UnsafeBindError,
-    find_binaries,
-    free_loopback_port,
 )
 from ops.paths import ensure_llama, ensure_model
 
@@ -296,7 +292,8 @@ def test_children_die_with_a_killed_agent(binaries: RuntimeBinaries, tmp_path: P
     script = textwrap.dedent(
         f"""
         import json, threading, time
-        from agent.runtime import RuntimeManager, find_binaries
+        from agent.llama_binaries import find_binaries
+        from agent.runtime import RuntimeManager
 
         mgr = RuntimeManager(find_binaries({str(binaries.bin_dir)!r}), {str(tmp_path)!r})
         workers = []

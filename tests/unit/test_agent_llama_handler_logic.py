@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent.control_client import AgentConfig, AgentSession, NullHandler, _Connection
+from agent.llama_binaries import RuntimeBinaries
 from agent.llama_handler import (
     INVALID_PLAN,
     MODEL_NOT_FOUND,
@@ -24,7 +25,6 @@ from agent.llama_handler import (
     generation_stats,
     parse_messages,
 )
-from agent.runtime import RuntimeBinaries
 from proto import control_pb2 as pb
 
 

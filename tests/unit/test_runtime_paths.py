@@ -10,20 +10,16 @@ from typing import Any
 
 import pytest
 
-from agent import runtime
-from agent.runtime import (
-    ChatDelta,
-    ChatRequest,
+from agent import llama_binaries, llama_server
+from agent.endpoints import parse_endpoint, validate_rpc_bind_host
+from agent.llama_binaries import default_bin_dir, find_binaries
+from agent.llama_server import ChatDelta, ChatRequest, ServerSpec
+from agent.managed_child import describe_exit
+from agent.runtime_errors import (
     GenerationError,
     RuntimeMissingError,
-    ServerSpec,
     UnsafeBindError,
-    default_bin_dir,
-    describe_exit,
-    find_binaries,
     key_error_line,
-    parse_endpoint,
-    validate_rpc_bind_host,
 )
 from ops import build_llama, fetch_model, paths
 from ops.paths import FetchError
@@ -82,7 +78,7 @@ def test_cache_dir_is_the_fallback(isolated_cache: Path) -> None:
 
 def test_agent_and_ops_agree_on_the_cache_path() -> None:
     assert default_bin_dir() == paths.llama_bin_dir()
-    assert runtime.LLAMA_DIST_VERSION == paths.LLAMA_DIST_VERSION
+    assert llama_binaries.LLAMA_DIST_VERSION == paths.LLAMA_DIST_VERSION
 
 
 @posix_only
@@ -234,12 +230,12 @@ def sse(data: object) -> str:
 
 def test_sse_content_delta() -> None:
     line = sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]})
-    assert runtime._parse_sse_line(line) == ChatDelta(text="Hel")
+    assert llama_server._parse_sse_line(line) == ChatDelta(text="Hel")
 
 
 def test_sse_final_chunks() -> None:
     finish = sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-    assert runtime._parse_sse_line(finish) == ChatDelta(finish_reason="length")
+    assert llama_server._parse_sse_line(finish) == ChatDelta(finish_reason="length")
     usage_line = sse(
         {
             "choices": [],
@@ -247,7 +243,7 @@ def test_sse_final_chunks() -> None:
             "timings": {"prompt_n": 3, "prompt_ms": 10.0, "predicted_n": 4, "predicted_ms": 50.0},
         }
     )
-    delta = runtime._parse_sse_line(usage_line)
+    delta = llama_server._parse_sse_line(usage_line)
     assert isinstance(delta, ChatDelta)
     assert delta.usage is not None and delta.usage.total_tokens == 7
     assert delta.timings is not None and delta.timings.tokens_per_second == pytest.approx(80.0)
@@ -255,15 +251,15 @@ def test_sse_final_chunks() -> None:
 
 @pytest.mark.parametrize("line", ["", ": ping", "event: message", sse({"choices": []})])
 def test_sse_lines_without_content_are_skipped(line: str) -> None:
-    assert runtime._parse_sse_line(line) is None
+    assert llama_server._parse_sse_line(line) is None
 
 
 def test_sse_done_and_errors() -> None:
-    assert runtime._parse_sse_line("data: [DONE]") is runtime._DONE
+    assert llama_server._parse_sse_line("data: [DONE]") is llama_server._DONE
     with pytest.raises(GenerationError, match="context full"):
-        runtime._parse_sse_line(sse({"error": {"code": 500, "message": "context full"}}))
+        llama_server._parse_sse_line(sse({"error": {"code": 500, "message": "context full"}}))
     with pytest.raises(GenerationError, match="malformed"):
-        runtime._parse_sse_line("data: {not json")
+        llama_server._parse_sse_line("data: {not json")
 
 
 # --- crash reports --------------------------------------------------------------------------

@@ -1,0 +1,374 @@
+"""``llama-server``: its command line (:class:`ServerSpec`), the process on a free loopback port,
+and OpenAI-style chat completions streamed from it."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent.endpoints import free_loopback_port, parse_endpoint, port_is_free
+from agent.llama_binaries import RuntimeBinaries
+from agent.managed_child import ExitCallback, ManagedChild, describe_exit
+from agent.runtime_errors import (
+    GenerationError,
+    LlamaRuntimeError,
+    PortInUseError,
+    RuntimeMissingError,
+    RuntimeStartError,
+    UnsafeBindError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX_SIZE = 4096
+# With RPC workers every repeating layer goes to the workers unless the plan says otherwise.
+RPC_DEFAULT_GPU_LAYERS = 99
+# llama-server verbosity 4 ("trace") logs device placement, buffer sizes and per-request timings.
+DEFAULT_SERVER_VERBOSITY = 4
+
+# --- llama-server ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that makes one ``llama-server`` instance; equal specs share a warm server.
+
+    ``rpc_endpoints`` lists ``host:port`` of RPC workers; ``tensor_split`` gives one proportion
+    per RPC worker, in the same order (on a CPU-only primary the workers are the only offload
+    devices). ``n_gpu_layers`` defaults to all layers (99) when RPC is used, so every repeating
+    layer, the output layer and the KV cache live on the workers and the primary keeps only the
+    token embeddings; a smaller number keeps the first layers on the primary's CPU. Without RPC
+    llama.cpp's default applies. ``ctx_size`` is the total KV size shared by ``parallel`` slots.
+    """
+
+    model_path: str
+    ctx_size: int = DEFAULT_CTX_SIZE
+    rpc_endpoints: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    n_gpu_layers: int | None = None
+    parallel: int = 1
+    threads: int | None = None
+    alias: str | None = None
+    extra_args: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_path", str(Path(self.model_path).expanduser().resolve()))
+        object.__setattr__(self, "rpc_endpoints", tuple(self.rpc_endpoints))
+        object.__setattr__(self, "tensor_split", tuple(float(x) for x in self.tensor_split))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        if self.ctx_size < 1:
+            raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {self.parallel}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        for endpoint in self.rpc_endpoints:
+            parse_endpoint(endpoint)
+        if len(set(self.rpc_endpoints)) != len(self.rpc_endpoints):
+            raise ValueError("rpc_endpoints must be distinct")
+        if self.tensor_split:
+            if not self.rpc_endpoints:
+                raise ValueError("tensor_split needs rpc_endpoints")
+            if len(self.tensor_split) != len(self.rpc_endpoints):
+                raise ValueError(
+                    f"tensor_split has {len(self.tensor_split)} entries for "
+                    f"{len(self.rpc_endpoints)} RPC workers"
+                )
+            if any(x < 0 for x in self.tensor_split) or sum(self.tensor_split) <= 0:
+                raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
+
+    def argv(
+        self, binary: Path, host: str, port: int, verbosity: int = DEFAULT_SERVER_VERBOSITY
+    ) -> list[str]:
+        argv = [str(binary), "--model", self.model_path, "--ctx-size", str(self.ctx_size)]
+        argv += ["--host", host, "--port", str(port), "--parallel", str(self.parallel)]
+        # The plan decides context, layers and split; don't let --fit second-guess it.
+        argv += ["--fit", "off", "--no-webui", "--log-verbosity", str(verbosity)]
+        if self.parallel > 1:
+            argv.append("--kv-unified")
+        if self.threads is not None:
+            argv += ["--threads", str(self.threads)]
+        if self.alias:
+            argv += ["--alias", self.alias]
+        if self.rpc_endpoints:
+            argv += ["--rpc", ",".join(self.rpc_endpoints)]
+        layers = self.n_gpu_layers
+        if layers is None and self.rpc_endpoints:
+            layers = RPC_DEFAULT_GPU_LAYERS
+        if layers is not None:
+            argv += ["--n-gpu-layers", str(layers)]
+        if self.tensor_split:
+            argv += ["--tensor-split", ",".join(f"{x:g}" for x in self.tensor_split)]
+        argv += list(self.extra_args)
+        return argv
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """The generation parameters the agent forwards to llama-server."""
+
+    messages: Sequence[Mapping[str, Any]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Sequence[str] | str | None = None
+    seed: int | None = None
+
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "messages": [dict(message) for message in self.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        optional = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        body.update({key: value for key, value in optional.items() if value is not None})
+        if self.stop is not None:
+            body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return body
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """llama-server's own measurements for one request."""
+
+    prompt_tokens: int
+    prompt_ms: float
+    predicted_tokens: int
+    predicted_ms: float
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.predicted_tokens * 1000.0 / self.predicted_ms if self.predicted_ms else 0.0
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Timings:
+        return cls(
+            prompt_tokens=int(data.get("prompt_n", 0)),
+            prompt_ms=float(data.get("prompt_ms", 0.0)),
+            predicted_tokens=int(data.get("predicted_n", 0)),
+            predicted_ms=float(data.get("predicted_ms", 0.0)),
+            raw=dict(data),
+        )
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """One streamed piece: new text, and on the last pieces finish reason, usage, timings."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class LlamaServer(ManagedChild):
+    """``llama-server`` for one :class:`ServerSpec` on a free loopback port."""
+
+    role = "llama-server"
+
+    def __init__(
+        self,
+        binaries: RuntimeBinaries,
+        spec: ServerSpec,
+        *,
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        verbosity: int = DEFAULT_SERVER_VERBOSITY,
+        on_exit: ExitCallback | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(log_dir=log_dir, on_exit=on_exit, env=env)
+        self.verbosity = verbosity
+        address = ipaddress.ip_address(host)
+        if address.is_unspecified:
+            raise UnsafeBindError("llama-server is for the local agent only; bind 127.0.0.1")
+        self.binaries = binaries
+        self.spec = spec
+        self.host = host
+        self._fixed_port = port
+        self.port = port or 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def health(self, timeout: float = 2.0) -> bool:
+        """True when ``/health`` answers 200 (the model is loaded)."""
+        try:
+            response = httpx.get(f"{self.base_url}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start and wait until ``/health`` is OK; retries a port lost to a race."""
+        if self.alive:
+            return
+        model = Path(self.spec.model_path)
+        if not model.is_file():
+            raise RuntimeMissingError(f"model file not found: {model}")
+        attempts = 1 if self._fixed_port else 3
+        for attempt in range(1, attempts + 1):
+            self.port = self._fixed_port or free_loopback_port(self.host)
+            if self._fixed_port and not port_is_free(self.host, self.port):
+                raise PortInUseError(f"cannot start llama-server: {self.endpoint} is in use")
+            argv = self.spec.argv(self.binaries.llama_server, self.host, self.port, self.verbosity)
+            self._spawn(argv, "llama-server.log")
+            try:
+                self._wait_healthy(timeout)
+                return
+            except RuntimeStartError as exc:
+                bind_lost = any("bind" in line.lower() for line in exc.stderr_tail)
+                if attempt == attempts or not bind_lost:
+                    raise
+                log.warning("llama-server lost port %s to another process; retrying", self.port)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if not self.alive:
+                    raise self._start_failure(f"{describe_exit(self.exit_code)} during startup")
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() >= deadline:
+                    self.stop()
+                    raise self._start_failure(f"was not healthy within {timeout:.0f}s")
+                time.sleep(0.2)
+
+    async def stream_chat(
+        self,
+        request: ChatRequest,
+        *,
+        client: httpx.AsyncClient | None = None,
+        read_timeout: float = 300.0,
+    ) -> AsyncGenerator[ChatDelta, None]:
+        """Stream ``/v1/chat/completions`` as :class:`ChatDelta` items while they arrive.
+
+        Closing the generator (``aclose()``, ``break`` in ``async for`` plus garbage
+        collection, or cancelling the consuming task) closes the HTTP connection, which makes
+        llama-server stop generating for this request.
+        """
+        self.check()
+        timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
+        owned = client is None
+        http = client if client is not None else httpx.AsyncClient(timeout=timeout)
+        url = f"{self.base_url}/v1/chat/completions"
+        try:
+            async with http.stream("POST", url, json=request.payload(), timeout=timeout) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode("utf-8", errors="replace")
+                    raise GenerationError(
+                        f"llama-server returned {resp.status_code}: {_error_message(body)}",
+                        status_code=resp.status_code,
+                    )
+                async for line in resp.aiter_lines():
+                    delta = _parse_sse_line(line)
+                    if delta is _DONE:
+                        return
+                    if isinstance(delta, ChatDelta):
+                        yield delta
+            raise await self._stream_broken("stream ended without [DONE]")
+        except httpx.HTTPError as exc:
+            raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if owned:
+                await asyncio.shield(http.aclose())
+
+    async def _stream_broken(self, reason: str) -> LlamaRuntimeError:
+        # A crash shows up as a broken stream just before the exit: give the process a moment
+        # (an abort can take a while to finish writing its report).
+        for _ in range(40):
+            if not self.alive:
+                break
+            await asyncio.sleep(0.05)
+        if self._proc is not None and not self.alive and not self._stopping:
+            return self._exit_info(self._proc.returncode).error()
+        return GenerationError(f"llama-server stream failed: {reason}")
+
+
+class _Done:
+    pass
+
+
+_DONE = _Done()
+
+
+def _parse_sse_line(line: str) -> ChatDelta | _Done | None:
+    if not line.startswith("data:"):
+        return None  # blank separators, ": ping" comments, event: lines
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise GenerationError(f"llama-server sent malformed stream data: {data[:200]}") from None
+    if not isinstance(chunk, dict):
+        return None
+    if "error" in chunk:
+        raise GenerationError(f"llama-server aborted the stream: {_error_message(chunk)}")
+    text = ""
+    finish_reason: str | None = None
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        text += delta.get("content") or ""
+        finish_reason = choice.get("finish_reason") or finish_reason
+    usage_json = chunk.get("usage")
+    usage = None
+    if isinstance(usage_json, dict):
+        usage = Usage(
+            prompt_tokens=int(usage_json.get("prompt_tokens", 0)),
+            completion_tokens=int(usage_json.get("completion_tokens", 0)),
+            total_tokens=int(usage_json.get("total_tokens", 0)),
+        )
+    timings_json = chunk.get("timings")
+    timings = Timings.from_json(timings_json) if isinstance(timings_json, dict) else None
+    if not text and finish_reason is None and usage is None and timings is None:
+        return None
+    return ChatDelta(text=text, finish_reason=finish_reason, usage=usage, timings=timings)
+
+
+def _error_message(body: str | Mapping[str, Any]) -> str:
+    data: Any = body
+    if isinstance(body, str):
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return body.strip()[:300] or "(empty body)"
+    if isinstance(data, Mapping):
+        error = data.get("error", data)
+        if isinstance(error, Mapping):
+            return str(error.get("message") or error)
+        return str(error)
+    return str(data)[:300]
