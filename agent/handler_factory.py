@@ -10,7 +10,8 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 
 from __future__ import annotations
 
-from agent.control_client import AgentConfig, ConfigError, ControlHandler, NullHandler
+from agent.agent_config import AgentConfig, ConfigError
+from agent.control_handler import ControlHandler, NullHandler
 from agent.llama_binaries import find_binaries
 from agent.llama_handler import LlamaHandler
 from agent.runtime_errors import RuntimeMissingError

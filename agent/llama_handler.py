@@ -46,24 +46,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from agent.control_client import DEFAULT_RPC_PORT, Send, setup_failure, worker_status
+from agent.agent_config import DEFAULT_RPC_PORT
+from agent.control_handler import Send, setup_failure, worker_status
 from agent.endpoints import validate_rpc_bind_host
+from agent.job_messages import (
+    AGENT_STOPPING,
+    CANCELLED,
+    GENERATION_FAILED,
+    INVALID_PLAN,
+    JOB_ALREADY_RUNNING,
+    MODEL_NOT_FOUND,
+    RUNTIME_BUSY,
+    RUNTIME_CRASHED,
+    RUNTIME_START_FAILED,
+    SHA256_MISMATCH,
+    DeltaSender,
+    SetupFailure,
+    chat_request,
+    generation_stats,
+    job_failure,
+    parse_messages,
+)
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, ServerSpec
 from agent.managed_child import ProcessExit
 from agent.model_store import ModelStore
+from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
 from agent.runtime_errors import LlamaRuntimeError, RuntimeCrashedError
@@ -71,182 +86,8 @@ from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# SetupResult / JobResult error codes.
-MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
-SHA256_MISMATCH = "SHA256_MISMATCH"
-RPC_PEER_UNREACHABLE = "RPC_PEER_UNREACHABLE"
-RUNTIME_START_FAILED = "RUNTIME_START_FAILED"
-RUNTIME_BUSY = "RUNTIME_BUSY"
-INVALID_PLAN = "INVALID_PLAN"
-JOB_ALREADY_RUNNING = "JOB_ALREADY_RUNNING"
-AGENT_STOPPING = "AGENT_STOPPING"
-RUNTIME_CRASHED = "RUNTIME_CRASHED"
-GENERATION_FAILED = "GENERATION_FAILED"
-CANCELLED = "CANCELLED"
-
 _BUSY_POLL_SECONDS = 0.05
 _FINISHED = "finished"  # _Job.phase once its final message is being sent
-
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-
-class SetupFailure(Exception):
-    """Setup and validation failed; becomes ``SetupResult{ok=false}``."""
-
-    def __init__(self, error_code: str, message: str, *, failed_node_id: str = "") -> None:
-        super().__init__(message)
-        self.error_code = error_code
-        self.message = message
-        self.failed_node_id = failed_node_id
-
-
-class DeltaSender:
-    """Sends one job's text pieces in order, each at once as its own ``TokenChunk``.
-
-    :meth:`push` numbers a piece (``seq`` from 0, no gaps). The session's ``send`` only queues
-    the message; its write loop merges chunks that queue up behind a pending gRPC write.
-    """
-
-    def __init__(self, job_id: str, send: Send) -> None:
-        self.job_id = job_id
-        self._send = send
-        self.next_seq = 0
-
-    async def push(self, text: str, tokens: int = 1) -> None:
-        delta = pb.Delta(seq=self.next_seq, text=text, tokens=tokens)
-        self.next_seq += 1
-        chunk = pb.TokenChunk(job_id=self.job_id, deltas=[delta])
-        await self._send(pb.AgentMessage(token_chunk=chunk))
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    prompt_tokens: int
-    completion_tokens: int
-    time_to_first_token_ms: float
-    tokens_per_second: float
-
-
-def generation_stats(
-    *,
-    started: float,
-    first_piece: float | None,
-    last_piece: float | None,
-    pieces: int,
-    usage_prompt_tokens: int | None = None,
-    usage_completion_tokens: int | None = None,
-    timings_prompt_tokens: int | None = None,
-    timings_prompt_ms: float | None = None,
-    timings_predicted_tokens: int | None = None,
-    timings_predicted_ms: float | None = None,
-) -> GenerationStats:
-    """Usage and speed of one generation: llama-server's numbers when it sent them, else
-    what the agent measured (``time.monotonic()`` seconds; ``pieces`` streamed text pieces)."""
-    completion = usage_completion_tokens
-    if completion is None:
-        completion = timings_predicted_tokens if timings_predicted_tokens is not None else pieces
-    prompt = usage_prompt_tokens
-    if prompt is None:
-        prompt = timings_prompt_tokens or 0
-    if timings_prompt_ms is not None and timings_prompt_ms > 0:
-        ttft_ms = timings_prompt_ms
-    elif first_piece is not None:
-        ttft_ms = (first_piece - started) * 1000.0
-    else:
-        ttft_ms = 0.0
-    if timings_predicted_ms and timings_predicted_tokens:
-        tps = timings_predicted_tokens * 1000.0 / timings_predicted_ms
-    elif first_piece is not None and last_piece is not None and pieces > 1:
-        elapsed = last_piece - first_piece
-        tps = (pieces - 1) / elapsed if elapsed > 0 else 0.0
-    else:
-        tps = 0.0
-    return GenerationStats(
-        prompt_tokens=max(0, prompt),
-        completion_tokens=max(0, completion),
-        time_to_first_token_ms=max(0.0, ttft_ms),
-        tokens_per_second=max(0.0, tps),
-    )
-
-
-def parse_messages(messages_json: str) -> list[dict[str, Any]]:
-    """The plan's chat messages; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
-    try:
-        messages = json.loads(messages_json) if messages_json else None
-    except ValueError as exc:
-        raise SetupFailure(INVALID_PLAN, f"generation.messages_json is not JSON: {exc}") from None
-    if not isinstance(messages, list) or not messages:
-        raise SetupFailure(INVALID_PLAN, "generation.messages_json must be a non-empty list")
-    if not all(isinstance(message, dict) for message in messages):
-        raise SetupFailure(INVALID_PLAN, "every chat message must be a JSON object")
-    return messages
-
-
-def chat_request(
-    generation: pb.GenerationParams, messages: Sequence[Mapping[str, Any]]
-) -> ChatRequest:
-    return ChatRequest(
-        messages=messages,
-        max_tokens=generation.max_tokens or None,
-        temperature=generation.temperature if generation.HasField("temperature") else None,
-        top_p=generation.top_p if generation.HasField("top_p") else None,
-        stop=list(generation.stop) or None,
-        seed=generation.seed if generation.HasField("seed") else None,
-    )
-
-
-def peer_endpoint(peer: pb.RpcPeer) -> str:
-    return f"{peer.host}:{peer.port}"
-
-
-def _same_host(a: str, b: str) -> bool:
-    try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-    except ValueError:
-        return a.lower() == b.lower()
-
-
-def established_endpoints(pid: int, endpoints: Sequence[str]) -> set[str] | None:
-    """Those of ``endpoints`` (``host:port``) process ``pid`` has an ESTABLISHED TCP link to;
-    None when its connections cannot be inspected."""
-    try:
-        connections = psutil.Process(pid).net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return None
-    linked: set[str] = set()
-    for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        for conn in connections:
-            raddr = conn.raddr
-            if (
-                raddr
-                and conn.status == psutil.CONN_ESTABLISHED
-                and raddr.port == int(port)
-                and _same_host(raddr.ip, host)
-            ):
-                linked.add(endpoint)
-                break
-    return linked
-
-
-async def probe_peer(host: str, port: int, timeout: float) -> str | None:
-    """None if ``host:port`` accepts a TCP connection within ``timeout``, else the reason."""
-    try:
-        async with asyncio.timeout(timeout):
-            _, writer = await asyncio.open_connection(host, port)
-    except TimeoutError:
-        return f"no answer within {timeout:g}s"
-    except OSError as exc:
-        return exc.strerror or str(exc) or type(exc).__name__
-    writer.close()
-    with contextlib.suppress(OSError, TimeoutError):
-        async with asyncio.timeout(timeout):
-            await writer.wait_closed()
-    return None
-
 
 # ---------------------------------------------------------------------------
 # Handler
@@ -451,7 +292,7 @@ class LlamaHandler:
                 current.uncancel()
             log.info("job %s cancelled during %s", job.job_id, job.phase)
             await send(
-                _job_failure(
+                job_failure(
                     job.job_id,
                     job.phase,
                     CANCELLED,
@@ -470,9 +311,10 @@ class LlamaHandler:
         spec = self._server_spec_for(plan, model_path)
         await self._reserve_server(spec)
         try:
-            warm_links, restart = await asyncio.to_thread(self._warm_links, spec)
-            await self._probe_peers(
-                [p for p in plan.rpc_peers if peer_endpoint(p) not in warm_links]
+            linked, restart = await asyncio.to_thread(warm_links, self.runtime.server, spec)
+            await probe_peers(
+                [p for p in plan.rpc_peers if peer_endpoint(p) not in linked],
+                self.probe_timeout,
             )
             try:
                 server = await asyncio.to_thread(self._ensure_server, spec, restart)
@@ -530,40 +372,6 @@ class LlamaHandler:
     def _release_server(self) -> None:
         self._server_users = max(0, self._server_users - 1)
 
-    def _warm_links(self, spec: ServerSpec) -> tuple[set[str], bool]:
-        """(peers the warm server for ``spec`` is linked to, whether it must be restarted)."""
-        server = self.runtime.server
-        if (
-            server is None
-            or not server.alive
-            or server.spec != spec
-            or server.pid is None
-            or not spec.rpc_endpoints
-        ):
-            return set(), False
-        linked = established_endpoints(server.pid, spec.rpc_endpoints)
-        if linked is None:  # cannot look: trust the warm server rather than fill accept queues
-            return set(spec.rpc_endpoints), False
-        broken = [endpoint for endpoint in spec.rpc_endpoints if endpoint not in linked]
-        if broken:
-            log.info("warm llama-server lost its link to %s; it will be restarted", broken)
-        return linked, bool(broken)
-
-    async def _probe_peers(self, peers: Sequence[pb.RpcPeer]) -> None:
-        if not peers:
-            return
-        reasons = await asyncio.gather(
-            *(probe_peer(peer.host, peer.port, self.probe_timeout) for peer in peers)
-        )
-        for peer, reason in zip(peers, reasons, strict=True):
-            if reason is not None:
-                raise SetupFailure(
-                    RPC_PEER_UNREACHABLE,
-                    f"RPC worker of node {peer.node_id or '?'} at {peer_endpoint(peer)} "
-                    f"is unreachable: {reason}",
-                    failed_node_id=peer.node_id,
-                )
-
     def _ensure_server(self, spec: ServerSpec, restart: bool) -> LlamaServer:
         if restart:
             current = self.runtime.server
@@ -603,7 +411,7 @@ class LlamaHandler:
         job.phase = _FINISHED  # a late CancelJob must not add a second JobResult
         if failure is not None:
             log.warning("job %s: generation failed (%s): %s", job.job_id, *failure)
-            await send(_job_failure(job.job_id, "execution", *failure))
+            await send(job_failure(job.job_id, "execution", *failure))
             return
         stats = generation_stats(
             started=started,
@@ -672,18 +480,3 @@ class LlamaHandler:
 
 async def _send_one(send: Send, message: pb.AgentMessage) -> None:
     await send(message)
-
-
-def _job_failure(
-    job_id: str, phase: str, error_code: str, error: str, *, finish_reason: str = ""
-) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        job_result=pb.JobResult(
-            job_id=job_id,
-            ok=False,
-            finish_reason=finish_reason,
-            error=error,
-            error_code=error_code,
-            phase=phase,
-        )
-    )

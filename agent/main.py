@@ -25,7 +25,7 @@ import psutil
 
 import agent.grpc_fork  # noqa: F401  # before anything imports grpc
 from agent import AGENT_VERSION
-from agent.control_client import (
+from agent.agent_config import (
     DEFAULT_RPC_PORT,
     RESERVED_LABELS,
     AgentConfig,
@@ -33,8 +33,8 @@ from agent.control_client import (
     ConfigError,
     MissingEnrollmentToken,
     parse_controller_url,
-    run_agent,
 )
+from agent.control_client import run_agent
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
 from proto import SLOTS_LABEL

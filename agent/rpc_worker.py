@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from agent.agent_config import DEFAULT_RPC_PORT
 from agent.endpoints import port_is_free, probe_tcp, validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
@@ -14,7 +15,6 @@ from agent.runtime_errors import PortInUseError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RPC_PORT = 50052
 
 # --- RPC worker --------------------------------------------------------------------------
 

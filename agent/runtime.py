@@ -25,11 +25,12 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from agent.agent_config import DEFAULT_RPC_PORT
 from agent.endpoints import validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import LlamaServer, ServerSpec
 from agent.managed_child import ExitCallback
-from agent.rpc_worker import DEFAULT_RPC_PORT, RpcWorker
+from agent.rpc_worker import RpcWorker
 from agent.runtime_errors import LlamaRuntimeError
 
 log = logging.getLogger(__name__)

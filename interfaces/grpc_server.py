@@ -133,6 +133,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.heartbeat_interval = heartbeat_interval
         self.uplink = uplink
         self.clock = clock
+        self._cleanups: set[asyncio.Future[None]] = set()
 
     # ----------------------------------------------------------------- Enroll
 
@@ -227,7 +228,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if reader is not None:
                 reader.cancel()
             if self.connections.close(node_id, queue):
-                await self._on_stream_closed(node_id)
+                # gRPC cancels this handler when the client cancels the call; the clean-up
+                # (node offline, its jobs re-planned or failed) must run to its end anyway.
+                cleanup = asyncio.ensure_future(self._on_stream_closed(node_id))
+                self._cleanups.add(cleanup)
+                cleanup.add_done_callback(self._cleanups.discard)
+                await asyncio.shield(cleanup)
 
     def _on_hello(self, node_id: str, state: str, agent_version: str) -> None:
         try:

@@ -28,6 +28,14 @@ async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController
         yield running
 
 
+@pytest.fixture
+async def started(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
+    """The test's agents, stopped before its controller (no stream outlives its test)."""
+    agents_: list[FakeAgent] = []
+    yield agents_
+    await asyncio.gather(*(agent.stop() for agent in agents_))
+
+
 def stored(ctl: RunningController) -> list[tuple[str, str]]:
     """(code, aggregate id) of every event, in store order."""
     app = ctl.services.app
@@ -68,16 +76,21 @@ def slow_words(count: int) -> tuple[str, ...]:
     return tuple(f" w{i}" for i in range(count))
 
 
-async def fleet(ctl: RunningController, size: int, words: int, delay: float) -> list[FakeAgent]:
+async def fleet(
+    ctl: RunningController, started: list[FakeAgent], size: int, words: int, delay: float
+) -> list[FakeAgent]:
     spec: dict[str, Any] = {"holds": SHA, "memory": 4 << 30, "words": slow_words(words)}
-    started = await agents(ctl, *({"name": f"n{i:02d}", **spec} for i in range(size)))
-    for agent in started:
+    new = await agents(ctl, *({"name": f"n{i:02d}", **spec} for i in range(size)))
+    started.extend(new)
+    for agent in new:
         agent.word_delay = delay
-    return started
+    return new
 
 
-async def test_thirty_idle_nodes_serve_thirty_streams_at_once(ctl: RunningController) -> None:
-    await fleet(ctl, 30, words=40, delay=0.1)
+async def test_thirty_idle_nodes_serve_thirty_streams_at_once(
+    ctl: RunningController, started: list[FakeAgent]
+) -> None:
+    await fleet(ctl, started, 30, words=40, delay=0.1)
     async with http(ctl) as client:
         await register(ctl, client)
         texts = await asyncio.gather(*(stream_text(client, f"p{i}") for i in range(30)))
@@ -92,19 +105,20 @@ async def test_thirty_idle_nodes_serve_thirty_streams_at_once(ctl: RunningContro
 
 
 async def test_three_times_oversubscribed_completes_everything_in_queue_order(
-    ctl: RunningController,
+    ctl: RunningController, started: list[FakeAgent]
 ) -> None:
-    await fleet(ctl, 4, words=8, delay=0.03)
+    # Each job streams for ~2 s, far longer than it takes all 12 requests to arrive.
+    await fleet(ctl, started, 4, words=40, delay=0.05)
     async with http(ctl) as client:
         await register(ctl, client)
         texts = await asyncio.gather(*(stream_text(client, f"p{i}") for i in range(12)))
-    assert texts == ["".join(slow_words(8))] * 12
+    assert texts == ["".join(slow_words(40))] * 12
     events = stored(synced(ctl))
     codes = [code for code, _ in events]
     assert codes.count("JOB_COMPLETED") == 12
     assert "JOB_FAILED" not in codes and "JOB_REPLANNED" not in codes
     queued = [job for code, job in events if code == "JOB_QUEUED"]
-    assert len(queued) >= 8  # 4 slots: at least 8 of the 12 had to wait
+    assert len(queued) == 8  # 4 slots: 8 of the 12 had to wait
     dispatched = [job for code, job in events if code == "JOB_DISPATCHED"]
     assert [job for job in dispatched if job in set(queued)] == queued
     assert peak_running(events) == 4
@@ -112,8 +126,9 @@ async def test_three_times_oversubscribed_completes_everything_in_queue_order(
 
 async def test_a_queue_timeout_is_503_with_retry_after(pg_schema: str, tmp_path: Path) -> None:
     settings = controller_settings(pg_schema, tmp_path, queue_timeout=0.5)
+    started: list[FakeAgent] = []
     async with controller(settings) as ctl:
-        await fleet(ctl, 1, words=200, delay=0.02)
+        await fleet(ctl, started, 1, words=200, delay=0.02)
         async with http(ctl) as client:
             await register(ctl, client)
             busy = asyncio.create_task(stream_text(client, "long"))
@@ -129,12 +144,13 @@ async def test_a_queue_timeout_is_503_with_retry_after(pg_schema: str, tmp_path:
             busy.cancel()
         codes = [code for code, _ in stored(synced(ctl))]
         assert codes.count("JOB_QUEUED") == 1
+        await started[0].stop()
 
 
 async def test_a_client_that_leaves_while_queued_is_cancelled_and_holds_no_slot(
-    ctl: RunningController,
+    ctl: RunningController, started: list[FakeAgent]
 ) -> None:
-    (agent,) = await fleet(ctl, 1, words=40, delay=0.02)
+    (agent,) = await fleet(ctl, started, 1, words=40, delay=0.02)
     async with http(ctl) as client:
         await register(ctl, client)
         first = asyncio.create_task(stream_text(client, "first"))

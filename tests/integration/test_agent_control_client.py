@@ -30,20 +30,17 @@ import grpc.aio
 import pytest
 
 from agent import AGENT_VERSION
-from agent.control_client import (
-    CONNECTION_HINT,
+from agent.agent_config import (
     AgentConfig,
-    AgentSession,
-    AgentState,
     Backoff,
     ConfigError,
-    ControlHandler,
     EnrollmentRefused,
     IdentityRejected,
-    NullHandler,
-    Send,
     parse_controller_url,
 )
+from agent.control_client import AgentSession, AgentState
+from agent.control_handler import ControlHandler, NullHandler, Send
+from agent.controller_channel import CONNECTION_HINT
 from agent.handler_factory import build_handler
 from agent.identity import NodeIdentity, identity_path, load_identity, save_identity
 from proto import SLOTS_LABEL

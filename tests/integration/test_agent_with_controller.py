@@ -13,7 +13,9 @@ from uuid import UUID
 import httpx
 import pytest
 
-from agent.control_client import AgentConfig, AgentSession, AgentState, NullHandler, Send
+from agent.agent_config import AgentConfig
+from agent.control_client import AgentSession, AgentState
+from agent.control_handler import NullHandler, Send
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings

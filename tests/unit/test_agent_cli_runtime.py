@@ -7,11 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.control_client import (
-    AgentConfig,
-    ConfigError,
-    NullHandler,
-)
+from agent.agent_config import AgentConfig, ConfigError
+from agent.control_handler import NullHandler
 from agent.handler_factory import RuntimeUnavailable, build_handler
 from agent.llama_handler import LlamaHandler
 from agent.main import build_parser, config_from_args, parse_byte_size

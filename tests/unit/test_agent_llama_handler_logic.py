@@ -13,18 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from agent.control_client import AgentConfig, AgentSession, NullHandler, _Connection
-from agent.llama_binaries import RuntimeBinaries
-from agent.llama_handler import (
+from agent.agent_config import AgentConfig
+from agent.control_client import AgentSession, _Connection
+from agent.control_handler import NullHandler
+from agent.job_messages import (
     INVALID_PLAN,
     MODEL_NOT_FOUND,
     SHA256_MISMATCH,
     DeltaSender,
-    LlamaHandler,
     SetupFailure,
     generation_stats,
     parse_messages,
 )
+from agent.llama_binaries import RuntimeBinaries
+from agent.llama_handler import LlamaHandler
 from proto import control_pb2 as pb
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.control_client import MAX_MERGED_DELTAS, MAX_MERGED_TEXT, merge_token_chunks
+from agent.token_merge import MAX_MERGED_DELTAS, MAX_MERGED_TEXT, merge_token_chunks
 from proto import control_pb2 as pb
 
 

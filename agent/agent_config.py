@@ -1,0 +1,187 @@
+"""The node agent's configuration and its fatal errors: the controller URL, the agent's settings
+(flags and environment, see ``agent/main.py``), retry backoff, and the errors the CLI prints as
+one line."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+
+from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_RPC_PORT = 50052
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+# Inventory labels the agent sets itself (SLOTS_LABEL, MEMORY_LIMIT_LABEL: see proto).
+RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL})
+
+Jitter = Callable[[float, float], float]
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class AgentError(Exception):
+    """A fatal agent problem; the CLI prints it as one line and exits with code 2."""
+
+
+class ConfigError(AgentError, ValueError):
+    """Bad agent configuration (controller URL, flags, missing token...)."""
+
+
+class MissingEnrollmentToken(ConfigError):
+    """No stored identity and no enrollment token to get one."""
+
+
+class EnrollmentRefused(AgentError):
+    """The controller refused the enrollment token (or the inventory it came with)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        self.details = details
+        super().__init__(f"enrollment refused by the controller ({code.name}): {details}")
+
+
+class IdentityRejected(AgentError):
+    """The controller does not accept the stored node identity."""
+
+    def __init__(self, node_id: str, details: str, path: Path) -> None:
+        self.node_id = node_id
+        self.details = details
+        super().__init__(
+            f"controller rejected the stored identity of node {node_id} (UNAUTHENTICATED: "
+            f"{details}); if this node was removed or the controller reset, delete {path} "
+            "and enroll again with a new token"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Controller URL
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControllerTarget:
+    address: str  # "host:port" as gRPC dials it ("[v6]:port" for IPv6)
+    secure: bool
+    url: str  # as the operator wrote it, for messages
+
+
+def parse_controller_url(url: str) -> ControllerTarget:
+    """Accept ``host:port``, ``grpc://host:port`` (insecure) and ``grpcs://host:port`` (TLS).
+
+    The port defaults to 50051. Raises :class:`ConfigError` for anything else.
+    """
+    text = url.strip()
+    if not text:
+        raise ConfigError("controller URL is empty")
+    candidate = text if "://" in text else f"grpc://{text}"
+    parts = urlsplit(candidate)
+    scheme = parts.scheme.lower()
+    if scheme not in ("grpc", "grpcs"):
+        raise ConfigError(
+            f"unsupported controller URL scheme {parts.scheme!r} in {url!r}; "
+            "use host:port, grpc://host:port or grpcs://host:port"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ConfigError(f"controller URL {url!r} must be just scheme://host:port")
+    try:
+        host = parts.hostname
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"invalid controller URL {url!r}: {exc}") from exc
+    if not host:
+        raise ConfigError(f"controller URL {url!r} has no host")
+    if port is None:
+        port = DEFAULT_GRPC_PORT
+    if port == 0:
+        raise ConfigError(f"controller URL {url!r} has port 0")
+    try:
+        is_v6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        is_v6 = False
+    address = f"[{host}]:{port}" if is_v6 else f"{host}:{port}"
+    return ControllerTarget(address=address, secure=scheme == "grpcs", url=text)
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class AgentConfig:
+    data_dir: Path
+    node_name: str
+    controller_url: str | None = None  # None: the URL stored in identity.json
+    enrollment_token: str | None = None
+    models_dir: Path | None = None  # None: <data_dir>/models
+    advertise_address: str = "127.0.0.1"
+    rpc_port: int = DEFAULT_RPC_PORT
+    labels: dict[str, str] = field(default_factory=dict)
+    slots: int = 1
+    llama_bin_dir: Path | None = None
+    heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
+    tls_ca_file: Path | None = None
+    memory_limit_bytes: int | None = None  # None: no limit is reported
+    # build_handler() runs llama.cpp only when asked (the CLI does unless --no-runtime).
+    llama_runtime: bool = False
+    runtime_log_dir: Path | None = None  # None: <data_dir>/logs
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    resource_check_interval: float = 30.0
+    rpc_timeout: float = 15.0  # Enroll deadline and how long to wait for Welcome
+
+    @property
+    def resolved_models_dir(self) -> Path:
+        return self.models_dir if self.models_dir is not None else self.data_dir / "models"
+
+    @property
+    def resolved_runtime_log_dir(self) -> Path:
+        return self.runtime_log_dir if self.runtime_log_dir is not None else self.data_dir / "logs"
+
+    def inventory_labels(self) -> dict[str, str]:
+        labels = {**self.labels, SLOTS_LABEL: str(self.slots)}
+        if self.memory_limit_bytes is not None:
+            labels[MEMORY_LIMIT_LABEL] = str(self.memory_limit_bytes)
+        return labels
+
+
+# ---------------------------------------------------------------------------
+# Backoff
+# ---------------------------------------------------------------------------
+
+
+class Backoff:
+    """Capped exponential backoff with full jitter: attempt n waits
+    ``uniform(0, min(maximum, initial * 2**n))``."""
+
+    def __init__(self, initial: float, maximum: float, jitter: Jitter | None = None) -> None:
+        if initial <= 0 or maximum < initial:
+            raise ConfigError(f"bad backoff: initial={initial}, maximum={maximum}")
+        self.initial = initial
+        self.maximum = maximum
+        self.jitter: Jitter = jitter if jitter is not None else random.uniform
+        self.attempt = 0
+
+    def ceiling(self) -> float:
+        return min(self.maximum, self.initial * 2.0 ** min(self.attempt, 64))
+
+    def next_delay(self) -> float:
+        ceiling = self.ceiling()
+        self.attempt += 1
+        return max(0.0, min(ceiling, self.jitter(0.0, ceiling)))
+
+    def reset(self) -> None:
+        self.attempt = 0

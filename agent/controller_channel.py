@@ -1,0 +1,200 @@
+"""Reaching the controller: the address and gRPC channel, retries with capped exponential
+backoff and jitter (one log line per failed attempt, with the troubleshooting hint), and
+enrollment with a token unless ``identity.json`` already holds the node's identity."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, cast
+
+import grpc
+import grpc.aio
+
+from agent import AGENT_VERSION
+from agent.agent_config import (
+    AgentConfig,
+    AgentError,
+    Backoff,
+    ConfigError,
+    ControllerTarget,
+    EnrollmentRefused,
+    MissingEnrollmentToken,
+    parse_controller_url,
+)
+from agent.identity import NodeIdentity, load_identity, save_identity
+from agent.resources import Resources
+from proto import control_pb2 as pb
+from proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# The seed's troubleshooting entry for an unreachable control channel.
+CONNECTION_HINT = (
+    "gRPC connection refused: controller unreachable or control port blocked — verify "
+    "controller availability, address, TLS settings and firewall rules"
+)
+
+# Enroll answers that retrying cannot fix.
+ENROLL_REFUSED_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+    }
+)
+
+
+class ConnectionLost(Exception):
+    """One Enroll/Connect attempt failed or an established stream ended."""
+
+    def __init__(self, reason: str, *, unreachable: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.unreachable = unreachable
+
+
+def stub(channel: grpc.aio.Channel) -> Any:
+    return pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+
+
+def rpc_failure(exc: grpc.aio.AioRpcError) -> ConnectionLost:
+    code = exc.code()
+    return ConnectionLost(
+        f"{code.name}: {exc.details() or ''}".rstrip(": "),
+        unreachable=code == grpc.StatusCode.UNAVAILABLE,
+    )
+
+
+class ControllerChannel:
+    """The channel half of :class:`agent.control_client.AgentSession`: the controller's address,
+    the gRPC channel, retries with backoff, and enrollment (or the stored identity)."""
+
+    config: AgentConfig
+    identity: NodeIdentity | None
+    controller_version: str
+    heartbeat_interval: float
+    failed_attempts: int
+    _backoff: Backoff
+    _target: ControllerTarget | None
+    _channel: grpc.aio.Channel | None
+    _resources: Resources | None
+
+    # -- channel ------------------------------------------------------------------------
+
+    def _resolve_target(self, identity: NodeIdentity | None) -> ControllerTarget:
+        url = self.config.controller_url or (identity.controller_url if identity else "")
+        if not url:
+            raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
+        return parse_controller_url(url)
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        target = self._target
+        assert target is not None
+        if target.secure:
+            root: bytes | None = None
+            if self.config.tls_ca_file is not None:
+                try:
+                    root = self.config.tls_ca_file.read_bytes()
+                except OSError as exc:
+                    raise ConfigError(f"cannot read TLS CA file: {exc}") from exc
+            credentials = grpc.ssl_channel_credentials(root_certificates=root)
+            channel = grpc.aio.secure_channel(target.address, credentials)
+        else:
+            channel = grpc.aio.insecure_channel(target.address)
+        self._channel = channel
+        return channel
+
+    async def _close_channel(self, channel: grpc.aio.Channel) -> None:
+        if self._channel is channel:
+            self._channel = None
+        await channel.close(None)
+
+    async def _retry_pause(self, what: str, error: ConnectionLost) -> None:
+        """One line per failed attempt (with the troubleshooting hint), then back off."""
+        self.failed_attempts += 1
+        delay = self._backoff.next_delay()
+        url = self._target.url if self._target else "?"
+        log.warning(
+            "%s attempt %d failed: %s; retrying in %.2fs — %s (%s)",
+            what,
+            self._backoff.attempt,
+            error.reason,
+            delay,
+            CONNECTION_HINT,
+            url,
+        )
+        await asyncio.sleep(delay)
+
+    # -- enrollment ---------------------------------------------------------------------
+
+    async def _ensure_identity(self) -> NodeIdentity:
+        stored = load_identity(self.config.data_dir)
+        self._target = self._resolve_target(stored)
+        if stored is not None:
+            log.info(
+                "using stored identity: node %s (%s), enrolled %s",
+                stored.node_id,
+                stored.node_name,
+                stored.enrolled_at,
+            )
+            if self.config.enrollment_token:
+                log.info("already enrolled; ignoring the enrollment token")
+            if stored.controller_url != self._target.url:
+                log.warning(
+                    "identity was enrolled with controller %s; connecting to %s",
+                    stored.controller_url,
+                    self._target.url,
+                )
+            self.identity = stored
+            return stored
+        if not self.config.enrollment_token:
+            raise MissingEnrollmentToken(
+                f"no enrollment token and no stored identity in {self.config.data_dir}; "
+                "pass --enrollment-token or set DACP_ENROLLMENT_TOKEN"
+            )
+        identity = await self._enroll(self.config.enrollment_token)
+        self.identity = identity
+        return identity
+
+    async def _enroll(self, token: str) -> NodeIdentity:
+        assert self._target is not None and self._resources is not None
+        request = pb.EnrollRequest(
+            enrollment_token=token,
+            node_name=self.config.node_name,
+            agent_version=AGENT_VERSION,
+            inventory=self._resources.inventory.to_proto(),
+        )
+        while True:
+            channel = self._open_channel()
+            try:
+                rpc_stub = stub(channel)
+                log.info("enrolling as %r with %s", self.config.node_name, self._target.url)
+                response = cast(
+                    pb.EnrollResponse,
+                    await rpc_stub.Enroll(request, timeout=self.config.rpc_timeout),
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in ENROLL_REFUSED_CODES:
+                    raise EnrollmentRefused(exc.code(), exc.details() or "") from None
+                failure = rpc_failure(exc)
+            finally:
+                await self._close_channel(channel)
+            await self._retry_pause("enroll", failure)
+        if not response.node_id or not response.node_credential:
+            raise AgentError("controller answered Enroll without a node id or credential")
+        identity = NodeIdentity.new(
+            node_id=response.node_id,
+            node_credential=response.node_credential,
+            controller_url=self._target.url,
+            node_name=self.config.node_name,
+        )
+        path = save_identity(self.config.data_dir, identity)
+        self._backoff.reset()
+        if response.heartbeat_interval_seconds > 0 and self.config.heartbeat_interval is None:
+            self.heartbeat_interval = response.heartbeat_interval_seconds
+        self.controller_version = response.controller_version
+        log.info("enrolled as node %s; identity stored in %s", identity.node_id, path)
+        return identity
