@@ -24,6 +24,7 @@ class SlotLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, set[str]] = {}  # job → nodes it was dispatched to here
+        self._seen: set[tuple[str, str]] = set()  # (job, node) the read model has listed
         self._released: dict[str, set[str]] = {}  # job → nodes whose row may still list it
 
     def assigned(self, job_id: str, node_ids: Iterable[str]) -> None:
@@ -36,13 +37,29 @@ class SlotLedger:
             nodes = self._held.pop(job_id, None)
             if nodes:
                 self._released[job_id] = nodes
+                self._seen -= {(job_id, node) for node in nodes}
 
     def adjust(self, row: dict[str, Any]) -> dict[str, Any]:
         """``row`` (a ``nodes`` view row) with this controller's own assignments applied."""
         node_id = row["node_id"]
         listed = set(row["current_jobs"])
         with self._lock:
-            held = {job for job, nodes in self._held.items() if node_id in nodes}
+            held = set()
+            for job, nodes in list(self._held.items()):
+                if node_id not in nodes:
+                    continue
+                if job in listed:
+                    self._seen.add((job, node_id))
+                    held.add(job)
+                elif (job, node_id) in self._seen:
+                    # Listed before and gone now: released by a path this process did not
+                    # take part in (e.g. the node went offline); forget it here too.
+                    self._seen.discard((job, node_id))
+                    nodes.discard(node_id)
+                    if not nodes:
+                        del self._held[job]
+                else:
+                    held.add(job)  # not projected yet
             released = set()
             for job, nodes in list(self._released.items()):
                 if node_id not in nodes:

@@ -100,6 +100,9 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({admitted, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down: the job goes with it
+        admitted.cancel()
+        raise
     finally:
         gone.cancel()
     if not admitted.done():

@@ -42,3 +42,12 @@ def test_an_unchanged_row_is_returned_as_is() -> None:
     ledger = SlotLedger()
     original = row(["x"])
     assert ledger.adjust(original) is original
+
+
+def test_a_release_the_ledger_did_not_see_is_learned_from_the_read_model() -> None:
+    ledger = SlotLedger()
+    ledger.assigned("j1", ["n"])
+    assert ledger.adjust(row(["j1"]))["current_jobs"] == ["j1"]  # projected: seen
+    # The job was ended elsewhere (its node went offline): the row no longer lists it.
+    assert ledger.adjust(row([]))["current_jobs"] == []
+    assert len(ledger) == 0
