@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -144,6 +145,39 @@ def test_non_streaming(cluster: LocalCluster, store: Controller) -> None:
     assert completion.choices[0].message.content
     assert completion.usage is not None and completion.usage.completion_tokens > 0
     assert store.get_job(job_id_of(completion.id)).state == "COMPLETED"
+
+
+def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: Controller) -> None:
+    """Eight OpenAI SDK streams at once, no client retries: none is refused. The cluster can
+    run one split job at a time here (one slot per node), so the others wait their turn in
+    the admission queue instead of getting 503."""
+
+    def stream(index: int) -> tuple[str, str]:
+        chunks = list(
+            client(cluster).chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": f"Count to {index + 2}."}],
+                stream=True,
+                max_tokens=12,
+                seed=index,
+                temperature=0,
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return chunks[0].id, text
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(stream, range(8)))
+    assert all(text.strip() for _, text in results)
+    job_ids = [job_id_of(completion_id) for completion_id, _ in results]
+    jobs = [wait_job(store, job_id, {"COMPLETED", "FAILED"}) for job_id in job_ids]
+    assert [job.state for job in jobs] == ["COMPLETED"] * 8
+    queued = [
+        job_id
+        for job_id in job_ids
+        if "JOB_QUEUED" in [code for _, code, _ in job_timeline(store, job_id)]
+    ]
+    assert queued, "with one split job at a time, some of the eight must have waited"
 
 
 def test_models_and_errors(cluster: LocalCluster) -> None:
