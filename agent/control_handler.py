@@ -111,3 +111,19 @@ class NullHandler:
 
     async def close(self) -> None:
         return None
+
+
+def job_failure(
+    job_id: str, phase: str, error_code: str, error: str, *, finish_reason: str = ""
+) -> pb.AgentMessage:
+    """``JobResult{ok=false}`` for a job that failed in ``phase``."""
+    return pb.AgentMessage(
+        job_result=pb.JobResult(
+            job_id=job_id,
+            ok=False,
+            finish_reason=finish_reason,
+            error=error,
+            error_code=error_code,
+            phase=phase,
+        )
+    )

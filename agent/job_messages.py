@@ -137,18 +137,3 @@ def chat_request(
         stop=list(generation.stop) or None,
         seed=generation.seed if generation.HasField("seed") else None,
     )
-
-
-def job_failure(
-    job_id: str, phase: str, error_code: str, error: str, *, finish_reason: str = ""
-) -> pb.AgentMessage:
-    return pb.AgentMessage(
-        job_result=pb.JobResult(
-            job_id=job_id,
-            ok=False,
-            finish_reason=finish_reason,
-            error=error,
-            error_code=error_code,
-            phase=phase,
-        )
-    )

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.agent_config import DEFAULT_RPC_PORT
-from agent.control_handler import Send, setup_failure, worker_status
+from agent.control_handler import Send, job_failure, setup_failure, worker_status
 from agent.endpoints import validate_rpc_bind_host
 from agent.job_messages import (
     AGENT_STOPPING,
@@ -71,7 +71,6 @@ from agent.job_messages import (
     SetupFailure,
     chat_request,
     generation_stats,
-    job_failure,
     parse_messages,
 )
 from agent.llama_binaries import RuntimeBinaries
