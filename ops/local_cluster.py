@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -99,7 +100,16 @@ def _port_free(port: int) -> bool:
         return True
 
 
+#: Ports picked for the cluster come from below Linux's default ephemeral range (32768-60999):
+#: an RPC worker binds its port only at its first job, and meanwhile any outgoing connection on
+#: the machine could be handed a port from that range as its local port.
+_PICKED_PORTS = range(20000, 32000)
+
+
 def _free_port() -> int:
+    for port in random.sample(_PICKED_PORTS, 200):
+        if _port_free(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -371,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", "50051")))
     parser.add_argument("--var-dir", type=Path, default=Path("var/local-cluster"))
     parser.add_argument(
+        "--rpc-port",
+        type=int,
+        default=None,
+        help="0: pick free RPC ports for the agents (default: 50052 and 50062 when free)",
+    )
+    parser.add_argument(
         "--memory-limit",
         type=int,
         default=DEFAULT_MEMORY_LIMIT,
@@ -392,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         grpc_port=args.grpc_port,
         agents=tuple(
-            dataclasses.replace(a, memory_limit=args.memory_limit) for a in DEFAULT_AGENTS
+            dataclasses.replace(
+                a,
+                memory_limit=args.memory_limit,
+                rpc_port=a.rpc_port if args.rpc_port is None else args.rpc_port,
+            )
+            for a in DEFAULT_AGENTS
         ),
     )
     try:

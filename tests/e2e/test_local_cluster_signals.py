@@ -66,6 +66,8 @@ def cluster_process(
             "0",
             "--var-dir",
             str(tmp_path / "var"),
+            "--rpc-port",
+            "0",
         ]
         # Started the way a shell starts a background job: SIGINT ignored, which Python keeps
         # ignored unless the program installs its own handler (the cluster must).
