@@ -352,23 +352,6 @@ class Controller(Application[UUID]):
         job.dispatch(list(roles))
         return nodes
 
-    def plan(self, job_id: UUID | str, plan: dict[str, Any]) -> int:
-        return self._job_command(job_id, lambda j: j.record_plan(plan))
-
-    def replan(
-        self, job_id: UUID | str, plan: dict[str, Any], reason: str, excluded_node: str = ""
-    ) -> int:
-        """Re-plans before execution; nodes of the old plan that were assigned are released."""
-
-        def command() -> list[Aggregate]:
-            job = self._job(job_id)
-            changed: dict[UUID, Aggregate] = {job.id: job}
-            self._release_nodes(job, changed, outcome="replanned")
-            job.replan(plan, reason, excluded_node)
-            return list(changed.values())
-
-        return self._run(command)
-
     def release_nodes(self, job_id: UUID | str, outcome: str) -> int:
         """Frees the job's slots on its nodes (before a re-plan places it again)."""
 
@@ -377,18 +360,6 @@ class Controller(Application[UUID]):
             changed: dict[UUID, Aggregate] = {}
             self._release_nodes(job, changed, outcome=outcome)
             return list(changed.values())
-
-        return self._run(command)
-
-    def dispatch(
-        self, job_id: UUID | str, roles: Mapping[str, str], *, allow_degraded: bool = False
-    ) -> int:
-        """Assigns the job to every node of its plan (``roles``: node id → role) and
-        records JOB_DISPATCHED, all or nothing."""
-
-        def command() -> list[Aggregate]:
-            job = self._job(job_id)
-            return [job, *self._assign(job, roles, allow_degraded)]
 
         return self._run(command)
 

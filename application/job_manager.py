@@ -92,7 +92,6 @@ class StreamItem:
 @dataclass
 class JobRun:
     job_id: str
-    model: str
     #: The validated request and the registered model's row it runs.
     submission: Submission
     model_row: dict[str, Any]
@@ -119,6 +118,10 @@ class JobRun:
     @property
     def uid(self) -> UUID:
         return UUID(self.job_id)
+
+    @property
+    def model(self) -> str:
+        return str(self.model_row["name"])
 
     @property
     def setup_ok(self) -> bool:
@@ -172,7 +175,7 @@ class JobManager:
         cannot run. Cancelling the caller (the client went away) records JOB_CANCELLED.
         """
         uid = job_id or uuid4()
-        run = JobRun(str(uid), model["name"], submission, model)
+        run = JobRun(str(uid), submission, model)
         self.runs[run.job_id] = run
         try:
             await self._setup(run)

@@ -25,11 +25,7 @@ import pytest
 from ops import paths
 from ops.local_cluster import MODEL_NAME
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    # allowed-skip: platform guard; PR_SET_PDEATHSIG is Linux-only and CI runs on Linux
-    pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only"),
-]
+pytestmark = pytest.mark.timeout(300)
 READY_LINE = "stops the cluster"
 AI_KEY = "signal-test-ai-key"
 ADMIN_KEY = "signal-test-admin-key"

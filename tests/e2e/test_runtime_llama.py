@@ -284,9 +284,6 @@ def test_closed_manager_refuses_work(binaries: RuntimeBinaries, tmp_path: Path) 
         mgr.start_rpc_worker("127.0.0.1", free_loopback_port())
 
 
-@pytest.mark.skipif(  # allowed-skip: platform guard; runs on Linux CI
-    sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only"
-)
 def test_children_die_with_a_killed_agent(binaries: RuntimeBinaries, tmp_path: Path) -> None:
     port = free_loopback_port()
     script = textwrap.dedent(

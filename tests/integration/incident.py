@@ -54,8 +54,7 @@ def script_incident(storage: Storage) -> Incident:
 
     # Node A: dispatched, then its heartbeats stop before setup is validated.
     setup_job = _submit(storage)
-    app.plan(setup_job, _plan(node_a))
-    app.dispatch(setup_job, {str(node_a): "primary"})
+    app.plan_and_dispatch(setup_job, _plan(node_a), {str(node_a): "primary"})
     app.heartbeat_timeout(node_a, 7.0)
     app.mark_offline(node_a, "no heartbeat for 16.0 s")
     app.fail(setup_job, SETUP_REASON_TEMPLATE.format(node=node_a), "setup_failed")
@@ -63,8 +62,7 @@ def script_incident(storage: Storage) -> Incident:
     # Node B: a public peer is refused, then the node is lost mid-stream.
     app.security_violation(node_b, "203.0.113.7", "RPC peer address is not private", "")
     exec_job = _submit(storage)
-    app.plan(exec_job, _plan(node_b))
-    app.dispatch(exec_job, {str(node_b): "primary"})
+    app.plan_and_dispatch(exec_job, _plan(node_b), {str(node_b): "primary"})
     app.validate_setup(exec_job)
     app.record_token_chunks({exec_job: [Delta(0, "Hel"), Delta(1, "lo", 2)]})
     position = app.mark_offline(node_b, "control stream closed")

@@ -34,8 +34,9 @@ def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
     )
     assert job.aggregate_id is not None
     job_id = job.aggregate_id
-    app.plan(job_id, {"primary": str(node_id), "workers": []})
-    app.dispatch(job_id, {str(node_id): "primary"})
+    app.plan_and_dispatch(
+        job_id, {"primary": str(node_id), "workers": []}, {str(node_id): "primary"}
+    )
     app.validate_setup(job_id)
     words = text.split(" ")
     deltas = [Delta(i, (" " if i else "") + w) for i, w in enumerate(words)]

@@ -115,8 +115,7 @@ def _running_job(app: Controller, node_id: UUID) -> UUID:
 
     job_id = app.submit(Submission("m", [{"role": "user", "content": "q"}], {}, True)).aggregate_id
     assert job_id is not None
-    app.plan(job_id, {"primary": str(node_id)})
-    app.dispatch(job_id, {str(node_id): "primary"})
+    app.plan_and_dispatch(job_id, {"primary": str(node_id)}, {str(node_id): "primary"})
     app.validate_setup(job_id)
     return job_id
 

@@ -291,8 +291,9 @@ async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_
     target = min(cluster.node_ids)
     rival = cluster.app.submit(submission("rival"))
     assert rival.aggregate_id is not None
-    cluster.app.plan(rival.aggregate_id, {"primary": target, "workers": []})
-    cluster.app.dispatch(rival.aggregate_id, {target: "primary"})
+    cluster.app.plan_and_dispatch(
+        rival.aggregate_id, {"primary": target, "workers": []}, {target: "primary"}
+    )
     caught_up = []
 
     def catch_up() -> None:  # what the job manager asks for after losing a slot

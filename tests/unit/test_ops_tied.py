@@ -1,4 +1,5 @@
-"""ops.tied: run a command that receives SIGTERM when its parent dies (Linux)."""
+"""ops.tied: run a command that receives SIGTERM when its parent dies (Linux, where the
+project runs and is tested)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,7 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from ops import tied
-
-pytestmark = pytest.mark.skipif(  # allowed-skip: platform guard; CI runs on Linux
-    sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only"
-)
 
 
 def run_tied(parent: int, *command: str) -> int:

@@ -24,10 +24,6 @@ from agent.runtime_errors import (
 from ops import build_llama, fetch_model, paths
 from ops.paths import FetchError
 
-posix_only = pytest.mark.skipif(  # allowed-skip: platform guard; runs on Linux CI
-    sys.platform == "win32", reason="exec bits are POSIX"
-)
-
 
 def make_executable(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +49,6 @@ def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # --- find_binaries ------------------------------------------------------------------------
 
 
-@posix_only
 def test_explicit_dir_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     explicit = fake_bin_dir(tmp_path / "explicit")
     monkeypatch.setenv("DACP_LLAMA_BIN_DIR", str(fake_bin_dir(tmp_path / "env")))
@@ -63,14 +58,12 @@ def test_explicit_dir_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert found.rpc_server.name == "ggml-rpc-server"
 
 
-@posix_only
 def test_env_dir_is_used_without_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env_dir = fake_bin_dir(tmp_path / "env")
     monkeypatch.setenv("DACP_LLAMA_BIN_DIR", str(env_dir))
     assert find_binaries(None).bin_dir == env_dir.resolve()
 
 
-@posix_only
 def test_cache_dir_is_the_fallback(isolated_cache: Path) -> None:
     bin_dir = fake_bin_dir(isolated_cache / "llama.cpp" / "11434.0.0" / "bin")
     assert find_binaries().bin_dir == bin_dir.resolve()
@@ -81,7 +74,6 @@ def test_agent_and_ops_agree_on_the_cache_path() -> None:
     assert llama_binaries.LLAMA_DIST_VERSION == paths.LLAMA_DIST_VERSION
 
 
-@posix_only
 def test_legacy_rpc_server_name_is_accepted(tmp_path: Path) -> None:
     found = find_binaries(fake_bin_dir(tmp_path / "old", rpc_name="rpc-server"))
     assert found.rpc_server.name == "rpc-server"
@@ -101,7 +93,6 @@ def test_explicit_dir_does_not_fall_back(tmp_path: Path, isolated_cache: Path) -
         find_binaries(tmp_path / "empty")
 
 
-@posix_only
 def test_non_executable_binary_is_missing(tmp_path: Path) -> None:
     bin_dir = fake_bin_dir(tmp_path / "bin")
     (bin_dir / "ggml-rpc-server").chmod(0o644)
@@ -293,7 +284,6 @@ def test_cache_dir_follows_env(isolated_cache: Path) -> None:
     assert paths.model_path().name == paths.MODEL_FILE_NAME
 
 
-@posix_only
 def test_build_stamp_makes_second_run_a_no_op(capsys: pytest.CaptureFixture[str]) -> None:
     bin_dir = paths.llama_bin_dir()
     for name in ("llama-server", "ggml-rpc-server", "rpc-server"):
@@ -307,7 +297,6 @@ def test_build_stamp_makes_second_run_a_no_op(capsys: pytest.CaptureFixture[str]
     assert len(out) == 1 and "cached" in out[0]
 
 
-@posix_only
 def test_build_stamp_with_other_flags_is_stale() -> None:
     for name in ("llama-server", "ggml-rpc-server", "rpc-server"):
         make_executable(paths.llama_bin_dir() / name)
