@@ -205,6 +205,20 @@ class JobManager:
                 await self._quietly(self.app.fail, run.job_id, reason, "internal")
         self._ended(run.job_id)
 
+    async def _record(self, run: JobRun, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Runs a store write that creates or places ``run``'s job to its end even when the
+        caller is cancelled meanwhile (the client went away), so the ending recorded next is
+        based on what was really written. ``run.recorded`` is set once the job exists."""
+        write = asyncio.ensure_future(self._call(fn, *args, **kwargs))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])
+            if not write.cancelled() and write.exception() is None:
+                run.recorded = True
+            raise
+        run.recorded = True
+
     def capacity_changed(self) -> None:
         """A slot may have come free (or a node joined): the head of every queue tries."""
         self.queue.wake()
@@ -269,8 +283,7 @@ class JobManager:
         """Records the job's failure (submitting it first if need be) and returns the error."""
         why = f"{reason}; earlier attempt failed: {failure[0]}" if failure else reason
         if not run.recorded:
-            await self._call(self.app.submit, run.submission, run.uid)
-            run.recorded = True
+            await self._record(run, self.app.submit, run.submission, run.uid)
         await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
         self._ended(run.job_id)
         return NoCapacityError(why)
@@ -281,10 +294,9 @@ class JobManager:
         queued_at = self.clock()
         deadline = queued_at + self.queue_timeout
         try:
-            await self._call(
-                self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
+            await self._record(
+                run, self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
             )
-            run.recorded = True
             while True:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
@@ -348,7 +360,8 @@ class JobManager:
                 degraded = result.fallback_used
                 try:
                     if not run.recorded:
-                        await self._call(
+                        await self._record(
+                            run,
                             self.app.submit_and_dispatch,
                             run.submission,
                             run.uid,
@@ -356,9 +369,9 @@ class JobManager:
                             roles,
                             allow_degraded=degraded,
                         )
-                        run.recorded = True
                     else:
-                        await self._call(
+                        await self._record(
+                            run,
                             self.app.plan_and_dispatch,
                             run.job_id,
                             plan.to_dict(),

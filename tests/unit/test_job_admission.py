@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -332,3 +333,42 @@ async def test_only_nodes_connected_to_this_controller_are_placed_on() -> None:
     assert node == cluster.node_ids[1]
     await cluster.validate(node, job)
     await task
+
+
+async def held_write(cluster: Cluster, name: str) -> tuple[asyncio.Event, threading.Event]:
+    """Makes ``cluster.app.<name>`` wait in its thread until released; returns (started,
+    release)."""
+    started, release = asyncio.Event(), threading.Event()
+    real = getattr(cluster.app, name)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        cluster.loop.call_soon_threadsafe(started.set)
+        release.wait(GUARD)
+        return real(*args, **kwargs)
+
+    setattr(cluster.app, name, held)
+    return started, release
+
+
+@pytest.mark.parametrize("write", ["submit_and_queue", "submit_and_dispatch"])
+async def test_a_client_that_leaves_during_the_write_that_creates_its_job_ends_it(
+    write: str,
+) -> None:
+    cluster = Cluster(nodes=1)
+    if write == "submit_and_queue":  # the only slot is busy, so the next job queues
+        asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))  # noqa: RUF006
+        await cluster.primary_assigned(1)
+    started, release = await held_write(cluster, write)
+    leaver = asyncio.create_task(cluster.jobs.start(submission("leaves"), MODEL))
+    await asyncio.wait_for(started.wait(), GUARD)
+    leaver.cancel()
+    release.set()  # the write completes after the client has gone
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    cancelled = [job for code, job in cluster.all_codes() if code == "JOB_CANCELLED"]
+    assert len(cancelled) == 1
+    codes = cluster.job_codes(cancelled[0])
+    assert codes[0] == "JOB_SUBMITTED" and codes[-1] == "JOB_CANCELLED"
+    if write == "submit_and_dispatch":
+        node = cluster.read.get_node(cluster.node_ids[0])
+        assert node is not None and node["current_jobs"] == []  # its slot was given back
