@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_RPC_PORT = 50052
+#: Most jobs a node runs at once as a primary: llama-server slots (``--parallel``). The
+#: controller gives a server as many slots as the nodes' memory holds, up to this cap.
+DEFAULT_SLOTS = 4
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 # Inventory labels the agent sets itself (SLOTS_LABEL, MEMORY_LIMIT_LABEL: see proto).
 RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL})
@@ -130,7 +133,7 @@ class AgentConfig:
     advertise_address: str = "127.0.0.1"
     rpc_port: int = DEFAULT_RPC_PORT
     labels: dict[str, str] = field(default_factory=dict)
-    slots: int = 1
+    slots: int = DEFAULT_SLOTS
     llama_bin_dir: Path | None = None
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
     tls_ca_file: Path | None = None

@@ -11,8 +11,11 @@ Downlink messages and what this handler does with them:
   ``SetupResult``: the model file is looked up by name in the models dir (``MODEL_NOT_FOUND``),
   its sha256 checked against the plan through the model store's hash cache
   (``SHA256_MISMATCH``), every RPC peer probed with a TCP connect (``RPC_PEER_UNREACHABLE``
-  with ``failed_node_id``), then a ``llama-server`` for (model, context, peers, split) is reused
-  when warm or (re)started (``RUNTIME_START_FAILED`` with the key stderr line). A malformed
+  with ``failed_node_id``), then a ``llama-server`` for (model, context, slots, peers, split)
+  is reused when warm or (re)started (``RUNTIME_START_FAILED`` with the key stderr line). It
+  runs ``--parallel`` = the plan's ``parallel`` (at most this node's ``slots``, else
+  ``INVALID_PLAN``) with ``--ctx-size`` = context * slots, so every slot keeps the plan's whole
+  context and concurrent jobs of one spec share the server. A malformed
   plan is ``INVALID_PLAN``; a server busy with another job's different spec for longer than
   ``busy_timeout`` is ``RUNTIME_BUSY``. Then the chat completion streams from the local
   ``llama-server``: each content piece becomes a ``Delta`` (``seq`` from 0, no gaps,
@@ -53,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.agent_config import DEFAULT_RPC_PORT
+from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
 from agent.control_handler import Send, job_failure, setup_failure, worker_status
 from agent.endpoints import validate_rpc_bind_host
 from agent.job_messages import (
@@ -112,7 +115,7 @@ class LlamaHandler:
         models_dir: Path | str,
         data_dir: Path | str,
         log_dir: Path | str,
-        slots: int = 1,
+        slots: int = DEFAULT_SLOTS,
         rpc_port: int = DEFAULT_RPC_PORT,
         rpc_threads: int | None = None,
         server_threads: int | None = None,
@@ -342,13 +345,19 @@ class LlamaHandler:
         return path
 
     def _server_spec_for(self, plan: pb.ExecutionPlan, model_path: Path) -> ServerSpec:
+        parallel = plan.parallel or 1
+        if parallel > self.slots:
+            raise SetupFailure(
+                INVALID_PLAN, f"the plan asks for {parallel} slots; this node offers {self.slots}"
+            )
         try:
             return ServerSpec(
                 model_path=str(model_path),
-                ctx_size=plan.context_size or DEFAULT_CTX_SIZE,
+                # llama-server divides --ctx-size among its slots: each gets the plan's context.
+                ctx_size=(plan.context_size or DEFAULT_CTX_SIZE) * parallel,
                 rpc_endpoints=tuple(peer_endpoint(peer) for peer in plan.rpc_peers),
                 tensor_split=tuple(plan.tensor_split),
-                parallel=self.slots,
+                parallel=parallel,
                 threads=self.server_threads,
             )
         except ValueError as exc:

@@ -27,6 +27,7 @@ import agent.grpc_fork  # noqa: F401  # before anything imports grpc
 from agent import AGENT_VERSION
 from agent.agent_config import (
     DEFAULT_RPC_PORT,
+    DEFAULT_SLOTS,
     RESERVED_LABELS,
     AgentConfig,
     AgentError,
@@ -313,8 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--slots",
         type=_positive_int,
-        default=1,
-        help="jobs this node may run at once (default: %(default)s)",
+        default=DEFAULT_SLOTS,
+        help=(
+            "most jobs this node serves at once as a primary: llama-server slots; the "
+            "controller gives each server as many as memory holds for the model's context, "
+            "up to this (default: %(default)s)"
+        ),
     )
     parser.add_argument(
         "--tls-ca-file",

@@ -27,6 +27,8 @@ from domain.errors import IllegalTransition, SlotTaken
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
+from domain.placement import ExecutionPlan
+from domain.runtimes import runtime_of
 from domain.states import EXECUTION_PHASE_STATES
 from domain.token_redemption import TokenRedemption, redemption_id
 
@@ -301,7 +303,7 @@ class Controller(Application[UUID]):
         def command() -> list[Aggregate]:
             job = self._new_job(submission, job_id)
             job.record_plan(plan)
-            return [job, *self._assign(job, roles, allow_degraded)]
+            return [job, *self._assign(job, plan, roles, allow_degraded)]
 
         return CommandResult(self._run(command), job_id)
 
@@ -326,7 +328,7 @@ class Controller(Application[UUID]):
             else:
                 self._release_nodes(job, changed, outcome="replanned")
                 job.replan(plan, replan_reason, excluded_node)
-            for node in self._assign(job, roles, allow_degraded, changed):
+            for node in self._assign(job, plan, roles, allow_degraded, changed):
                 changed[node.id] = node
             return list(changed.values())
 
@@ -335,17 +337,20 @@ class Controller(Application[UUID]):
     def _assign(
         self,
         job: Job,
+        plan: dict[str, Any],
         roles: Mapping[str, str],
         allow_degraded: bool,
         loaded: Mapping[UUID, Aggregate] | None = None,
     ) -> list[Node]:
-        """Assigns ``job`` to every node of ``roles`` and records JOB_DISPATCHED."""
+        """Assigns ``job`` to every node of ``roles``, on the server ``plan`` runs on, and
+        records JOB_DISPATCHED."""
+        runtime = runtime_of(ExecutionPlan.from_dict(plan))
         nodes = []
         for node_id, role in roles.items():
             existing = (loaded or {}).get(UUID(node_id))
             node = existing if isinstance(existing, Node) else self._node(node_id)
             try:
-                node.assign_job(str(job.id), role, allow_degraded=allow_degraded)
+                node.assign_job(str(job.id), role, allow_degraded=allow_degraded, runtime=runtime)
             except IllegalTransition as e:
                 raise SlotTaken(str(e)) from e
             nodes.append(node)

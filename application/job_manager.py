@@ -34,6 +34,7 @@ from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
 from domain.placement import ExecutionPlan
+from domain.runtimes import runtime_of
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ class JobManager:
                     log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
                     await self._call(self.scheduler.catch_up)  # learn who took it
                     continue
-                self.scheduler.ledger.assigned(run.job_id, roles)
+                self.scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
                 return plan
         return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
 
@@ -429,6 +430,7 @@ class JobManager:
             model_file_name=run.model_row["file_name"],
             model_sha256=run.model_row["sha256"],
             context_size=plan.context_size,
+            parallel=plan.parallel,
             rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in plan.nodes)
             if multi
             else (),

@@ -49,7 +49,10 @@ class PrimaryAssignment:
     model_name: str
     model_file_name: str
     model_sha256: str
+    #: Context of each slot; the server holds ``context_size * parallel`` tokens in all.
     context_size: int
+    #: llama-server slots (``--parallel``) of the server this job runs on.
+    parallel: int
     rpc_peers: tuple[RpcPeer, ...]
     tensor_split: tuple[float, ...]
     messages: list[dict[str, Any]]

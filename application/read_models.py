@@ -12,6 +12,7 @@ from domain.catalog import code_of
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
+from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
 
 
@@ -41,6 +42,7 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
             "local_models": [],
             "slots": event.slots,
             "current_jobs": [],
+            "runtime": None,
             "rpc_workers": {},
             "drain_requested": False,
             "drained": False,
@@ -67,10 +69,12 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
     elif isinstance(event, Node.WentOffline | Node.ErrorReported):
         new["current_jobs"] = []
         new["rpc_workers"] = {}
+        new["runtime"] = None
         if isinstance(event, Node.ErrorReported):
             new["error"] = event.message
     elif isinstance(event, Node.Recovered):
         new["error"] = None
+        new["runtime"] = None
         if event.agent_version:
             new["agent_version"] = event.agent_version
     elif isinstance(event, Node.DrainRequested):
@@ -87,6 +91,7 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
         new["security_violations"] = row["security_violations"] + 1
     elif isinstance(event, Node.JobAssigned):
         new["current_jobs"] = sorted({*row["current_jobs"], event.job_id})
+        new["runtime"] = event.runtime
     elif isinstance(event, Node.JobReleased):
         new["current_jobs"] = [j for j in row["current_jobs"] if j != event.job_id]
         new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
@@ -95,7 +100,8 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
 
 def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
     """The ``eligibility`` row of a node: what the scheduler reads (``None``: not eligible)."""
-    free_slots = int(node["slots"]) - len(node["current_jobs"])
+    jobs = len(node["current_jobs"])
+    free_slots = runtime_capacity(node.get("runtime") if jobs else None, int(node["slots"])) - jobs
     if node["drain_requested"] or free_slots <= 0:
         return None
     if node["state"] == NodeState.READY:
@@ -112,6 +118,9 @@ def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
         "address": node["address"],
         "rpc_port": node["rpc_port"],
         "free_slots": free_slots,
+        "slots": int(node["slots"]),
+        "jobs": jobs,
+        "runtime_key": runtime_key(node.get("runtime")),
         "free_memory_bytes": _free_memory_bytes(node["resources"]),
         "local_models": sorted({str(m["sha256"]) for m in node["local_models"] if m.get("sha256")}),
     }

@@ -1,7 +1,9 @@
 """The scheduler: read model + live telemetry in, an execution plan (or no capacity) out.
 
-The placement rules themselves are pure functions in :mod:`domain.placement`; this module
-only gathers what they need at one instant.
+A job goes to a warm server first (:func:`domain.runtimes.warm_choice`: a llama-server already
+running the model with a free slot); only when none can take it does the split planner
+(:func:`domain.placement.plan_placement`) start a cold one on idle nodes. Both are pure
+functions; this module only gathers what they need at one instant.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from domain.placement import (
     PlacementResult,
     plan_placement,
 )
+from domain.runtimes import warm_choice
 from domain.states import NodeState
 
 
@@ -123,17 +126,30 @@ class Scheduler:
                 ),
             )
         live = self.live.all()
+
+        def reachable(node_id: str) -> bool:
+            entry = live.get(node_id)
+            return (
+                entry is not None and entry.connected and (connected is None or connected(node_id))
+            )
+
+        context_size = min(int(model["context_size"]), needs.context_length_max)
+        if not assume_idle:
+            warm = warm_choice(
+                nodes,
+                model_sha256=model["sha256"],
+                context_size=context_size,
+                exclude=exclude,
+                reachable=reachable,
+            )
+            if warm is not None:
+                return PlacementResult(plan=warm.plan, fallback_used=warm.degraded, warm=True)
         candidates = []
         judge = idle_eligibility if assume_idle else eligibility_of
-        rows = [judge(n) for n in nodes.values()]
-        for eligible in rows:
+        for node_id, node in nodes.items():
+            eligible = judge(node)
             if eligible is None:
                 continue
-            node_id = eligible["node_id"]
-            node = nodes.get(node_id)
-            if node is None:
-                continue
-            entry = live.get(node_id)
             candidates.append(
                 Candidate(
                     node_id=node_id,
@@ -141,15 +157,15 @@ class Scheduler:
                     state=eligible["state"],
                     address=eligible["address"],
                     rpc_port=int(eligible["rpc_port"]),
-                    usable_memory_bytes=usable_memory(eligible, node, entry),
-                    free_slots=int(eligible["free_slots"]),
+                    usable_memory_bytes=usable_memory(eligible, node, live.get(node_id)),
+                    # A cold server needs idle nodes: a node with jobs serves their runtime.
+                    free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
                     has_model=model["sha256"] in eligible["local_models"],
-                    heartbeat_fresh=entry is not None
-                    and entry.connected
-                    and (connected is None or connected(node_id)),
+                    heartbeat_fresh=reachable(node_id),
+                    slot_cap=int(eligible["slots"]),
+                    warm=bool(node.get("runtime")),
                 )
             )
-        context_size = min(int(model["context_size"]), needs.context_length_max)
         request = PlacementRequest(
             needs=needs,
             context_size=context_size,

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from domain.node import settled_state
+from domain.runtimes import runtime_capacity
 from domain.states import NodeState
 
 
@@ -24,60 +25,99 @@ class SlotLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, set[str]] = {}  # job → nodes it was dispatched to here
+        self._runtime: dict[str, dict[str, Any] | None] = {}  # job → the server it runs on
         self._seen: set[tuple[str, str]] = set()  # (job, node) the read model has listed
         self._released: dict[str, set[str]] = {}  # job → nodes whose row may still list it
+        # node → jobs in _held / _released naming it (adjust() costs O(jobs on the node))
+        self._held_at: dict[str, set[str]] = {}
+        self._released_at: dict[str, set[str]] = {}
 
-    def assigned(self, job_id: str, node_ids: Iterable[str]) -> None:
+    def assigned(
+        self, job_id: str, node_ids: Iterable[str], runtime: dict[str, Any] | None = None
+    ) -> None:
         with self._lock:
-            self._held[job_id] = set(node_ids)
-            self._released.pop(job_id, None)
+            nodes = set(node_ids)
+            self._held[job_id] = nodes
+            self._runtime[job_id] = runtime
+            for node in nodes:
+                self._held_at.setdefault(node, set()).add(job_id)
+            self._drop_release(job_id)
 
     def released(self, job_id: str) -> None:
         with self._lock:
             nodes = self._held.pop(job_id, None)
+            self._runtime.pop(job_id, None)
             if nodes:
                 self._released[job_id] = nodes
-                self._seen -= {(job_id, node) for node in nodes}
+                for node in nodes:
+                    _discard(self._held_at, node, job_id)
+                    self._released_at.setdefault(node, set()).add(job_id)
+                    self._seen.discard((job_id, node))
+
+    def _drop_release(self, job_id: str) -> None:
+        for node in self._released.pop(job_id, ()):
+            _discard(self._released_at, node, job_id)
+
+    def _forget_hold(self, job_id: str, node_id: str) -> None:
+        self._seen.discard((job_id, node_id))
+        _discard(self._held_at, node_id, job_id)
+        nodes = self._held.get(job_id)
+        if nodes is not None:
+            nodes.discard(node_id)
+            if not nodes:
+                del self._held[job_id]
+                self._runtime.pop(job_id, None)
 
     def adjust(self, row: dict[str, Any]) -> dict[str, Any]:
         """``row`` (a ``nodes`` view row) with this controller's own assignments applied."""
         node_id = row["node_id"]
-        listed = set(row["current_jobs"])
         with self._lock:
-            held = set()
-            for job, nodes in list(self._held.items()):
-                if node_id not in nodes:
-                    continue
+            held_here = self._held_at.get(node_id)
+            released_here = self._released_at.get(node_id)
+            if not held_here and not released_here:
+                return row
+            listed = set(row["current_jobs"])
+            held: set[str] = set()
+            runtime = row.get("runtime")
+            for job in list(held_here or ()):
                 if job in listed:
                     self._seen.add((job, node_id))
                     held.add(job)
                 elif (job, node_id) in self._seen:
                     # Listed before and gone now: released by a path this process did not
                     # take part in (e.g. the node went offline); forget it here too.
-                    self._seen.discard((job, node_id))
-                    nodes.discard(node_id)
-                    if not nodes:
-                        del self._held[job]
+                    self._forget_hold(job, node_id)
                 else:
                     held.add(job)  # not projected yet
+                    runtime = self._runtime.get(job, runtime)
             released = set()
-            for job, nodes in list(self._released.items()):
-                if node_id not in nodes:
-                    continue
+            for job in list(released_here or ()):
                 if job in listed:
                     released.add(job)
                 else:  # the read model has caught up with this release
-                    nodes.discard(node_id)
-                    if not nodes:
-                        del self._released[job]
+                    _discard(self._released_at, node_id, job)
+                    nodes = self._released.get(job)
+                    if nodes is not None:
+                        nodes.discard(node_id)
+                        if not nodes:
+                            del self._released[job]
         jobs = (listed - released) | held
-        if jobs == listed:
+        if jobs == listed and runtime is row.get("runtime"):
             return row
-        adjusted = {**row, "current_jobs": sorted(jobs)}
+        adjusted = {**row, "current_jobs": sorted(jobs), "runtime": runtime}
         if row["state"] in (NodeState.READY, NodeState.BUSY):
-            adjusted["state"] = settled_state(len(jobs), int(row["slots"]), False).value
+            capacity = runtime_capacity(runtime, int(row["slots"]))
+            adjusted["state"] = settled_state(len(jobs), capacity, False).value
         return adjusted
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held) + len(self._released)
+
+
+def _discard(index: dict[str, set[str]], node_id: str, job_id: str) -> None:
+    jobs = index.get(node_id)
+    if jobs is not None:
+        jobs.discard(job_id)
+        if not jobs:
+            del index[node_id]

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from eventsourcing.domain import Aggregate
 
 from domain.errors import IllegalTransition, InvalidCommand
+from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
 
 #: States that a node in service (not late, lost or broken) can be in.
@@ -81,6 +82,7 @@ class Node(Aggregate):
         def evolve(self, node: Node) -> None:
             node.jobs = []
             node.rpc_workers = {}
+            node.runtime = None
 
     class Recovered(Event):
         code: ClassVar[str] = "NODE_RECOVERED"
@@ -90,6 +92,7 @@ class Node(Aggregate):
             if self.agent_version:
                 node.agent_version = self.agent_version
             node.error = None
+            node.runtime = None  # the agent may have restarted: nothing known to be warm
 
     class DrainRequested(Event):
         code: ClassVar[str] = "NODE_DRAIN_REQUESTED"
@@ -122,6 +125,7 @@ class Node(Aggregate):
             node.error = self.message
             node.jobs = []
             node.rpc_workers = {}
+            node.runtime = None
 
     class RpcWorkerStarted(Event):
         code: ClassVar[str] = "RPC_WORKER_STARTED"
@@ -153,9 +157,12 @@ class Node(Aggregate):
         code: ClassVar[str] = "NODE_JOB_ASSIGNED"
         job_id: str
         role: str
+        #: The server the job runs on (``domain.runtimes.runtime_of``); None before slots.
+        runtime: dict[str, Any] | None = None
 
         def evolve(self, node: Node) -> None:
             node.jobs = sorted({*node.jobs, self.job_id})
+            node.runtime = self.runtime
 
     class JobReleased(Event):
         code: ClassVar[str] = "NODE_JOB_RELEASED"
@@ -199,6 +206,8 @@ class Node(Aggregate):
         self.local_models: list[dict[str, Any]] = []
         self.error: str | None = None
         self.security_violations = 0
+        #: The (warm) server this node serves, kept after its last job: ``runtime_of(plan)``.
+        self.runtime: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -206,13 +215,18 @@ class Node(Aggregate):
         """The in-service state that a job count and drain flag call for (default: current)."""
         return settled_state(
             len(self.jobs) if jobs is None else jobs,
-            self.slots,
+            self.capacity,
             self.drain_requested if drain is None else drain,
         )
 
     @property
+    def capacity(self) -> int:
+        """Jobs the node can hold at once: its runtime's slots (its own cap before any)."""
+        return runtime_capacity(self.runtime, self.slots)
+
+    @property
     def schedulable(self) -> bool:
-        return self.state == NodeState.READY and len(self.jobs) < self.slots
+        return self.state == NodeState.READY and len(self.jobs) < self.capacity
 
     @property
     def drain_complete(self) -> bool:
@@ -346,18 +360,37 @@ class Node(Aggregate):
             self.SecurityViolation, state=self.state, address=address, reason=reason, job_id=job_id
         )
 
-    def assign_job(self, job_id: str, role: str, *, allow_degraded: bool = False) -> None:
+    def assign_job(
+        self,
+        job_id: str,
+        role: str,
+        *,
+        allow_degraded: bool = False,
+        runtime: dict[str, Any] | None = None,
+    ) -> None:
+        """Takes ``job_id`` on the server ``runtime`` (``domain.runtimes.runtime_of``).
+
+        A node serves one runtime at a time: while it has jobs, only jobs of the same runtime
+        join them, up to the runtime's slots. With no job left it may switch runtime.
+        """
         allowed = {NodeState.READY} | ({NodeState.DEGRADED} if allow_degraded else set())
         if self.state not in allowed or self.drain_requested:
             raise self._refuse("take a job", "it is not schedulable")
         if job_id in self.jobs:
             raise self._refuse("take a job", f"job {job_id} is already assigned")
-        if len(self.jobs) >= self.slots:
+        if self.jobs and runtime_key(runtime) != runtime_key(self.runtime):
+            raise self._refuse("take a job", "its slots serve another model, context or split")
+        capacity = runtime_capacity(runtime, self.slots)
+        if role == "primary" and capacity > self.slots:
+            raise InvalidCommand(f"the node offers {self.slots} slot(s), not {capacity}")
+        if len(self.jobs) >= capacity:
             raise self._refuse("take a job", "every slot is taken")
         state = (
-            self.settled_state(jobs=len(self.jobs) + 1) if self.state in _IN_SERVICE else self.state
+            settled_state(len(self.jobs) + 1, capacity, False)
+            if self.state in _IN_SERVICE
+            else self.state
         )
-        self.trigger_event(self.JobAssigned, state=state, job_id=job_id, role=role)
+        self.trigger_event(self.JobAssigned, state=state, job_id=job_id, role=role, runtime=runtime)
 
     def release_job(self, job_id: str, outcome: str) -> None:
         if job_id not in self.jobs:

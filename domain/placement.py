@@ -18,10 +18,15 @@ Rules, in the order they apply:
    exists without them (``fallback_used``).
 4. Within a pool the plan uses the fewest nodes (at most ``max_nodes`` and at most the model's
    layer count). One node means no RPC at all. The primary must hold the model file; workers
-   need not. Among plans of equal size the one with fewer DEGRADED nodes wins, then a READY
-   primary, then the primary with most usable memory, then the smallest primary ``node_id``;
-   workers are always the largest remaining nodes (usable memory descending, ties by ``node_id``).
-5. The tensor split is proportional to the chosen nodes' usable memory, quantised to
+   need not. Among plans of equal size the one with fewer DEGRADED nodes wins, then the one
+   displacing fewer warm servers (``Candidate.warm``), then a READY primary, then the primary
+   with most usable memory, then the smallest primary ``node_id``; workers are always the
+   largest remaining nodes (usable memory descending, ties by ``node_id``).
+5. The plan's ``parallel`` (llama-server slots, each with the full ``context_size``) is the
+   most, up to the primary's ``slot_cap``, for which the chosen nodes still fit the model with
+   ``context_size * parallel`` tokens of KV cache. Node choice comes first (fewest nodes with
+   one slot), so memory is spent on slots only where no extra node is needed for it.
+6. The tensor split is proportional to the chosen nodes' usable memory, quantised to
    ``1 / SPLIT_RESOLUTION`` by largest remainder, and capped so that every node's share of the
    required bytes (``fraction * required``, rounded up) never exceeds its usable memory. A set of
    nodes therefore fits when such a capped split exists, which is at most
@@ -32,6 +37,7 @@ The result does not depend on the order of the candidates.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import itertools
 import math
@@ -140,6 +146,10 @@ class Candidate:
     free_slots: int
     has_model: bool
     heartbeat_fresh: bool
+    #: Most llama-server slots this node offers as a primary (the agent's ``--slots``).
+    slot_cap: int = 1
+    #: The node keeps a warm llama-server (or RPC worker) that choosing it would displace.
+    warm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +232,12 @@ class ExecutionPlan:
     primary: PlanNode
     workers: tuple[PlanNode, ...]
     tensor_split: tuple[float, ...]
+    #: llama-server slots (``--parallel``); each keeps ``context_size`` tokens of context.
+    parallel: int = 1
 
     def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {self.parallel}")
         if len(self.tensor_split) != 1 + len(self.workers):
             raise ValueError("tensor_split must have one entry per node (primary first)")
         if any(not math.isfinite(f) or f < 0 for f in self.tensor_split):
@@ -247,6 +261,18 @@ class ExecutionPlan:
     def assigned_bytes(self) -> dict[str, int]:
         return {n.node_id: n.assigned_bytes for n in self.nodes}
 
+    @property
+    def runtime_key(self) -> str:
+        """Identifies the llama-server this plan runs on: the same key, the same server."""
+        spec = (
+            self.model_sha256,
+            self.context_size,
+            self.parallel,
+            self.node_ids,
+            tuple(round(f * SPLIT_RESOLUTION) for f in self.tensor_split),
+        )
+        return hashlib.sha256(repr(spec).encode()).hexdigest()[:20]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe primitives only (str, int, float, list, dict)."""
         return {
@@ -258,6 +284,7 @@ class ExecutionPlan:
             "primary": self.primary.to_dict(),
             "workers": [w.to_dict() for w in self.workers],
             "tensor_split": list(self.tensor_split),
+            "parallel": self.parallel,
         }
 
     @classmethod
@@ -283,6 +310,7 @@ class ExecutionPlan:
             primary=PlanNode.from_dict(primary),
             workers=tuple(PlanNode.from_dict(w) for w in workers),
             tensor_split=tuple(float(f) for f in split),
+            parallel=int(data.get("parallel", 1)),
         )
 
 
@@ -312,6 +340,8 @@ class PlacementResult:
     no_capacity: NoCapacity | None = None
     violations: tuple[PeerViolation, ...] = ()
     fallback_used: bool = False
+    #: The plan reuses a running server (``domain.runtimes.warm_choice``): no setup to redo.
+    warm: bool = False
 
     def __post_init__(self) -> None:
         if (self.plan is None) == (self.no_capacity is None):
@@ -423,22 +453,29 @@ def split_units(usables: Sequence[int], required: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Choice:
-    key: tuple[int, int, int, str]
+    key: tuple[int, int, int, int, str]
     primary: Candidate
     workers: tuple[Candidate, ...]
 
 
 def _best_plan(pool: Sequence[Candidate], required: int, limit: int) -> _Choice | None:
-    """Fewest nodes, then fewest DEGRADED, READY primary, largest primary, smallest id."""
+    """Fewest nodes, then fewest DEGRADED, fewest warm servers displaced, READY primary,
+    largest primary, smallest id."""
     ranked = sorted(pool, key=_by_memory)
     primaries = [c for c in ranked if c.has_model]
     for k in range(1, min(limit, len(ranked)) + 1):
         best: _Choice | None = None
         for p in primaries:
+            p_degraded = int(p.state != READY)
+            if k == 1:
+                if _cap(p.usable_memory_bytes, required) >= SPLIT_RESOLUTION:
+                    key = (p_degraded, int(p.warm), p_degraded, -p.usable_memory_bytes, p.node_id)
+                    if best is None or key < best.key:
+                        best = _Choice(key, p, ())
+                continue
             others = [c for c in ranked if c.node_id != p.node_id]
             ready = [c for c in others if c.state == READY]
             degraded = [c for c in others if c.state != READY]
-            p_degraded = int(p.state != READY)
             for d in range(0, k):
                 if k - 1 - d > len(ready) or d > len(degraded):
                     continue
@@ -447,13 +484,29 @@ def _best_plan(pool: Sequence[Candidate], required: int, limit: int) -> _Choice 
                     [p.usable_memory_bytes, *(w.usable_memory_bytes for w in workers)], required
                 ):
                     continue
-                key = (d + p_degraded, p_degraded, -p.usable_memory_bytes, p.node_id)
+                warm = int(p.warm) + sum(int(w.warm) for w in workers)
+                key = (d + p_degraded, warm, p_degraded, -p.usable_memory_bytes, p.node_id)
                 if best is None or key < best.key:
                     best = _Choice(key, p, tuple(workers))
                 break  # more DEGRADED workers for this primary can only rank lower
         if best is not None:
             return best
     return None
+
+
+def _most_slots(request: PlacementRequest, choice: _Choice) -> tuple[int, int]:
+    """(parallel, required bytes): the most slots up to the primary's cap that still fit."""
+    usables = [c.usable_memory_bytes for c in (choice.primary, *choice.workers)]
+    for parallel in range(max(1, choice.primary.slot_cap), 1, -1):
+        required = required_bytes(
+            request.needs,
+            request.context_size * parallel,
+            request.headroom_fraction,
+            request.overhead_bytes,
+        )
+        if _fits(usables, required):
+            return parallel, required
+    return 1, request.required_bytes
 
 
 def _fmt_bytes(n: int) -> str:
@@ -538,7 +591,8 @@ def _no_capacity(
     )
 
 
-def _build_plan(request: PlacementRequest, choice: _Choice, required: int) -> ExecutionPlan:
+def _build_plan(request: PlacementRequest, choice: _Choice) -> ExecutionPlan:
+    parallel, required = _most_slots(request, choice)
     chosen = (choice.primary, *choice.workers)
     units = split_units([c.usable_memory_bytes for c in chosen], required)
     nodes = [
@@ -560,6 +614,7 @@ def _build_plan(request: PlacementRequest, choice: _Choice, required: int) -> Ex
         primary=nodes[0],
         workers=tuple(nodes[1:]),
         tensor_split=tuple(u / SPLIT_RESOLUTION for u in units),
+        parallel=parallel,
     )
 
 
@@ -613,7 +668,7 @@ def plan_placement(request: PlacementRequest, candidates: Iterable[Candidate]) -
             violations=tuple(violations),
         )
     return PlacementResult(
-        plan=_build_plan(request, choice, required),
+        plan=_build_plan(request, choice),
         violations=tuple(violations),
         fallback_used=fallback_used,
     )

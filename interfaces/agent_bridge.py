@@ -45,6 +45,7 @@ class ProtoAgentGateway:
             model_file_name=assignment.model_file_name,
             model_sha256=assignment.model_sha256,
             context_size=assignment.context_size,
+            parallel=assignment.parallel,
             role=pb.ExecutionPlan.PRIMARY,
             rpc_peers=[
                 pb.RpcPeer(node_id=p.node_id, host=p.host, port=p.port)

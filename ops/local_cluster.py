@@ -38,9 +38,10 @@ import httpx
 from ops import paths
 
 MODEL_NAME = "smollm2-135m"
-#: What each agent offers: small enough that SmolLM2-135M (≈225 MB with its KV cache and
-#: headroom) needs both, large enough that two together hold it.
-DEFAULT_MEMORY_LIMIT = 160 * 1024 * 1024
+#: What each agent offers: small enough that SmolLM2-135M (≈227 MB with one 2,048-token slot
+#: of KV cache and headroom) needs both, large enough that two together hold it with four
+#: such slots (≈383 MB), so one llama-server serves four requests at once.
+DEFAULT_MEMORY_LIMIT = 200 * 1024 * 1024
 
 
 class ClusterError(RuntimeError):

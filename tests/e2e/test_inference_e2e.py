@@ -16,6 +16,7 @@ import pytest
 
 from application.controller import Controller
 from domain.catalog import code_of
+from domain.placement import ExecutionPlan
 from infrastructure.persistence import persistence_env
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
@@ -35,7 +36,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         port=0,
         grpc_port=0,
         agents=(
-            AgentSpec("agent-a", 0, memory_limit=160 * MIB, holds_model=True),
+            # a + b hold the model with four 2,048-token slots; a alone cannot hold it.
+            AgentSpec("agent-a", 0, memory_limit=200 * MIB, holds_model=True),
             AgentSpec("agent-b", 0, memory_limit=200 * MIB),
             AgentSpec("agent-c", 0, memory_limit=160 * MIB),
         ),
@@ -148,9 +150,9 @@ def test_non_streaming(cluster: LocalCluster, store: Controller) -> None:
 
 
 def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: Controller) -> None:
-    """Eight OpenAI SDK streams at once, no client retries: none is refused. The cluster can
-    run one split job at a time here (one slot per node), so the others wait their turn in
-    the admission queue instead of getting 503."""
+    """Eight OpenAI SDK streams at once, no client retries: none is refused. One llama-server
+    split over agent-a and agent-b runs with four slots, so four run at once on it and the
+    others wait their turn in the admission queue instead of getting 503."""
 
     def stream(index: int) -> tuple[str, str]:
         chunks = list(
@@ -158,7 +160,7 @@ def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: 
                 model=MODEL_NAME,
                 messages=[{"role": "user", "content": f"Count to {index + 2}."}],
                 stream=True,
-                max_tokens=12,
+                max_tokens=24,
                 seed=index,
                 temperature=0,
             )
@@ -172,12 +174,22 @@ def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: 
     job_ids = [job_id_of(completion_id) for completion_id, _ in results]
     jobs = [wait_job(store, job_id, {"COMPLETED", "FAILED"}) for job_id in job_ids]
     assert [job.state for job in jobs] == ["COMPLETED"] * 8
+    plans = [ExecutionPlan.from_dict(job.plan) for job in jobs]
+    assert {plan.runtime_key for plan in plans} == {plans[0].runtime_key}, "one server for all"
+    assert plans[0].parallel >= 4 and len(plans[0].nodes) == 2
+    # Generation windows (setup validated → completed) of at least four jobs overlap.
+    windows = []
+    for job_id in job_ids:
+        times = {code: event.timestamp for _, code, event in job_timeline(store, job_id)}
+        windows.append((times["JOB_SETUP_VALIDATED"], times["JOB_COMPLETED"]))
+    peak = max(sum(1 for s, e in windows if s <= start < e) for start, _ in windows)
+    assert peak >= 4, f"at most {peak} ran at once"
     queued = [
         job_id
         for job_id in job_ids
         if "JOB_QUEUED" in [code for _, code, _ in job_timeline(store, job_id)]
     ]
-    assert queued, "with one split job at a time, some of the eight must have waited"
+    assert queued, "with four slots, some of the eight must have waited"
 
 
 def test_models_and_errors(cluster: LocalCluster) -> None:

@@ -15,6 +15,7 @@ from application.commands import Delta, Submission
 from infrastructure.storage import Storage
 from tests.conftest import TEST_DATABASE_URL
 from tests.integration.store_builders import enroll_ready, run_job
+from tests.plans import one_node_plan
 
 SETUP_REASON_TEMPLATE = "setup failed after 1 plans: NODE_LOST: node {node} disconnected"
 
@@ -36,16 +37,6 @@ def _submit(storage: Storage) -> UUID:
     return result.aggregate_id
 
 
-def _plan(node: UUID) -> dict[str, object]:
-    return {
-        "model_name": "smollm2",
-        "context_size": 2048,
-        "primary": {"node_id": str(node), "address": "10.0.0.9", "rpc_port": 50052},
-        "workers": [],
-        "tensor_split": [1.0],
-    }
-
-
 def script_incident(storage: Storage) -> Incident:
     app = storage.app
     node_a = enroll_ready(app, "node-a")
@@ -54,7 +45,9 @@ def script_incident(storage: Storage) -> Incident:
 
     # Node A: dispatched, then its heartbeats stop before setup is validated.
     setup_job = _submit(storage)
-    app.plan_and_dispatch(setup_job, _plan(node_a), {str(node_a): "primary"})
+    app.plan_and_dispatch(
+        setup_job, one_node_plan(node_a, model="smollm2"), {str(node_a): "primary"}
+    )
     app.heartbeat_timeout(node_a, 7.0)
     app.mark_offline(node_a, "no heartbeat for 16.0 s")
     app.fail(setup_job, SETUP_REASON_TEMPLATE.format(node=node_a), "setup_failed")
@@ -62,7 +55,9 @@ def script_incident(storage: Storage) -> Incident:
     # Node B: a public peer is refused, then the node is lost mid-stream.
     app.security_violation(node_b, "203.0.113.7", "RPC peer address is not private", "")
     exec_job = _submit(storage)
-    app.plan_and_dispatch(exec_job, _plan(node_b), {str(node_b): "primary"})
+    app.plan_and_dispatch(
+        exec_job, one_node_plan(node_b, model="smollm2"), {str(node_b): "primary"}
+    )
     app.validate_setup(exec_job)
     app.record_token_chunks({exec_job: [Delta(0, "Hel"), Delta(1, "lo", 2)]})
     position = app.mark_offline(node_b, "control stream closed")

@@ -6,6 +6,7 @@ from uuid import UUID
 
 from application.commands import Delta, Enrollment, JobOutcome, Submission
 from application.controller import Controller
+from tests.plans import one_node_plan
 
 
 def enroll_ready(app: Controller, name: str = "n1", ram: int = 8 << 30) -> UUID:
@@ -34,9 +35,7 @@ def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
     )
     assert job.aggregate_id is not None
     job_id = job.aggregate_id
-    app.plan_and_dispatch(
-        job_id, {"primary": str(node_id), "workers": []}, {str(node_id): "primary"}
-    )
+    app.plan_and_dispatch(job_id, one_node_plan(node_id), {str(node_id): "primary"})
     app.validate_setup(job_id)
     words = text.split(" ")
     deltas = [Delta(i, (" " if i else "") + w) for i, w in enumerate(words)]

@@ -18,6 +18,7 @@ from domain.enrollment_token import mint_token
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.integration.control_client import RawSession, enroll
+from tests.plans import one_node_plan
 
 SECRET = "test-enrollment-secret"
 ADMIN = {"Authorization": "Bearer test-admin-key"}
@@ -291,7 +292,7 @@ async def test_drain_busy_node_waits_for_its_job_and_survives_restart(
         job = app.submit(Submission("m", [{"role": "user", "content": "x"}], {}, True))
         job_id = job.aggregate_id
         assert job_id is not None
-        app.plan_and_dispatch(job_id, {"primary": node_id}, {node_id: "primary"})
+        app.plan_and_dispatch(job_id, one_node_plan(node_id), {node_id: "primary"})
         app.validate_setup(job_id)
         async with http(first) as client:
             r = await client.post(f"/api/admin/nodes/{node_id}/drain", headers=ADMIN)

@@ -17,6 +17,7 @@ from infrastructure.projection_follower import POISON_AFTER, ProjectionFollower,
 from infrastructure.read_model_store import open_read_model
 from infrastructure.storage import Storage, open_storage
 from tests.integration.store_builders import enroll_ready, run_job
+from tests.plans import one_node_plan
 
 
 def test_append_and_reload_in_a_new_application(store_env: dict[str, str]) -> None:
@@ -115,7 +116,7 @@ def _running_job(app: Controller, node_id: UUID) -> UUID:
 
     job_id = app.submit(Submission("m", [{"role": "user", "content": "q"}], {}, True)).aggregate_id
     assert job_id is not None
-    app.plan_and_dispatch(job_id, {"primary": str(node_id)}, {str(node_id): "primary"})
+    app.plan_and_dispatch(job_id, one_node_plan(node_id), {str(node_id): "primary"})
     app.validate_setup(job_id)
     return job_id
 

@@ -16,6 +16,7 @@ from application.controller import Controller
 from domain.errors import SlotTaken
 from domain.node import Node
 from tests.integration.store_builders import enroll_ready
+from tests.plans import one_node_plan
 
 ROUNDS = 15
 
@@ -35,7 +36,7 @@ def test_two_controllers_never_double_book_a_slot(postgres_env: dict[str, str]) 
             job_id = uuid4()
             try:
                 app.submit_and_dispatch(
-                    request, job_id, {"primary": node_id, "workers": []}, {node_id: "primary"}
+                    request, job_id, one_node_plan(node_id), {node_id: "primary"}
                 )
             except SlotTaken:
                 lost[index] += 1

@@ -94,12 +94,15 @@ class FakeAgentGateway:
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set on every RPC worker start.
+    worker_asked: asyncio.Event = field(default_factory=asyncio.Event)
 
     def is_connected(self, node_id: str) -> bool:
         return node_id not in self.disconnected
 
     def start_rpc_worker(self, node_id: str, job_id: str, host: str, port: int) -> bool:
         self.workers.append((node_id, job_id))
+        self.worker_asked.set()
         return self.is_connected(node_id)
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from application.slot_ledger import SlotLedger
+from domain.runtimes import runtime_of
+from tests.unit.test_runtimes import plan
 
 
 def row(jobs: list[str], state: str = "READY", slots: int = 2) -> dict[str, Any]:
@@ -51,3 +53,15 @@ def test_a_release_the_ledger_did_not_see_is_learned_from_the_read_model() -> No
     # The job was ended elsewhere (its node went offline): the row no longer lists it.
     assert ledger.adjust(row([]))["current_jobs"] == []
     assert len(ledger) == 0
+
+
+def test_a_fresh_assignment_brings_its_server_and_counts_against_its_slots() -> None:
+    ledger = SlotLedger()
+    runtime = runtime_of(plan("n", parallel=3))
+    ledger.assigned("j1", ["n"], runtime)
+    ledger.assigned("j2", ["n"], runtime)
+    adjusted = ledger.adjust(row([], slots=3))
+    assert adjusted["runtime"] == runtime
+    assert adjusted["state"] == "READY"  # two of the server's three slots
+    ledger.assigned("j3", ["n"], runtime)
+    assert ledger.adjust(row([], slots=3))["state"] == "BUSY"

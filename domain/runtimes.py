@@ -1,0 +1,105 @@
+"""Warm runtimes: llama-servers already running a model, and which of them can take a job.
+
+A primary's ``llama-server`` runs with ``--parallel S``: S slots, each with the model's
+context, serving S jobs at once over the same RPC workers. Every node that takes part in such a
+server (its primary and its RPC workers) records the server's *runtime* with each job it is
+assigned: ``{"key": plan.runtime_key, "plan": plan.to_dict()}``. A node serves one runtime at a
+time; it counts its jobs against that runtime's ``parallel``, not against a slot per job per
+node, and keeps the runtime after its last job ends, because the server stays warm.
+
+:func:`warm_choice` is the scheduler's first resort: the warm server for the model with a free
+slot, whose primary and workers are all still usable and still serve that same runtime. Only
+when there is none does the split planner (:mod:`domain.placement`) start a cold one. Pure: no
+clock, no I/O; the result does not depend on the order of the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from domain.placement import ExecutionPlan
+from domain.states import NodeState
+
+_READY = NodeState.READY.value
+_DEGRADED = NodeState.DEGRADED.value
+
+
+def runtime_of(plan: ExecutionPlan) -> dict[str, Any]:
+    """What each node of ``plan`` records about the server the plan runs on."""
+    return {"key": plan.runtime_key, "plan": plan.to_dict()}
+
+
+def runtime_key(runtime: Mapping[str, Any] | None) -> str:
+    return str(runtime["key"]) if runtime else ""
+
+
+def runtime_capacity(runtime: Mapping[str, Any] | None, slots: int) -> int:
+    """Jobs a node can hold: its runtime's slots, or its own slot cap with no runtime yet."""
+    if not runtime:
+        return slots
+    return int(runtime["plan"].get("parallel", 1))
+
+
+@dataclass(frozen=True, slots=True)
+class WarmChoice:
+    plan: ExecutionPlan
+    free_slots: int
+    degraded: bool
+
+
+def _usable(row: Mapping[str, Any], key: str) -> bool:
+    """Whether ``row``'s node can serve one more job on the runtime ``key``."""
+    if row["drain_requested"] or row["state"] not in (_READY, _DEGRADED):
+        return False
+    runtime = row.get("runtime")
+    return runtime_key(runtime) == key
+
+
+def warm_choice(
+    rows: Mapping[str, Mapping[str, Any]],
+    *,
+    model_sha256: str,
+    context_size: int,
+    exclude: frozenset[str] = frozenset(),
+    reachable: Callable[[str], bool] = lambda _node_id: True,
+) -> WarmChoice | None:
+    """The warm server that should take a job for the model, or None.
+
+    ``rows`` are node read-model rows by node id (with this controller's own assignments
+    applied); ``reachable`` says whether a node's heartbeat is fresh and its agent is connected
+    here. Servers on READY nodes only come first; among them the one with the most free slots
+    (spreading load over warm servers), then the smallest primary id.
+    """
+    best: tuple[tuple[int, int, str], WarmChoice] | None = None
+    for node_id, row in rows.items():
+        runtime = row.get("runtime")
+        if not runtime:
+            continue
+        spec = runtime["plan"]
+        if (
+            spec["primary"]["node_id"] != node_id
+            or spec["model_sha256"] != model_sha256
+            or int(spec["context_size"]) != context_size
+        ):
+            continue
+        free = int(spec.get("parallel", 1)) - len(row["current_jobs"])
+        if free <= 0:
+            continue
+        plan = ExecutionPlan.from_dict(spec)
+        key = runtime_key(runtime)
+        members = [rows.get(n) for n in plan.node_ids]
+        if any(
+            member is None
+            or member_id in exclude
+            or not reachable(member_id)
+            or not _usable(member, key)
+            for member_id, member in zip(plan.node_ids, members, strict=True)
+        ):
+            continue
+        degraded = any(m is not None and m["state"] == _DEGRADED for m in members)
+        rank = (int(degraded), -free, node_id)
+        if best is None or rank < best[0]:
+            best = (rank, WarmChoice(plan, free, degraded))
+    return None if best is None else best[1]

@@ -1,0 +1,178 @@
+"""A controller, scheduler and job manager on an in-memory store with a fake agent gateway.
+
+Shared by the job manager's unit tests: no sleeps and no wall-clock windows; they wait for
+recorded events and gateway calls, with a timeout only as a guard against hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from application.admission import AdmissionQueue
+from application.commands import Enrollment, Submission
+from application.controller import Controller
+from application.job_manager import AgentJobResult, JobManager, SetupOutcome
+from application.scheduler import Scheduler, SchedulerConfig
+from application.token_recorder import TokenChunkRecorder
+from domain.catalog import code_of
+from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
+from infrastructure.live_state import InProcessLiveState
+from tests.unit.fakes import FakeAgentGateway, FakeReadModel
+
+GIB = 1 << 30
+MODEL: dict[str, Any] = {
+    "name": "m",
+    "sha256": "a" * 64,
+    "file_name": "m.gguf",
+    "context_size": 2048,
+}
+GUARD = 10.0  # seconds; only ever reached when a test is about to fail
+
+
+def submission(text: str = "hi") -> Submission:
+    return Submission("m", [{"role": "user", "content": text}], {"max_tokens": 4}, True)
+
+
+class Cluster:
+    """A controller with ``nodes`` nodes (single-slot unless ``slots``) that hold the model."""
+
+    def __init__(
+        self,
+        nodes: int,
+        *,
+        queue_max: int = 512,
+        queue_timeout: float = 60.0,
+        slots: int = 1,
+        ram: int = 8 * GIB,
+    ) -> None:
+        self.slots = slots
+        self.ram = ram
+        self.model = MODEL
+        self._held: dict[str, list[dict[str, Any]]] = {}  # node → models it reports
+        self._resources: dict[str, dict[str, Any]] = {}
+        self.app = Controller()
+        self.read = FakeReadModel(self.app)
+        self.live = InProcessLiveState()
+        self.gateway = FakeAgentGateway()
+        self.loop = asyncio.get_running_loop()
+        self.saved = asyncio.Event()
+        self.app.add_save_listener(self._on_save)
+        self.scheduler_hook: Callable[[], None] = lambda: None
+        scheduler = Scheduler(
+            self.read,
+            self.live,
+            SchedulerConfig(DEFAULT_ALLOWED_PEER_CIDRS),
+            catch_up=lambda: self.scheduler_hook(),
+        )
+        self.jobs = JobManager(
+            self.app,
+            scheduler,
+            self.gateway,
+            TokenChunkRecorder(self.app),
+            queue=AdmissionQueue(queue_max),
+            queue_timeout=queue_timeout,
+        )
+        self.app.register_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], 2048)
+        self.node_ids = [self.add_node(f"n{i:02d}") for i in range(nodes)]
+
+    def hold_model(self, node_id: str, model: dict[str, Any]) -> None:
+        """The node reports the model's file (100 MiB, 1 KiB of KV cache per token)."""
+        self._held[node_id].append(
+            {
+                "sha256": model["sha256"],
+                "file_name": model["file_name"],
+                "size_bytes": 100 << 20,
+                "layers": 30,
+                "kv_bytes_per_token": 1024,
+                "context_length": 8192,
+            }
+        )
+        self.app.report_resources(node_id, self._resources[node_id], list(self._held[node_id]))
+
+    def _on_save(self, _position: int) -> None:
+        self.loop.call_soon_threadsafe(self.saved.set)
+
+    def add_node(self, name: str, *, holds_model: bool = True, ram: int | None = None) -> str:
+        ram = self.ram if ram is None else ram
+        result = self.app.enroll(
+            Enrollment(
+                name=name,
+                inventory={"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []},
+                agent_version="test",
+                address="127.0.0.1",
+                rpc_port=50052,
+                labels={},
+                credential_sha256="c" * 64,
+                token_id=f"tok-{name}",
+                single_use_token=False,
+                slots=self.slots,
+            )
+        )
+        assert result.aggregate_id is not None
+        node_id = str(result.aggregate_id)
+        self.app.mark_ready(node_id)
+        self._held[node_id] = []
+        self._resources[node_id] = {"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []}
+        if holds_model:
+            self.hold_model(node_id, MODEL)
+        else:
+            self.app.report_resources(node_id, self._resources[node_id], [])
+        self.live.mark_connected(node_id, True, 0.0)
+        self.live.record_heartbeat(node_id, {}, 0.0)
+        return node_id
+
+    def _events(self, aggregate_id: str) -> list[Any]:
+        return list(self.app.events.get(UUID(aggregate_id)))
+
+    def job_codes(self, job_id: str) -> list[str]:
+        return [code_of(e) for e in self._events(job_id)]
+
+    def all_codes(self) -> list[tuple[str, str]]:
+        """(code, aggregate id) of every stored event, in store order."""
+        out = []
+        for notification in self.app.recorder.select_notifications(1, 100_000):
+            event = self.app.mapper.to_domain_event(notification)
+            out.append((code_of(event), str(event.originator_id)))
+        return out
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        """Waits for the store to satisfy ``condition`` (checked after every save)."""
+
+        async def wait() -> None:
+            while not condition():
+                self.saved.clear()
+                if condition():
+                    return
+                await self.saved.wait()
+
+        await asyncio.wait_for(wait(), GUARD)
+
+    async def primary_assigned(self, count: int) -> list[tuple[str, str]]:
+        """Waits until ``count`` primaries were assigned; returns (node, job) of each."""
+
+        async def wait() -> None:
+            while len(self.gateway.primaries) < count:
+                self.gateway.assigned.clear()
+                await self.gateway.assigned.wait()
+
+        await asyncio.wait_for(wait(), GUARD)
+        return [(node, a.job_id) for node, a in self.gateway.primaries[:count]]
+
+    async def validate(self, node_id: str, job_id: str) -> None:
+        await self.jobs.setup_result(node_id, job_id, SetupOutcome(ok=True))
+
+    async def finish(self, node_id: str, job_id: str) -> None:
+        await self.jobs.job_result(
+            node_id, job_id, AgentJobResult(ok=True, finish_reason="stop", completion_tokens=1)
+        )
+
+
+def count(cluster: Cluster, code: str) -> int:
+    return sum(1 for c, _ in cluster.all_codes() if c == code)
+
+
+def queued_count_is(cluster: Cluster, expected: int) -> bool:
+    return count(cluster, "JOB_QUEUED") == expected
