@@ -18,10 +18,8 @@ class LiveNode:
 
 
 class LiveState(Protocol):
-    """Last-seen times and telemetry per node (Redis when configured, else in process)."""
-
-    #: True when calls do network I/O (callers on an event loop then use a thread).
-    blocking: bool
+    """Last-seen times and telemetry per node: held in process, so that recording a heartbeat
+    is quick enough for the event loop; shared through Redis when configured."""
 
     def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None: ...
 
@@ -31,7 +29,11 @@ class LiveState(Protocol):
 
     def all(self) -> dict[str, LiveNode]: ...
 
-    def ping(self) -> bool: ...
+    def ping(self) -> bool:
+        """Whether the shared store (if any) answers; may do network I/O."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

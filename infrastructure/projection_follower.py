@@ -68,8 +68,9 @@ class ProjectionFollower:
             self._thread.join(timeout=10)
 
     def add_event_listener(self, listener: Callable[[int, object], None]) -> None:
-        """Calls ``listener(position, event)`` for each event once the views reflect it
-        (from the follower's thread; listeners must be quick and thread-safe)."""
+        """Calls ``listener(position, event)`` for each event once the views reflect it and
+        before :meth:`wait` reports its position (from the follower's thread; listeners must
+        be quick and thread-safe)."""
         self._event_listeners.append(listener)
 
     def _on_save(self, position: int) -> None:
@@ -148,14 +149,15 @@ class ProjectionFollower:
             )
             self.skipped.append(notification.id)
             self.store.insert_tracking(tracking)
-        with self._cond:
-            self._position = notification.id
-            self._cond.notify_all()
+        # Listeners first: whoever waits for this position sees their copies updated too.
         for listener in self._event_listeners:
             try:
                 listener(notification.id, event)
             except Exception:
                 log.exception("event listener failed")
+        with self._cond:
+            self._position = notification.id
+            self._cond.notify_all()
 
     def wait(self, position: int, timeout: float = 5.0) -> None:
         """Blocks until the views reflect ``position`` (read-your-writes)."""

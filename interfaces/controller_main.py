@@ -21,6 +21,7 @@ from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
+from infrastructure.node_rows import NodeRows, SchedulerReadModel
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
@@ -105,7 +106,9 @@ async def start_controller(settings: Settings) -> RunningController:
     jobs = JobManager(
         services.app,
         Scheduler(
-            services.read_model,
+            SchedulerReadModel(
+                services.read_model, NodeRows(services.read_model).attach(services.follower)
+            ),
             services.live,
             SchedulerConfig(settings.allowed_peer_cidrs),
             catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
@@ -188,6 +191,7 @@ async def stop_controller(running: RunningController) -> None:
     for task in running.tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+    running.services.live.close()
     running.storage.close()
 
 

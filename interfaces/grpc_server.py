@@ -209,7 +209,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         queue = self.connections.open(node_id)
         reader: asyncio.Task[None] | None = None
         try:
-            await self._live(self.live.mark_connected, node_id, True, self.clock())
+            self.live.mark_connected(node_id, True, self.clock())
             await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
             yield pb.ControllerMessage(
                 welcome=pb.Welcome(
@@ -263,20 +263,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         finally:
             queue.put_nowait(_CLOSE)
 
-    async def _live(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Redis live state goes through a thread (never block the loop on the network);
-        the in-process one is a dict update, called directly."""
-        if self.live.blocking:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)
-
     async def _on_message(self, node_id: str, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("payload")
         if kind == "heartbeat":
             telemetry = heartbeat_to_dict(message.heartbeat)
-            await self._live(self.live.record_heartbeat, node_id, telemetry, self.clock())
+            self.live.record_heartbeat(node_id, telemetry, self.clock())
         elif kind == "resource_report":
-            live = await self._live(self.live.get, node_id)
+            live = self.live.get(node_id)
             ram_free = live.telemetry.get("ram_free_bytes") if live else None
             resources = resources_from_report(message.resource_report.inventory, ram_free)
             models = local_models_to_list(message.resource_report.models)
@@ -303,7 +296,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     async def _on_stream_closed(self, node_id: str) -> None:
         """The stream is gone: each step runs even when an earlier one failed."""
         try:
-            await self._live(self.live.mark_connected, node_id, False, self.clock())
+            self.live.mark_connected(node_id, False, self.clock())
         except Exception:
             log.exception("could not mark node %s disconnected in live state", node_id)
         if self.uplink is not None:

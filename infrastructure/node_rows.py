@@ -1,0 +1,94 @@
+"""Node rows in memory for the scheduler, kept current by the projection follower.
+
+Every placement reads every node. With a thousand nodes, reading and decoding their rows from
+the views' SQL table took longer than the decision itself, so the scheduler reads this copy
+instead: the same :func:`application.read_models.project_node` applied to the same events, in
+the follower's thread, before the follower reports the event's position as applied (so
+``follower.wait(position)`` also means this copy has it). Everything else reads the views.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from application.read_models import ReadModel, project_node
+from domain.node import Node
+from infrastructure.projection_follower import ProjectionFollower
+
+
+class NodeRows:
+    def __init__(self, views: ReadModel) -> None:
+        self._views = views
+        self._rows: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, follower: ProjectionFollower) -> NodeRows:
+        """Listens first, then loads: an event between the two is kept by version."""
+        follower.add_event_listener(self._on_event)
+        self.reload()
+        return self
+
+    def reload(self) -> None:
+        rows = self._views.list_nodes()
+        with self._lock:
+            for row in rows:
+                current = self._rows.get(row["node_id"])
+                if current is None or int(current["version"]) < int(row["version"]):
+                    self._rows[row["node_id"]] = row
+
+    def _on_event(self, _position: int, event: object) -> None:
+        if not isinstance(event, Node.Enrolled | Node.Event):
+            return
+        node_id = str(event.originator_id)
+        with self._lock:
+            row = self._rows.get(node_id)
+            if row is not None and event.originator_version <= int(row["version"]):
+                return  # already in the row (loaded after the follower applied it)
+            new = project_node(row, event)
+            if new is not None:
+                self._rows[node_id] = new
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._rows.values())
+
+
+class SchedulerReadModel:
+    """The :class:`~application.read_models.ReadModel` the scheduler reads: nodes from
+    :class:`NodeRows`, everything else from the views."""
+
+    def __init__(self, views: ReadModel, nodes: NodeRows) -> None:
+        self._views = views
+        self._nodes = nodes
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self._nodes.list_nodes()
+
+    def get_node(self, node_id: str) -> dict[str, Any] | None:
+        return self._views.get_node(node_id)
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        return self._views.get_job(job_id)
+
+    def list_jobs(
+        self,
+        *,
+        state: str | None = None,
+        model: str | None = None,
+        node_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]:
+        return self._views.list_jobs(
+            state=state, model=model, node_id=node_id, limit=limit, offset=offset
+        )
+
+    def eligibility(self) -> list[dict[str, Any]]:
+        return self._views.eligibility()
+
+    def get_model(self, name: str) -> dict[str, Any] | None:
+        return self._views.get_model(name)
+
+    def list_models(self) -> list[dict[str, Any]]:
+        return self._views.list_models()
