@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -152,6 +153,7 @@ class JobManager:
         self.queue_timeout = queue_timeout
         self.clock = clock
         self._placing = asyncio.Lock()
+        self._queueing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.app = app
         self.scheduler = scheduler
         self.gateway = gateway
@@ -290,14 +292,18 @@ class JobManager:
         return NoCapacityError(why)
 
     async def _wait_in_queue(self, run: JobRun, reason: str) -> ExecutionPlan:
-        ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: nothing recorded
-        run.ticket = ticket
         queued_at = self.clock()
         deadline = queued_at + self.queue_timeout
+        ticket: Ticket | None = None
         try:
-            await self._record(
-                run, self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
-            )
+            # Joining the queue and recording JOB_QUEUED take turns per model, so the store
+            # lists JOB_QUEUED in queue order (concurrent writes could commit out of order).
+            async with self._queueing[run.model]:
+                ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: no record
+                run.ticket = ticket
+                await self._record(
+                    run, self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
+                )
             while True:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
@@ -317,7 +323,8 @@ class JobManager:
                 if not placed.transient:
                     raise await self._no_capacity(run, placed.reason, None)
         finally:
-            self.queue.leave(ticket)
+            if ticket is not None:
+                self.queue.leave(ticket)
             run.ticket = None
 
     async def _queue_timeout(self, run: JobRun, ticket: Ticket) -> QueueTimeoutError:

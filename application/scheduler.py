@@ -8,6 +8,7 @@ functions; this module only gathers what they need at one instant.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,40 @@ class Scheduler:
         #: after a placement lost a slot to a write the ledger cannot know about).
         self.catch_up = catch_up
         self.ledger = ledger if ledger is not None else SlotLedger()
+        # node → ((row, live entry, model sha256), its candidate): see _candidate.
+        self._candidates: dict[str, tuple[Any, LiveNode | None, str, Candidate | None]] = {}
+
+    def _candidate(
+        self, row: dict[str, Any], live: LiveNode | None, sha256: str, assume_idle: bool
+    ) -> Candidate | None:
+        """The node as a cold plan sees it (heartbeat assumed fresh), or None: ineligible.
+
+        Rows and live entries are replaced, never changed, so the candidate built for the same
+        row, live entry and model before is still right: most placements build none.
+        """
+        seen = None if assume_idle else self._candidates.get(row["node_id"])
+        if seen is not None and seen[0] is row and seen[1] is live and seen[2] == sha256:
+            return seen[3]
+        eligible = (idle_eligibility if assume_idle else eligibility_of)(row)
+        candidate = None
+        if eligible is not None:
+            candidate = Candidate(
+                node_id=row["node_id"],
+                name=eligible["name"],
+                state=eligible["state"],
+                address=eligible["address"],
+                rpc_port=int(eligible["rpc_port"]),
+                usable_memory_bytes=usable_memory(eligible, row, live),
+                # A cold server needs idle nodes: a node with jobs serves their runtime.
+                free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
+                has_model=sha256 in eligible["local_models"],
+                heartbeat_fresh=True,
+                slot_cap=int(eligible["slots"]),
+                warm=bool(row.get("runtime")),
+            )
+        if not assume_idle:
+            self._candidates[row["node_id"]] = (row, live, sha256, candidate)
+        return candidate
 
     def place(
         self,
@@ -114,7 +149,7 @@ class Scheduler:
         """
         # This controller's own assignments and releases count at once (the ledger); the
         # read model supplies everyone else's, a little late.
-        nodes = {n["node_id"]: self.ledger.adjust(n) for n in self.read_model.list_nodes()}
+        nodes = self.ledger.adjust_all(self.read_model.list_nodes())
         needs = model_needs(model, list(nodes.values()))
         if needs is None:
             return PlacementResult(
@@ -145,27 +180,17 @@ class Scheduler:
             if warm is not None:
                 return PlacementResult(plan=warm.plan, fallback_used=warm.degraded, warm=True)
         candidates = []
-        judge = idle_eligibility if assume_idle else eligibility_of
+        sha256 = model["sha256"]
         for node_id, node in nodes.items():
-            eligible = judge(node)
-            if eligible is None:
-                continue
-            candidates.append(
-                Candidate(
-                    node_id=node_id,
-                    name=eligible["name"],
-                    state=eligible["state"],
-                    address=eligible["address"],
-                    rpc_port=int(eligible["rpc_port"]),
-                    usable_memory_bytes=usable_memory(eligible, node, live.get(node_id)),
-                    # A cold server needs idle nodes: a node with jobs serves their runtime.
-                    free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
-                    has_model=model["sha256"] in eligible["local_models"],
-                    heartbeat_fresh=reachable(node_id),
-                    slot_cap=int(eligible["slots"]),
-                    warm=bool(node.get("runtime")),
-                )
-            )
+            entry = live.get(node_id)
+            candidate = self._candidate(node, entry, sha256, assume_idle)
+            if candidate is None or candidate.free_slots <= 0:
+                continue  # ineligible either way; the planner need not look at it
+            if not (
+                entry is not None and entry.connected and (connected is None or connected(node_id))
+            ):
+                candidate = dataclasses.replace(candidate, heartbeat_fresh=False)
+            candidates.append(candidate)
         request = PlacementRequest(
             needs=needs,
             context_size=context_size,

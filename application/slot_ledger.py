@@ -68,6 +68,14 @@ class SlotLedger:
                 del self._held[job_id]
                 self._runtime.pop(job_id, None)
 
+    def adjust_all(self, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Rows by node id, each adjusted: only rows of nodes the ledger names cost work."""
+        with self._lock:
+            touched = self._held_at.keys() | self._released_at.keys()
+        return {
+            row["node_id"]: self.adjust(row) if row["node_id"] in touched else row for row in rows
+        }
+
     def adjust(self, row: dict[str, Any]) -> dict[str, Any]:
         """``row`` (a ``nodes`` view row) with this controller's own assignments applied."""
         node_id = row["node_id"]

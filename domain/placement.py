@@ -37,10 +37,12 @@ The result does not depend on the order of the candidates.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -358,6 +360,11 @@ class PlacementResult:
 
 def parse_cidrs(cidrs: Iterable[str]) -> tuple[_IPNetwork, ...]:
     """Parse CIDR strings (host bits allowed); raises ``ValueError`` on a bad entry."""
+    return _parse_cidrs(tuple(cidrs))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_cidrs(cidrs: tuple[str, ...]) -> tuple[_IPNetwork, ...]:
     networks: list[_IPNetwork] = []
     for cidr in cidrs:
         try:
@@ -367,6 +374,7 @@ def parse_cidrs(cidrs: Iterable[str]) -> tuple[_IPNetwork, ...]:
     return tuple(networks)
 
 
+@functools.lru_cache(maxsize=65536)  # pure; planning parses every node's address each time
 def _parse_address(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         ip = ipaddress.ip_address(address)
@@ -380,6 +388,11 @@ def _parse_address(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
 def _address_in(address: str, networks: Sequence[_IPNetwork]) -> bool:
     ip = _parse_address(address)
     return ip is not None and any(ip.version == n.version and ip in n for n in networks)
+
+
+@functools.lru_cache(maxsize=65536)  # keyed by strings: cheap to hash, unlike networks
+def _allowed(address: str, cidrs: tuple[str, ...]) -> bool:
+    return _address_in(address, parse_cidrs(cidrs))
 
 
 def address_allowed(address: str, cidrs: Iterable[str] = DEFAULT_ALLOWED_PEER_CIDRS) -> bool:
@@ -404,6 +417,9 @@ def _ineligible(c: Candidate, exclude: frozenset[str]) -> bool:
         or not 1 <= c.rpc_port <= 65535
         or c.node_id in exclude
     )
+
+
+_node_id = operator.attrgetter("node_id")
 
 
 def _by_memory(c: Candidate) -> tuple[int, str]:
@@ -461,10 +477,12 @@ class _Choice:
 def _best_plan(pool: Sequence[Candidate], required: int, limit: int) -> _Choice | None:
     """Fewest nodes, then fewest DEGRADED, fewest warm servers displaced, READY primary,
     largest primary, smallest id."""
-    ranked = sorted(pool, key=_by_memory)
-    primaries = [c for c in ranked if c.has_model]
-    for k in range(1, min(limit, len(ranked)) + 1):
+    primaries = sorted((c for c in pool if c.has_model), key=_by_memory)
+    ranked: list[Candidate] = []  # everyone by memory; sorted only if one node is not enough
+    for k in range(1, min(limit, len(pool)) + 1):
         best: _Choice | None = None
+        if k == 2:
+            ranked = sorted(pool, key=_by_memory)
         for p in primaries:
             p_degraded = int(p.state != READY)
             if k == 1:
@@ -623,33 +641,33 @@ def plan_placement(request: PlacementRequest, candidates: Iterable[Candidate]) -
 
     Raises ``ValueError`` when two candidates share a ``node_id``.
     """
-    ordered = sorted(candidates, key=lambda c: c.node_id)
+    ordered = sorted(candidates, key=_node_id)
     for a, b in itertools.pairwise(ordered):
         if a.node_id == b.node_id:
             raise ValueError(f"duplicate candidate node_id {a.node_id!r}")
 
-    networks = parse_cidrs(request.allowed_peer_cidrs)
     allowed_text = ", ".join(request.allowed_peer_cidrs)
     violations: list[PeerViolation] = []
     pool: list[Candidate] = []
+    cidrs, exclude = request.allowed_peer_cidrs, request.exclude
     for c in ordered:
-        if _ineligible(c, request.exclude):
+        if _ineligible(c, exclude):
+            continue
+        if _allowed(c.address, cidrs):
+            pool.append(c)
             continue
         if _parse_address(c.address) is None:
             violations.append(
                 PeerViolation(c.node_id, c.address, f"address {c.address!r} is not an IP address")
             )
             continue
-        if not _address_in(c.address, networks):
-            violations.append(
-                PeerViolation(
-                    c.node_id,
-                    c.address,
-                    f"address {c.address} is outside the allowed peer networks ({allowed_text})",
-                )
+        violations.append(
+            PeerViolation(
+                c.node_id,
+                c.address,
+                f"address {c.address} is outside the allowed peer networks ({allowed_text})",
             )
-            continue
-        pool.append(c)
+        )
 
     required = request.required_bytes
     limit = min(request.max_nodes, request.needs.layers)

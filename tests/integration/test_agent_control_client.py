@@ -31,6 +31,7 @@ import pytest
 
 from agent import AGENT_VERSION
 from agent.agent_config import (
+    DEFAULT_SLOTS,
     AgentConfig,
     Backoff,
     ConfigError,
@@ -688,7 +689,7 @@ async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(
     assert "agent stopped" in stderr.decode()
     [request] = fake.enroll_requests
     assert request.node_name == "cli-node"
-    assert dict(request.inventory.labels) == {"rack": "r1", SLOTS_LABEL: "1"}
+    assert dict(request.inventory.labels) == {"rack": "r1", SLOTS_LABEL: str(DEFAULT_SLOTS)}
     stored = load_identity(data_dir)
     assert stored is not None and stored.node_id == fake.streams[0].node_id
 
