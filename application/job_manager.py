@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, assert_never
 from uuid import UUID, uuid4
 
 from application.admission import (
@@ -25,6 +25,16 @@ from application.admission import (
     CapacityError,
     QueueTimeoutError,
     Ticket,
+)
+from application.agent_messages import (
+    AgentJobMessage,
+    AgentJobResult,
+    JobFinished,
+    SetupOutcome,
+    SetupReported,
+    TokensGenerated,
+    WorkerStatus,
+    WorkerStopped,
 )
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
@@ -58,26 +68,6 @@ class Unplaced:
 
     reason: str
     transient: bool
-
-
-@dataclass(frozen=True)
-class SetupOutcome:
-    ok: bool
-    error: str = ""
-    error_code: str = ""
-    failed_node_id: str = ""
-
-
-@dataclass(frozen=True)
-class AgentJobResult:
-    ok: bool
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    time_to_first_token_ms: float = 0.0
-    tokens_per_second: float = 0.0
-    error: str = ""
-    error_code: str = ""
 
 
 @dataclass(frozen=True)
@@ -500,21 +490,34 @@ class JobManager:
 
     # ----------------------------------------------------- messages from agents
 
-    async def worker_status(
-        self, node_id: str, job_id: str, started: bool, host: str, port: int, error: str
-    ) -> None:
-        run = self.runs.get(job_id)
+    async def handle(self, node_id: str, message: AgentJobMessage) -> None:
+        """Every job message an agent sends, by kind; each kind is handled exactly once."""
+        match message:
+            case TokensGenerated(job_id, deltas):
+                self._relay(node_id, job_id, deltas)
+            case WorkerStatus():
+                await self._worker_status(node_id, message)
+            case WorkerStopped(job_id, reason):
+                # RPC_WORKER_STOPPED, while the node still serves the job.
+                await self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
+            case SetupReported(job_id, outcome):
+                self._setup_reported(node_id, job_id, outcome)
+            case JobFinished(job_id, result):
+                await self._job_finished(node_id, job_id, result)
+            case _:
+                assert_never(message)
+
+    async def _worker_status(self, node_id: str, status: WorkerStatus) -> None:
+        run = self.runs.get(status.job_id)
         future = run.worker_futures.get(node_id) if run else None
-        if started:
-            await self._quietly(self.app.rpc_worker_started, node_id, job_id, host, port)
+        if status.started:
+            await self._quietly(
+                self.app.rpc_worker_started, node_id, status.job_id, status.host, status.port
+            )
         if future is not None and not future.done():
-            future.set_result(SetupOutcome(ok=started, error=error))
+            future.set_result(SetupOutcome(ok=status.started, error=status.error))
 
-    async def worker_stopped(self, node_id: str, job_id: str, reason: str) -> None:
-        """Records RPC_WORKER_STOPPED while the node still serves the job."""
-        await self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
-
-    async def setup_result(self, node_id: str, job_id: str, outcome: SetupOutcome) -> None:
+    def _setup_reported(self, node_id: str, job_id: str, outcome: SetupOutcome) -> None:
         run = self.runs.get(job_id)
         if run is None or node_id != run.primary:
             log.warning("node %s sent a setup result for job %s it does not lead", node_id, job_id)
@@ -522,7 +525,7 @@ class JobManager:
         if run.setup_future is not None and not run.setup_future.done():
             run.setup_future.set_result(outcome)
 
-    def token_chunk(self, node_id: str, job_id: str, deltas: list[Delta]) -> None:
+    def _relay(self, node_id: str, job_id: str, deltas: list[Delta]) -> None:
         """The relay: hand the deltas to the client now, record them later.
 
         The primary streams as soon as it has validated; until JOB_SETUP_VALIDATED is
@@ -547,7 +550,7 @@ class JobManager:
         else:
             run.held.extend(deltas)
 
-    async def job_result(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
+    async def _job_finished(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
         run = self.runs.get(job_id)
         if run is None or node_id != run.primary:
             return  # cancelled meanwhile, or not this node's job

@@ -1,9 +1,12 @@
 """Keeps the read-model views following the event store, live.
 
-On Postgres the follower uses eventsourcing's LISTEN/NOTIFY subscription; SQLite has no
-subscription, so there it reads the notification log, woken at once by in-process saves and
-every ``poll_interval`` for writers in other processes. Either way each event is applied
-with its tracking record in one transaction: exactly once, resumable after a restart.
+The follower reads the notification log in batches and applies each batch with its tracking
+records in one transaction (a row that several events of the batch change is read and written
+once): exactly once, resumable after a restart, and cheap enough to keep up with thousands of
+events a second. It is woken at once by this process's saves; on Postgres also by
+eventsourcing's LISTEN/NOTIFY subscription (other controllers' writes), and on SQLite, which
+has none, every ``poll_interval``. A batch that fails is applied again one event at a time, so
+one event the views cannot take, or one that another follower applied first, is found alone.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from eventsourcing.persistence import IntegrityError, Tracking
@@ -105,7 +108,8 @@ class ProjectionFollower:
             for notification in subscription:
                 if self._stop.is_set():
                     break
-                self._apply(notification)
+                if notification.id > self._position:
+                    self.catch_up()  # this one and whatever else is stored by now
 
     # ------------------------------------------------------------- applying
 
@@ -118,9 +122,25 @@ class ProjectionFollower:
             )
             if not notifications:
                 return applied
-            for notification in notifications:
+            self._apply_batch(notifications)
+            applied += len(notifications)
+
+    def _apply_batch(self, notifications: Sequence[Any]) -> None:
+        fresh = [n for n in notifications if n.id > self._position]
+        if not fresh:
+            return
+        events = [(n.id, self.app.mapper.to_domain_event(n)) for n in fresh]
+        try:
+            self.store.process_events(
+                [(event, Tracking(self.store.view_name, ident)) for ident, event in events]
+            )
+        except Exception:
+            log.debug("batch of %d events failed; applying one at a time", len(fresh))
+            for notification in fresh:
                 self._apply(notification)
-                applied += 1
+            return
+        for ident, event in events:
+            self._applied(ident, event)
 
     def _apply(self, notification: Any) -> None:
         if notification.id <= self._position:
@@ -149,14 +169,17 @@ class ProjectionFollower:
             )
             self.skipped.append(notification.id)
             self.store.insert_tracking(tracking)
+        self._applied(notification.id, event)
+
+    def _applied(self, position: int, event: object) -> None:
         # Listeners first: whoever waits for this position sees their copies updated too.
         for listener in self._event_listeners:
             try:
-                listener(notification.id, event)
+                listener(position, event)
             except Exception:
                 log.exception("event listener failed")
         with self._cond:
-            self._position = notification.id
+            self._position = position
             self._cond.notify_all()
 
     def wait(self, position: int, timeout: float = 5.0) -> None:

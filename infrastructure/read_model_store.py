@@ -34,6 +34,50 @@ def _loads(raw: Any) -> Any:
     return orjson.loads(raw) if raw is not None else None
 
 
+_KEYS = {"nodes": "node_id", "models": "model_id", "jobs": "job_id"}
+
+
+class _Batch:
+    """Rows a batch of events changes: each read at most once, written once at the end."""
+
+    def __init__(self, views: _ReadModelViews, c: Any) -> None:
+        self.views, self.c = views, c
+        self.before: dict[tuple[str, str], dict[str, Any] | None] = {}
+        self.after: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def _row(self, table: str, ident: str) -> dict[str, Any] | None:
+        key = (table, ident)
+        if key in self.after:
+            return self.after[key]
+        if key not in self.before:
+            self.before[key] = self.views._select(self.c, table, ident)
+        return self.before[key]
+
+    def stage(self, event: object) -> None:
+        ident = str(getattr(event, "originator_id", ""))
+        if isinstance(event, Node.Event):
+            table, project = "nodes", project_node
+        elif isinstance(event, RegisteredModel.Event):
+            table, project = "models", project_model
+        elif isinstance(event, Job.Event):
+            table, project = "jobs", project_job
+        else:
+            return
+        row = project(self._row(table, ident), event)
+        if row is not None:
+            self.after[(table, ident)] = row
+
+    def write(self) -> None:
+        views, c = self.views, self.c
+        for (table, ident), row in self.after.items():
+            if table == "nodes":
+                views._write_node(c, ident, row)
+            elif table == "models":
+                views._write_model(c, ident, row)
+            else:
+                views._write_job(c, ident, row, self.before.get((table, ident)))
+
+
 class _ReadModelViews:
     """SQL of the views; mixed into a database-specific tracking recorder."""
 
@@ -78,6 +122,17 @@ class _ReadModelViews:
             cast(Any, self)._insert_tracking(c, tracking)
             self._apply(c, event)
 
+    def process_events(self, items: list[tuple[object, Tracking]]) -> None:
+        """Applies several events and records their tracking, atomically: each row they touch
+        is read once and written once (a batch of token chunks of one job is one update)."""
+        with self._transaction(commit=True) as c:
+            for _, tracking in items:  # tracking first, as in process_event
+                cast(Any, self)._insert_tracking(c, tracking)
+            batch = _Batch(self, c)
+            for event, _ in items:
+                batch.stage(event)
+            batch.write()
+
     def _apply(self, c: Any, event: object) -> None:
         # Each aggregate has its own view: look up only the row this event can change.
         ident = str(getattr(event, "originator_id", ""))
@@ -91,52 +146,63 @@ class _ReadModelViews:
     def _apply_node(self, c: Any, ident: str, event: object) -> None:
         node = project_node(self._select_data(c, "nodes", "node_id", ident), event)
         if node is not None:
+            self._write_node(c, ident, node)
+
+    def _write_node(self, c: Any, ident: str, node: dict[str, Any]) -> None:
+        c.execute(
+            self._sql(
+                f"INSERT INTO {self._t('nodes')} (node_id, name, state, data) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+                "name = excluded.name, state = excluded.state, data = excluded.data"
+            ),
+            (ident, node["name"], node["state"], _dumps(node)),
+        )
+        eligible = eligibility_of(node)
+        if eligible is None:
+            c.execute(
+                self._sql(f"DELETE FROM {self._t('eligibility')} WHERE node_id = ?"), (ident,)
+            )
+        else:
             c.execute(
                 self._sql(
-                    f"INSERT INTO {self._t('nodes')} (node_id, name, state, data) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
-                    "name = excluded.name, state = excluded.state, data = excluded.data"
+                    f"INSERT INTO {self._t('eligibility')} "
+                    "(node_id, fallback_only, free_memory_bytes, data) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (node_id) DO UPDATE SET fallback_only = "
+                    "excluded.fallback_only, free_memory_bytes = excluded.free_memory_bytes, "
+                    "data = excluded.data"
                 ),
-                (ident, node["name"], node["state"], _dumps(node)),
+                (
+                    ident,
+                    int(eligible["fallback_only"]),
+                    eligible["free_memory_bytes"],
+                    _dumps(eligible),
+                ),
             )
-            eligible = eligibility_of(node)
-            if eligible is None:
-                c.execute(
-                    self._sql(f"DELETE FROM {self._t('eligibility')} WHERE node_id = ?"), (ident,)
-                )
-            else:
-                c.execute(
-                    self._sql(
-                        f"INSERT INTO {self._t('eligibility')} "
-                        "(node_id, fallback_only, free_memory_bytes, data) VALUES (?, ?, ?, ?) "
-                        "ON CONFLICT (node_id) DO UPDATE SET fallback_only = "
-                        "excluded.fallback_only, free_memory_bytes = excluded.free_memory_bytes, "
-                        "data = excluded.data"
-                    ),
-                    (
-                        ident,
-                        int(eligible["fallback_only"]),
-                        eligible["free_memory_bytes"],
-                        _dumps(eligible),
-                    ),
-                )
 
     def _apply_model(self, c: Any, ident: str, event: object) -> None:
         model = project_model(self._select_data(c, "models", "model_id", ident), event)
         if model is not None:
-            c.execute(
-                self._sql(
-                    f"INSERT INTO {self._t('models')} (model_id, name, data) VALUES (?, ?, ?) "
-                    "ON CONFLICT (model_id) DO UPDATE SET data = excluded.data"
-                ),
-                (ident, model["name"], _dumps(model)),
-            )
+            self._write_model(c, ident, model)
+
+    def _write_model(self, c: Any, ident: str, model: dict[str, Any]) -> None:
+        c.execute(
+            self._sql(
+                f"INSERT INTO {self._t('models')} (model_id, name, data) VALUES (?, ?, ?) "
+                "ON CONFLICT (model_id) DO UPDATE SET data = excluded.data"
+            ),
+            (ident, model["name"], _dumps(model)),
+        )
 
     def _apply_job(self, c: Any, ident: str, event: object) -> None:
         job_row = self._select_data(c, "jobs", "job_id", ident)
         job = project_job(job_row, event)
         if job is None:
             return
+        self._write_job(c, ident, job, job_row)
+
+    def _write_job(
+        self, c: Any, ident: str, job: dict[str, Any], job_row: dict[str, Any] | None
+    ) -> None:
         c.execute(
             self._sql(
                 f"INSERT INTO {self._t('jobs')} (job_id, state, model, submitted_at, data) "
@@ -159,6 +225,9 @@ class _ReadModelViews:
         c.execute(self._sql(f"SELECT data FROM {self._t(table)} WHERE {key} = ?"), (ident,))
         row = c.fetchone()
         return cast(dict[str, Any], _loads(row["data"])) if row is not None else None
+
+    def _select(self, c: Any, table: str, ident: str) -> dict[str, Any] | None:
+        return self._select_data(c, table, _KEYS[table], ident)
 
     def clear(self) -> None:
         """Empties the views and forgets the tracked position (for a rebuild)."""

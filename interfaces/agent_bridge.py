@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import orjson
 
+from application.agent_messages import (
+    AgentJobMessage,
+    AgentJobResult,
+    JobFinished,
+    SetupOutcome,
+    SetupReported,
+    TokensGenerated,
+    WorkerStatus,
+    WorkerStopped,
+)
 from application.commands import Delta
-from application.job_manager import AgentJobResult, JobManager, SetupOutcome
+from application.job_manager import JobManager
 from application.ports import PrimaryAssignment
 from interfaces.grpc_server import AgentConnections
 from proto import control_pb2 as pb
@@ -68,47 +78,47 @@ class JobUplink:
         self.jobs = jobs
 
     async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> None:
-        kind = message.WhichOneof("payload")
-        if kind == "token_chunk":
-            chunk = message.token_chunk
-            deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1) for d in chunk.deltas]
-            self.jobs.token_chunk(node_id, chunk.job_id, deltas)
-        elif kind == "rpc_worker_status":
-            st = message.rpc_worker_status
-            if st.state == pb.RpcWorkerStatus.STOPPED:
-                await self.jobs.worker_stopped(node_id, st.job_id, st.error or "stopped")
-            elif st.state in (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED):
-                await self.jobs.worker_status(
-                    node_id,
-                    st.job_id,
-                    st.state == pb.RpcWorkerStatus.STARTED,
-                    st.host,
-                    int(st.port),
-                    st.error,
-                )
-        elif kind == "setup_result":
-            sr = message.setup_result
-            await self.jobs.setup_result(
-                node_id,
-                sr.job_id,
-                SetupOutcome(sr.ok, sr.error, sr.error_code, sr.failed_node_id),
-            )
-        elif kind == "job_result":
-            r = message.job_result
-            await self.jobs.job_result(
-                node_id,
-                r.job_id,
-                AgentJobResult(
-                    ok=r.ok,
-                    finish_reason=r.finish_reason,
-                    prompt_tokens=r.prompt_tokens,
-                    completion_tokens=r.completion_tokens,
-                    time_to_first_token_ms=r.time_to_first_token_ms,
-                    tokens_per_second=r.tokens_per_second,
-                    error=r.error,
-                    error_code=r.error_code,
-                ),
-            )
+        typed = job_message(message)
+        if typed is not None:
+            await self.jobs.handle(node_id, typed)
 
     async def on_node_disconnected(self, node_id: str) -> None:
         await self.jobs.node_disconnected(node_id)
+
+
+_WORKER_STATES = (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED)
+
+
+def job_message(message: pb.AgentMessage) -> AgentJobMessage | None:
+    """The typed job message a protobuf uplink message carries (None: not a job message)."""
+    kind = message.WhichOneof("payload")
+    if kind == "token_chunk":
+        chunk = message.token_chunk
+        deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1) for d in chunk.deltas]
+        return TokensGenerated(chunk.job_id, deltas)
+    if kind == "rpc_worker_status":
+        st = message.rpc_worker_status
+        if st.state == pb.RpcWorkerStatus.STOPPED:
+            return WorkerStopped(st.job_id, st.error or "stopped")
+        if st.state in _WORKER_STATES:
+            started = st.state == pb.RpcWorkerStatus.STARTED
+            return WorkerStatus(st.job_id, started, st.host, int(st.port), st.error)
+        return None
+    if kind == "setup_result":
+        sr = message.setup_result
+        outcome = SetupOutcome(sr.ok, sr.error, sr.error_code, sr.failed_node_id)
+        return SetupReported(sr.job_id, outcome)
+    if kind == "job_result":
+        r = message.job_result
+        result = AgentJobResult(
+            ok=r.ok,
+            finish_reason=r.finish_reason,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
+            time_to_first_token_ms=r.time_to_first_token_ms,
+            tokens_per_second=r.tokens_per_second,
+            error=r.error,
+            error_code=r.error_code,
+        )
+        return JobFinished(r.job_id, result)
+    return None

@@ -7,6 +7,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from eventsourcing.persistence import Tracking
 
 from application.commands import Delta
 from application.controller import Controller
@@ -194,6 +195,24 @@ def test_rebuild_from_zero_yields_identical_rows(storage: Storage) -> None:
     assert shadow.dump() == storage.read_model.dump()
 
 
+def test_one_batch_yields_the_rows_of_one_event_at_a_time(storage: Storage) -> None:
+    app = storage.app
+    a = enroll_ready(app, "a")
+    run_job(app, a, "many words in several chunks of one job")
+    _running_job(app, a)
+    storage.follower.wait(app.position())
+    single = open_read_model(storage.env, view_name="dacp_single")
+    batched = open_read_model(storage.env, view_name="dacp_batched")
+    notifications = app.recorder.select_notifications(1, 10_000)
+    items = [
+        (app.mapper.to_domain_event(n), Tracking(batched.view_name, n.id)) for n in notifications
+    ]
+    for event, tracking in items:
+        single.process_event(event, Tracking(single.view_name, tracking.notification_id))
+    batched.process_events(items)
+    assert batched.dump() == single.dump() == storage.read_model.dump()
+
+
 def test_follower_applies_live_events(storage: Storage) -> None:
     node_id = enroll_ready(storage.app)
     follower: ProjectionFollower = storage.follower
@@ -217,7 +236,14 @@ def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
             raise RuntimeError("a bug in a projection")
         real(event, tracking)  # type: ignore[arg-type]
 
+    def broken_batch(items: list[tuple[object, Any]]) -> None:
+        if any(tracking.notification_id == 2 for _, tracking in items):
+            raise RuntimeError("a bug in a projection")
+        real_batch(items)
+
+    real_batch = storage.read_model.process_events
     monkeypatch.setattr(storage.read_model, "process_event", broken)
+    monkeypatch.setattr(storage.read_model, "process_events", broken_batch)
     follower = ProjectionFollower(app, storage.read_model)
     for _ in range(POISON_AFTER - 1):
         with pytest.raises(RuntimeError):

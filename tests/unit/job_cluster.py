@@ -12,9 +12,10 @@ from typing import Any
 from uuid import UUID
 
 from application.admission import AdmissionQueue
+from application.agent_messages import AgentJobResult, JobFinished, SetupOutcome, SetupReported
 from application.commands import Enrollment, Submission
 from application.controller import Controller
-from application.job_manager import AgentJobResult, JobManager, SetupOutcome
+from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from domain.catalog import code_of
@@ -162,12 +163,11 @@ class Cluster:
         return [(node, a.job_id) for node, a in self.gateway.primaries[:count]]
 
     async def validate(self, node_id: str, job_id: str) -> None:
-        await self.jobs.setup_result(node_id, job_id, SetupOutcome(ok=True))
+        await self.jobs.handle(node_id, SetupReported(job_id, SetupOutcome(ok=True)))
 
     async def finish(self, node_id: str, job_id: str) -> None:
-        await self.jobs.job_result(
-            node_id, job_id, AgentJobResult(ok=True, finish_reason="stop", completion_tokens=1)
-        )
+        result = AgentJobResult(ok=True, finish_reason="stop", completion_tokens=1)
+        await self.jobs.handle(node_id, JobFinished(job_id, result))
 
 
 def count(cluster: Cluster, code: str) -> int:

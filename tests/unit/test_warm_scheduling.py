@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from application.agent_messages import WorkerStatus
 from domain.placement import ExecutionPlan
 from tests.unit.job_cluster import GIB, GUARD, Cluster, count, submission
 
@@ -104,7 +105,7 @@ async def test_a_split_server_serves_its_slots_with_its_workers_shared() -> None
     while answered < 8:  # each job starts the RPC workers of both nodes
         cluster.gateway.worker_asked.clear()
         for node, job in cluster.gateway.workers[answered:]:
-            await cluster.jobs.worker_status(node, job, True, "127.0.0.1", 50052, "")
+            await cluster.jobs.handle(node, WorkerStatus(job, True, "127.0.0.1", 50052))
             answered += 1
         if answered < 8:
             await asyncio.wait_for(cluster.gateway.worker_asked.wait(), GUARD)

@@ -1,0 +1,76 @@
+"""What agents tell the job manager about jobs: one typed message per kind.
+
+The gRPC bridge (``interfaces/agent_bridge.py``) turns each protobuf uplink message into one of
+these, and :meth:`application.job_manager.JobManager.handle` takes the union, matching every
+kind exactly once (``assert_never``: a kind added here and not handled there is a type error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from application.commands import Delta
+
+
+@dataclass(frozen=True, slots=True)
+class SetupOutcome:
+    ok: bool
+    error: str = ""
+    error_code: str = ""
+    failed_node_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentJobResult:
+    ok: bool
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    error: str = ""
+    error_code: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokensGenerated:
+    """Content pieces of a job, from its primary (relayed at once, recorded in batches)."""
+
+    job_id: str
+    deltas: list[Delta]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """An RPC worker of a job started, or failed to."""
+
+    job_id: str
+    started: bool
+    host: str = ""
+    port: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStopped:
+    job_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetupReported:
+    """The primary validated the plan (or refused it)."""
+
+    job_id: str
+    outcome: SetupOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class JobFinished:
+    """The primary's final word on a job: completed or failed."""
+
+    job_id: str
+    result: AgentJobResult
+
+
+AgentJobMessage = TokensGenerated | WorkerStatus | WorkerStopped | SetupReported | JobFinished
