@@ -12,6 +12,7 @@ import hashlib
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID, uuid4
@@ -29,13 +30,15 @@ from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
-from domain.states import EXECUTION_PHASE_STATES
+from domain.states import EXECUTION_PHASE_STATES, TERMINAL_JOB_STATES
 from domain.token_redemption import TokenRedemption, redemption_id
 
 T = TypeVar("T")
 
 #: How many times a command is re-run after losing a concurrency race.
 MAX_COMMAND_ATTEMPTS = 10
+#: Unfinished jobs whose last saved state the token-chunk path keeps (see Controller).
+FRESH_JOBS_MAX = 4096
 
 SaveListener = Callable[[int], None]
 
@@ -61,6 +64,13 @@ class Controller(Application[UUID]):
         #: Called with each successful save's duration in seconds (event-store latency).
         self.append_observer: Callable[[float], None] | None = None
         self._listeners_lock = threading.Lock()
+        # Unfinished jobs as this process last saved them. Job commands start from them
+        # (instead of a store query and a deep copy per job and command, a cost that grew
+        # with every token chunk): a job is written by the one controller that runs it, and
+        # a write by anyone else makes the save conflict, which drops the copy and retries on
+        # state loaded from the store.
+        self._fresh_jobs: OrderedDict[UUID, Job] = OrderedDict()
+        self._fresh_lock = threading.Lock()
 
     # ------------------------------------------------------------- plumbing
 
@@ -95,10 +105,15 @@ class Controller(Application[UUID]):
             try:
                 recordings = self.save(*aggregates)
             except RecordConflictError:
+                self._forget_fresh(aggregates)
                 # Another writer won; back off a little (jittered) so the two do not
                 # collide in lock-step again, then re-run on fresh state.
                 time.sleep(random.uniform(0, 0.002 * 2**attempt))
                 continue
+            except BaseException:
+                self._forget_fresh(aggregates)
+                raise
+            self._keep_fresh(aggregates)
             if self.append_observer is not None:
                 self.append_observer(time.perf_counter() - started)
             if not recordings:
@@ -108,11 +123,38 @@ class Controller(Application[UUID]):
             f"gave up after {MAX_COMMAND_ATTEMPTS} concurrent-write conflicts"
         )
 
-    def _node(self, node_id: UUID | str) -> Node:
-        return self._get(Node, node_id, "node")
+    def _keep_fresh(self, aggregates: Sequence[Aggregate]) -> None:
+        with self._fresh_lock:
+            for aggregate in aggregates:
+                if not isinstance(aggregate, Job):
+                    continue
+                if aggregate.state in TERMINAL_JOB_STATES:
+                    self._fresh_jobs.pop(aggregate.id, None)
+                else:
+                    self._fresh_jobs[aggregate.id] = aggregate
+                    self._fresh_jobs.move_to_end(aggregate.id)
+            while len(self._fresh_jobs) > FRESH_JOBS_MAX:
+                self._fresh_jobs.popitem(last=False)
+
+    def _forget_fresh(self, aggregates: Iterable[Aggregate]) -> None:
+        with self._fresh_lock:
+            for aggregate in aggregates:
+                self._fresh_jobs.pop(aggregate.id, None)
 
     def _job(self, job_id: UUID | str) -> Job:
-        return self._get(Job, job_id, "job")
+        """For a command: the job as last saved here (``_fresh_jobs``), else from the store."""
+        try:
+            uid = job_id if isinstance(job_id, UUID) else UUID(str(job_id))
+        except ValueError as e:
+            raise NotFound("job", job_id) from e
+        with self._fresh_lock:
+            # Checked out: a command running meanwhile in another thread loads its own
+            # copy; this one comes back only when its save succeeds.
+            job = self._fresh_jobs.pop(uid, None)
+        return job if job is not None else self._get(Job, uid, "job")
+
+    def _node(self, node_id: UUID | str) -> Node:
+        return self._get(Node, node_id, "node")
 
     def _get(self, cls: type[T], ident: UUID | str, kind: str) -> T:
         try:
@@ -131,7 +173,7 @@ class Controller(Application[UUID]):
         return self._node(node_id)
 
     def get_job(self, job_id: UUID | str) -> Job:
-        return self._job(job_id)
+        return self._get(Job, job_id, "job")
 
     def _node_command(self, node_id: UUID | str, act: Callable[[Node], object]) -> int:
         def command() -> list[Aggregate]:

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class TokenChunkRecorder:
-    def __init__(self, app: Controller, interval: float = 0.2) -> None:
+    def __init__(self, app: Controller, interval: float = 1.0) -> None:
         self.app = app
         self.interval = interval
         self._pending: dict[str, list[Delta]] = {}

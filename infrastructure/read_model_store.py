@@ -8,7 +8,7 @@ SQL serves Postgres and SQLite: only the placeholder and the table qualification
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import orjson
@@ -122,7 +122,7 @@ class _ReadModelViews:
             cast(Any, self)._insert_tracking(c, tracking)
             self._apply(c, event)
 
-    def process_events(self, items: list[tuple[object, Tracking]]) -> None:
+    def process_events(self, items: Sequence[tuple[object, Tracking]]) -> None:
         """Applies several events and records their tracking, atomically: each row they touch
         is read once and written once (a batch of token chunks of one job is one update)."""
         with self._transaction(commit=True) as c:

@@ -72,6 +72,7 @@ class Settings:
     setup_timeout: float = 120.0
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     queue_max: int = DEFAULT_QUEUE_MAX
+    token_record_interval: float = 1.0
     var_dir: Path = field(default_factory=lambda: Path("var"))
 
     @classmethod
@@ -100,8 +101,13 @@ class Settings:
             setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
             queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
             queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
+            token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", 1.0),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
         )
+        if settings.token_record_interval <= 0:
+            raise SettingsError(
+                f"TOKEN_RECORD_INTERVAL must be positive, got {settings.token_record_interval}"
+            )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")
         if settings.offline_after <= settings.degraded_after:

@@ -101,7 +101,7 @@ async def start_controller(settings: Settings) -> RunningController:
     )
     services.extras["servicer"] = servicer
     metrics, feed = install_operations(services, loop)
-    recorder = TokenChunkRecorder(services.app)
+    recorder = TokenChunkRecorder(services.app, settings.token_record_interval)
     recorder.start()
     jobs = JobManager(
         services.app,

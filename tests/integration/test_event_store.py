@@ -12,7 +12,7 @@ from eventsourcing.persistence import Tracking
 from application.commands import Delta
 from application.controller import Controller
 from domain.catalog import code_of
-from domain.errors import InvalidCommand
+from domain.errors import IllegalTransition, InvalidCommand
 from domain.node import Node
 from infrastructure.projection_follower import POISON_AFTER, ProjectionFollower, rebuild
 from infrastructure.read_model_store import open_read_model
@@ -110,6 +110,33 @@ def test_token_chunks_for_many_jobs_in_one_transaction(storage: Storage) -> None
     storage.follower.wait(position)
     assert storage.read_model.get_job(str(job_a))["text"] == "xy"  # type: ignore[index]
     assert storage.read_model.get_job(str(job_b))["tokens_streamed"] == 1  # type: ignore[index]
+
+
+def test_token_chunks_after_another_writer_are_judged_on_its_state(
+    store_env: dict[str, str],
+) -> None:
+    """The chunk path keeps the jobs it saved; a write by another controller is not lost."""
+    here, there = Controller(env=store_env), Controller(env=store_env)
+    node = enroll_ready(here, "a")
+    job = _running_job(here, node)
+    here.record_token_chunks({job: [Delta(0, "x")]})
+    here.record_token_chunks({job: [Delta(1, "y")]})  # from the copy saved just before
+    # Another controller ends the job; this one's copy is now behind the store.
+    there.cancel(job, "cancelled elsewhere")
+    with pytest.raises(IllegalTransition):
+        here.record_token_chunks({job: [Delta(2, "z")]})
+    codes = [code_of(e) for e in here.events.get(job)]
+    assert codes[-3:] == ["TOKEN_STREAM_CHUNK", "TOKEN_STREAM_CHUNK", "JOB_CANCELLED"]
+    # A bad batch leaves no unsaved event behind in the kept copy.
+    other = _running_job(here, enroll_ready(here, "b"))
+    third = _running_job(here, enroll_ready(here, "c"))
+    here.record_token_chunks({other: [Delta(0, "x")]})
+    with pytest.raises(InvalidCommand):
+        here.record_token_chunks({other: [Delta(1, "ok")], third: [Delta(9, "bad")]})
+    here.record_token_chunks({other: [Delta(1, "again")]})
+    assert here.get_job(other).tokens_streamed == 2
+    here.close()
+    there.close()
 
 
 def _running_job(app: Controller, node_id: UUID) -> UUID:
