@@ -96,6 +96,7 @@ class Report:
     queued_jobs: int = 0
     event_appends_per_second: float = 0.0
     failures: int = 0
+    failure_examples: list[str] = field(default_factory=list)
     tokens_recorded: int = 0
     fifo_kept: bool = False
     idle_nodes: int = 0
@@ -333,9 +334,11 @@ def run_streams(ctl: Controller, args: argparse.Namespace, report: Report) -> No
     appended = _max_position(ctl) - position
     agents.stop()
 
-    report.failures = sum(
-        1 for r in results if r.status != 200 or r.error or r.tokens != args.tokens
-    )
+    failed = [r for r in results if r.status != 200 or r.error or r.tokens != args.tokens]
+    report.failures = len(failed)
+    report.failure_examples = [
+        f"status {r.status}, {r.tokens} tokens, {r.error[:120]}" for r in failed[:5]
+    ]
     report.tokens_relayed = sum(r.tokens for r in results)
     report.tokens_per_second = report.tokens_relayed / report.wall_s
     report.controller_cpu_ms_per_token = (
@@ -377,8 +380,27 @@ def run_streams(ctl: Controller, args: argparse.Namespace, report: Report) -> No
     report.fifo_kept = [j for j in dispatched if j in queued_set] == queued
 
 
+def _views_caught_up(ctl: Controller) -> bool:
+    """Whether the controller's views have applied every stored event."""
+    with psycopg.connect(ctl.database_url, autocommit=True) as conn:
+        tables = conn.execute(
+            "SELECT table_name FROM information_schema.tables "
+            "WHERE table_schema = %s AND table_name LIKE %s",
+            (ctl.schema, "%tracking%"),
+        ).fetchall()
+        applied = 0
+        for (table,) in tables:
+            row = conn.execute(
+                f'SELECT COALESCE(MAX(notification_id), 0) FROM "{ctl.schema}"."{table}"'  # type: ignore[arg-type]
+            ).fetchone()
+            applied = max(applied, int(row[0]) if row else 0)
+    return applied >= _max_position(ctl)
+
+
 def run_idle(ctl: Controller, args: argparse.Namespace, report: Report) -> None:
     agents = Agents(ctl, ctl.token(), args.idle_nodes, "--name-prefix", "idle-")
+    # Enrolling a thousand nodes writes thousands of events: measure once they are applied.
+    _wait("the views to apply the enrolments", lambda: _views_caught_up(ctl), 300)
     time.sleep(args.idle_settle)
     cpu, started = ctl.cpu_seconds(), time.perf_counter()
     time.sleep(args.idle_seconds)
@@ -486,6 +508,7 @@ def _print(r: Report) -> None:
         ("queued jobs", str(r.queued_jobs)),
         ("event appends", f"{r.event_appends_per_second:,.0f} /s"),
         ("failures", str(r.failures)),
+        *(("  e.g.", example) for example in r.failure_examples),
         ("tokens recorded", str(r.tokens_recorded)),
         ("FIFO kept", str(r.fifo_kept)),
         ("idle nodes", f"{r.idle_nodes} ({r.idle_heartbeats_per_second:.0f} heartbeats/s)"),

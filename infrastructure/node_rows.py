@@ -2,9 +2,10 @@
 
 Every placement reads every node. With a thousand nodes, reading and decoding their rows from
 the views' SQL table took longer than the decision itself, so the scheduler reads this copy
-instead: the same :func:`application.read_models.project_node` applied to the same events, in
-the follower's thread, before the follower reports the event's position as applied (so
-``follower.wait(position)`` also means this copy has it). Everything else reads the views.
+instead, and so does the health sweep: the same :func:`application.read_models.project_node`
+applied to the same events, in the follower's thread, before the follower reports the event's
+position as applied (so ``follower.wait(position)`` also means this copy has it). Everything
+else reads the views.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class NodeRows:
             return list(self._rows.values())
 
 
-class SchedulerReadModel:
-    """The :class:`~application.read_models.ReadModel` the scheduler reads: nodes from
-    :class:`NodeRows`, everything else from the views."""
+class NodeRowsReadModel:
+    """The :class:`~application.read_models.ReadModel` of the scheduler and the health sweep
+    (both read every node, often): nodes from :class:`NodeRows`, the rest from the views."""
 
     def __init__(self, views: ReadModel, nodes: NodeRows) -> None:
         self._views = views

@@ -22,6 +22,10 @@ def is_postgres(database_url: str | None) -> bool:
     )
 
 
+#: The event store's JSON, written and read with orjson (``infrastructure/orjson_transcoder``).
+TRANSCODER_TOPIC = "infrastructure.orjson_transcoder:OrjsonTranscoder"
+
+
 def persistence_env(
     database_url: str | None,
     *,
@@ -62,6 +66,7 @@ def persistence_env(
         "POSTGRES_PRE_PING": "y",
         "POSTGRES_LOCK_TIMEOUT": "5",
         "CREATE_TABLE": "y",
+        "TRANSCODER_TOPIC": TRANSCODER_TOPIC,
     }
     chosen_schema = schema or (query.get("schema") or [""])[0]
     if chosen_schema:
@@ -75,4 +80,5 @@ def _sqlite_env(path: str) -> dict[str, str]:
         "SQLITE_DBNAME": path,
         "SQLITE_LOCK_TIMEOUT": "10",
         "CREATE_TABLE": "y",
+        "TRANSCODER_TOPIC": TRANSCODER_TOPIC,
     }

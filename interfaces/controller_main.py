@@ -21,7 +21,7 @@ from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
-from infrastructure.node_rows import NodeRows, SchedulerReadModel
+from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
@@ -101,14 +101,16 @@ async def start_controller(settings: Settings) -> RunningController:
     )
     services.extras["servicer"] = servicer
     metrics, feed = install_operations(services, loop)
+    # The scheduler and the health sweep read every node often: from memory, not SQL.
+    node_views = NodeRowsReadModel(
+        services.read_model, NodeRows(services.read_model).attach(services.follower)
+    )
     recorder = TokenChunkRecorder(services.app, settings.token_record_interval)
     recorder.start()
     jobs = JobManager(
         services.app,
         Scheduler(
-            SchedulerReadModel(
-                services.read_model, NodeRows(services.read_model).attach(services.follower)
-            ),
+            node_views,
             services.live,
             SchedulerConfig(settings.allowed_peer_cidrs),
             catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
@@ -143,7 +145,7 @@ async def start_controller(settings: Settings) -> RunningController:
     http_server = uvicorn.Server(config)
     monitor = HealthMonitor(
         services.app,
-        services.read_model,
+        node_views,
         services.live,
         HealthThresholds(settings.degraded_after, settings.offline_after),
         started_at=time.time(),

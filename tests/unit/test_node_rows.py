@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from domain.runtimes import runtime_of
-from infrastructure.node_rows import NodeRows, SchedulerReadModel
+from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from tests.unit.fakes import FakeReadModel
 from tests.unit.job_cluster import Cluster
 from tests.unit.test_runtimes import plan
@@ -51,4 +51,4 @@ async def test_rows_follow_the_events_and_match_the_views() -> None:
     follower.deliver(again_from=1)
     mine = next(r for r in rows.list_nodes() if r["node_id"] == node)
     assert mine["current_jobs"] == ["j1"] and mine["runtime"] == runtime
-    assert SchedulerReadModel(views, rows).list_nodes() == rows.list_nodes()
+    assert NodeRowsReadModel(views, rows).list_nodes() == rows.list_nodes()
