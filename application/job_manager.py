@@ -380,7 +380,12 @@ class JobManager:
                         )
                 except SlotTaken as e:
                     log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
-                    await self._call(self.scheduler.catch_up)  # learn who took it
+                    try:
+                        await self._call(self.scheduler.catch_up)  # learn who took it
+                    except TimeoutError:
+                        # Views far behind under load: place again without them; the
+                        # store's version check still refuses a slot that is taken.
+                        log.info("job %s: read model behind; placing again", run.job_id)
                     continue
                 self.scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
                 return plan

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Collection, Iterable
 from typing import Any, cast
 
 import orjson
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "dacp:live:"
 #: Live entries outlive any sane OFFLINE_AFTER, then expire so Redis does not grow.
 TTL_SECONDS = 24 * 3600
+#: How often a node's key gets its TTL renewed by the write-behind flush.
+TTL_REFRESH = 600.0
 
 
 class InProcessLiveState:
@@ -71,15 +75,18 @@ class RedisLiveState:
     def _write(self, node_id: str, mapping: dict[str, Any]) -> None:
         self.write_many({node_id: mapping})
 
-    def write_many(self, mappings: dict[str, dict[str, Any]]) -> None:
-        """Writes several nodes' fields in one pipeline (one round trip)."""
+    def write_many(
+        self, mappings: dict[str, dict[str, Any]], *, expire: Iterable[str] | None = None
+    ) -> None:
+        """Writes several nodes' fields in one pipeline (one round trip). ``expire`` names the
+        nodes whose keys get their TTL renewed (default: all of them)."""
         if not mappings:
             return
         pipe = self._redis.pipeline(transaction=False)
         for node_id, mapping in mappings.items():
-            key = self._key(node_id)
-            pipe.hset(key, mapping=cast(Any, mapping))
-            pipe.expire(key, TTL_SECONDS)
+            pipe.hset(self._key(node_id), mapping=cast(Any, mapping))
+        for node_id in mappings if expire is None else expire:
+            pipe.expire(self._key(node_id), TTL_SECONDS)
         pipe.sadd(self._index, *mappings)
         pipe.expire(self._index, TTL_SECONDS)
         pipe.execute()
@@ -113,8 +120,10 @@ class RedisLiveState:
     def get(self, node_id: str) -> LiveNode | None:
         return self._decode(node_id, self._redis.hgetall(self._key(node_id)))  # type: ignore[arg-type]
 
-    def all(self) -> dict[str, LiveNode]:
-        node_ids = sorted(m.decode() for m in self._redis.smembers(self._index))  # type: ignore[union-attr]
+    def all(self, skip: Collection[str] = ()) -> dict[str, LiveNode]:
+        """Every node's entry but those in ``skip``."""
+        members = self._redis.smembers(self._index)
+        node_ids = sorted(m.decode() for m in members if m.decode() not in skip)  # type: ignore[union-attr]
         if not node_ids:
             return {}
         pipe = self._redis.pipeline(transaction=False)
@@ -159,6 +168,7 @@ class WriteBehindLiveState(InProcessLiveState):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._renewed: dict[str, float] = {}  # node → when its key's TTL was last renewed
 
     def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None:
         with self._lock:
@@ -188,13 +198,20 @@ class WriteBehindLiveState(InProcessLiveState):
         return self.backend.ping()
 
     def flush(self) -> None:
-        """Writes the entries that changed since the last flush; reads everyone else's."""
+        """Writes the entries that changed since the last flush; reads the entries of nodes
+        this controller has not heard from (other controllers' nodes)."""
+        now = time.monotonic()
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             entries = {n: self._nodes[n] for n in dirty if n in self._nodes}
+            # Nodes connected here are this controller's to report; read the others.
+            local = {n for n, live in self._nodes.items() if live.connected}
+        # A key's TTL is renewed every TTL_REFRESH seconds, not with every write.
+        renew = [n for n in entries if now - self._renewed.get(n, -TTL_REFRESH) >= TTL_REFRESH]
         try:
-            self.backend.write_many({n: _fields(live) for n, live in entries.items()})
-            remote = self.backend.all()
+            self.backend.write_many({n: _fields(live) for n, live in entries.items()}, expire=renew)
+            self._renewed.update(dict.fromkeys(renew, now))
+            remote = self.backend.all(skip=local)
         except redis.RedisError as e:
             with self._lock:
                 self._dirty |= dirty

@@ -184,16 +184,23 @@ async def _stream(
             payload["usage"] = None
         return payload
 
+    # Content chunks are the hot path: the same JSON as chunk({"content": text}), built from
+    # two constant halves around the encoded text.
+    head, tail = _sse(chunk({"content": ""})).split(b'"content":""', 1)
+    head += b'"content":'
     finished = False
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}))
         item = first
         while True:
             if item.kind == "deltas":
-                text = "".join(d.text for d in item.deltas)
+                # Everything already waiting goes out in one write.
+                texts = [d.text for d in item.deltas]
+                waiting = _drain(run.queue, texts)
+                text = "".join(texts)
                 if text:
-                    yield _sse(chunk({"content": text}))
-                item = await run.queue.get()
+                    yield head + orjson.dumps(text) + tail
+                item = waiting if waiting is not None else await run.queue.get()
                 continue
             finished = True
             if item.kind == "error":
@@ -219,6 +226,16 @@ async def _stream(
     finally:
         if not finished:
             _spawn(jobs.cancel(run.job_id, "client disconnected"))
+
+
+def _drain(queue: asyncio.Queue[StreamItem], texts: list[str]) -> StreamItem | None:
+    """Adds the texts of the delta items already queued; returns the first other item."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if item.kind != "deltas":
+            return item
+        texts.extend(d.text for d in item.deltas)
+    return None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -72,3 +72,16 @@ def test_redis_down_keeps_this_controllers_view_and_writes_when_back(prefix: str
     down.backend = RedisLiveState(TEST_REDIS_URL, prefix)
     down.flush()
     assert RedisLiveState(TEST_REDIS_URL, prefix).all()["n1"].last_seen == 100.0
+
+
+def test_a_flush_reads_back_only_nodes_not_connected_here_and_sets_ttls(prefix: str) -> None:
+    here, there = controller(prefix), controller(prefix)
+    here.record_heartbeat("mine", {}, 100.0)
+    there.record_heartbeat("theirs", {}, 100.0)
+    there.flush()
+    here.flush()
+    backend = RedisLiveState(TEST_REDIS_URL, prefix)
+    assert set(backend.all(skip={"mine"})) == {"theirs"}
+    assert set(here.all()) == {"mine", "theirs"}
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    assert 0 < client.ttl(f"{prefix}node:mine") <= 24 * 3600  # type: ignore[operator]

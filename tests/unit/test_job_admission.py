@@ -180,6 +180,29 @@ async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_
     assert "JOB_REPLANNED" not in codes and "JOB_QUEUED" not in codes
 
 
+async def test_views_too_far_behind_to_catch_up_do_not_fail_the_request() -> None:
+    cluster = Cluster(nodes=2)
+    cluster.read.catch_up()
+    real_catch_up = cluster.read.catch_up
+    cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # the view goes stale
+    target = min(cluster.node_ids)
+    rival = cluster.app.submit(submission("rival"))
+    assert rival.aggregate_id is not None
+    cluster.app.plan_and_dispatch(rival.aggregate_id, one_node_plan(target), {target: "primary"})
+
+    def catch_up() -> None:  # the wait for the views times out; they catch up later
+        cluster.read.catch_up = real_catch_up  # type: ignore[method-assign]
+        raise TimeoutError("read model at position 1 did not reach 2 within 5.0 s")
+
+    cluster.scheduler_hook = catch_up
+    task = asyncio.create_task(cluster.jobs.start(submission("mine"), MODEL))
+    [(node, job)] = await cluster.primary_assigned(1)
+    assert node != target
+    await cluster.validate(node, job)
+    await task
+    assert "JOB_FAILED" not in cluster.job_codes(job)
+
+
 async def test_no_node_can_ever_hold_the_model_fails_fast_without_queueing() -> None:
     cluster = Cluster(nodes=1)
     ghost = {**MODEL, "name": "ghost", "sha256": "f" * 64}
