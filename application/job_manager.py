@@ -355,41 +355,54 @@ class JobManager:
                 plan = result.plan
                 roles = {plan.primary.node_id: "primary"}
                 roles.update({w.node_id: "worker" for w in plan.workers})
-                degraded = result.fallback_used
-                try:
-                    if not run.recorded:
-                        await self._record(
-                            run,
-                            self.app.submit_and_dispatch,
-                            run.submission,
-                            run.uid,
-                            plan.to_dict(),
-                            roles,
-                            allow_degraded=degraded,
-                        )
-                    else:
-                        await self._record(
-                            run,
-                            self.app.plan_and_dispatch,
-                            run.job_id,
-                            plan.to_dict(),
-                            roles,
-                            allow_degraded=degraded,
-                            replan_reason=failure[0] if failure else None,
-                            excluded_node=failure[1] if failure else "",
-                        )
-                except SlotTaken as e:
-                    log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
-                    try:
-                        await self._call(self.scheduler.catch_up)  # learn who took it
-                    except TimeoutError:
-                        # Views far behind under load: place again without them; the
-                        # store's version check still refuses a slot that is taken.
-                        log.info("job %s: read model behind; placing again", run.job_id)
-                    continue
+                # Reserved here before the write, so the next placement sees the slot taken
+                # and need not wait for this write: bursts of requests write side by side.
                 self.scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
-                return plan
+            try:
+                await self._dispatch(run, plan, roles, result.fallback_used, failure)
+            except SlotTaken as e:
+                self.scheduler.ledger.released(run.job_id)  # nothing was written
+                log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
+                try:
+                    await self._call(self.scheduler.catch_up)  # learn who took it
+                except TimeoutError:
+                    # Views far behind under load: place again without them; the store's
+                    # version check still refuses a slot that is taken.
+                    log.info("job %s: read model behind; placing again", run.job_id)
+                continue
+            return plan
         return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
+
+    async def _dispatch(
+        self,
+        run: JobRun,
+        plan: ExecutionPlan,
+        roles: dict[str, str],
+        degraded: bool,
+        failure: tuple[str, str] | None,
+    ) -> None:
+        """Records the plan and the dispatch in one transaction (submitting the job too)."""
+        if not run.recorded:
+            await self._record(
+                run,
+                self.app.submit_and_dispatch,
+                run.submission,
+                run.uid,
+                plan.to_dict(),
+                roles,
+                allow_degraded=degraded,
+            )
+        else:
+            await self._record(
+                run,
+                self.app.plan_and_dispatch,
+                run.job_id,
+                plan.to_dict(),
+                roles,
+                allow_degraded=degraded,
+                replan_reason=failure[0] if failure else None,
+                excluded_node=failure[1] if failure else "",
+            )
 
     async def _unplaced(self, run: JobRun, reason: str) -> Unplaced:
         """Whether waiting can help: would a plan fit if every busy slot were free?"""

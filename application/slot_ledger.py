@@ -37,11 +37,17 @@ class SlotLedger:
     ) -> None:
         with self._lock:
             nodes = set(node_ids)
+            left = self._held.get(job_id, set()) - nodes
+            self._drop_release(job_id)
+            for node in left:  # a re-plan moved the job: its old nodes count as released
+                _discard(self._held_at, node, job_id)
+                self._seen.discard((job_id, node))
+                self._released.setdefault(job_id, set()).add(node)
+                self._released_at.setdefault(node, set()).add(job_id)
             self._held[job_id] = nodes
             self._runtime[job_id] = runtime
             for node in nodes:
                 self._held_at.setdefault(node, set()).add(job_id)
-            self._drop_release(job_id)
 
     def released(self, job_id: str) -> None:
         with self._lock:

@@ -7,12 +7,13 @@ Three measurements, each with its threshold:
 
 1. **Streams.** ``--nodes`` synthetic agents (``bench/synthetic_agents.py``: the real control
    protocol, no llama.cpp) with ``--slots`` each serve ``--streams`` concurrent streaming chat
-   completions of ``--tokens`` tokens, sent by raw HTTP clients (httpx, no SDK) all at once, so
-   with the defaults half of them queue. Reported: tokens/s relayed (all tokens of all streams
-   over the wall time), the controller's CPU per token (user + system of its process), added
-   time to first token (client TTFT minus the job's queue wait) and queue wait p50/p99, event
-   appends/s, failures (must be 0), every token recorded (the jobs' ``tokens_streamed``), and
-   FIFO (per model, JOB_DISPATCHED order equals JOB_QUEUED order).
+   completions of ``--tokens`` tokens, sent all at once by raw HTTP clients
+   (``bench/raw_sse_client.py``: asyncio streams, no HTTP library, so the clients take little
+   of the CPU); with the defaults half of them queue. Reported: tokens/s relayed (all tokens of
+   all streams over the wall time), the controller's CPU per token (user + system of its
+   process), added time to first token (client TTFT minus the job's queue wait) and queue wait
+   p50/p99, event appends/s, failures (must be 0), every token recorded (the jobs'
+   ``tokens_streamed``), and FIFO (per model, JOB_DISPATCHED order equals JOB_QUEUED order).
 2. **Idle heartbeats.** ``--idle-nodes`` agents holding nothing heartbeat at the controller's
    default interval; the controller's CPU over ``--idle-seconds`` as a share of one core.
 3. **Scheduler decisions** with 1,000 nodes in the read model (``bench/scheduler_decisions``).
@@ -40,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import psutil
 import psycopg
 
 from application.controller import Controller as ControllerApp
 from bench import scheduler_decisions, stats
+from bench.raw_sse_client import stream_chat
 from infrastructure.persistence import persistence_env
 from infrastructure.read_model_store import open_read_model
 
@@ -231,46 +232,19 @@ def _wait(what: str, check: Any, timeout: float) -> None:
         time.sleep(0.5)
 
 
-async def _stream(client: httpx.AsyncClient, index: int, tokens: int) -> Stream:
-    result = Stream()
-    body = {
+async def _stream(ctl: Controller, index: int, tokens: int) -> Stream:
+    body: dict[str, object] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"stream {index}"}],
         "stream": True,
         "max_tokens": tokens,
     }
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                result.error = (await response.aread()).decode()[:200]
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                result.job_id = result.job_id or chunk["id"]
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        result.ttft = result.ttft or time.perf_counter() - start
-                        result.tokens += text.count(" tok")
-    except httpx.HTTPError as e:
-        result.error = repr(e)
-    result.seconds = time.perf_counter() - start
-    return result
+    r = await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, body)
+    return Stream(r.status, r.ttft, r.seconds, r.tokens, r.completion_id, r.error)
 
 
 async def _load(ctl: Controller, streams: int, tokens: int) -> list[Stream]:
-    limits = httpx.Limits(max_connections=streams + 10, max_keepalive_connections=streams + 10)
-    async with httpx.AsyncClient(
-        base_url=ctl.url,
-        headers={"Authorization": f"Bearer {ctl.ai_key}"},
-        timeout=httpx.Timeout(900.0, connect=60.0),
-        limits=limits,
-    ) as client:
-        return list(await asyncio.gather(*(_stream(client, i, tokens) for i in range(streams))))
+    return list(await asyncio.gather(*(_stream(ctl, i, tokens) for i in range(streams))))
 
 
 def _store_scan(ctl: Controller) -> tuple[list[str], list[str]]:
@@ -432,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("var/bench"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.nodes, args.streams, args.tokens = 4, 32, 40
-        args.message_interval, args.idle_nodes = 0.02, 50
+        args.nodes, args.streams, args.tokens = 4, 32, 100
+        args.message_interval, args.idle_nodes = 0.05, 50
         args.idle_settle, args.idle_seconds, args.scheduler_nodes = 3.0, 3.0, 200
 
     report = Report(

@@ -80,6 +80,8 @@ def controller_settings(schema: str, tmp_path: Path, **overrides: object) -> Set
         heartbeat_interval=0.2,
         degraded_after=1.0,
         offline_after=2.0,
+        # Several recording rounds per short test stream (the default is 1 s).
+        token_record_interval=0.2,
         var_dir=tmp_path / "var",
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]

@@ -65,3 +65,14 @@ def test_a_fresh_assignment_brings_its_server_and_counts_against_its_slots() -> 
     assert adjusted["state"] == "READY"  # two of the server's three slots
     ledger.assigned("j3", ["n"], runtime)
     assert ledger.adjust(row([], slots=3))["state"] == "BUSY"
+
+
+def test_a_replanned_job_stops_counting_on_the_node_it_left() -> None:
+    ledger = SlotLedger()
+    ledger.assigned("j1", ["n"])
+    ledger.assigned("j1", ["w"])  # re-planned onto another node
+    # The read model still lists it on n for a while: released here already.
+    assert ledger.adjust(row(["j1"]))["current_jobs"] == []
+    assert ledger.adjust(row([]))["current_jobs"] == []
+    moved = ledger.adjust({**row([]), "node_id": "w"})
+    assert moved["current_jobs"] == ["j1"]
