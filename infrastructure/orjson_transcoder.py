@@ -12,7 +12,6 @@ stdlib transcoder would read differently.
 
 from __future__ import annotations
 
-import datetime as dt
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -46,19 +45,41 @@ class OrjsonTranscoder(JSONTranscoder):
         return value
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _tag_uuids(value: Any) -> Any:
-    """orjson writes UUIDs and dates natively, untagged: tag them the way the stdlib
-    transcoder does (a UUID inside event state is rare; the walk stops at plain values)."""
-    if isinstance(value, dict):
-        if any(isinstance(v, dict | list | UUID | dt.date | Decimal) for v in value.values()):
-            return {k: _tag_uuids(v) for k, v in value.items()}
+    """orjson writes UUIDs natively, untagged: tag them the way the stdlib transcoder does.
+    Returns ``value`` itself when nothing in it needs a tag (the usual case): no copies."""
+    kind = type(value)
+    if kind in _PLAIN:
         return value
-    if isinstance(value, list):
-        if any(isinstance(v, dict | list | UUID | dt.date | Decimal) for v in value):
-            return [_tag_uuids(v) for v in value]
-        return value
+    if kind is dict:
+        changed: dict[Any, Any] | None = None
+        for key, item in value.items():
+            if type(item) in _PLAIN:
+                continue
+            tagged = _tag_uuids(item)
+            if tagged is not item:
+                if changed is None:
+                    changed = dict(value)
+                changed[key] = tagged
+        return value if changed is None else changed
+    if kind is list:
+        items: list[Any] | None = None
+        for index, item in enumerate(value):
+            if type(item) in _PLAIN:
+                continue
+            tagged = _tag_uuids(item)
+            if tagged is not item:
+                if items is None:
+                    items = list(value)
+                items[index] = tagged
+        return value if items is None else items
     if isinstance(value, UUID):
         return {_TAG: "uuid_hex", _DATA: value.hex}
     if isinstance(value, Decimal):
         return {_TAG: "decimal_str", _DATA: str(value)}
+    if isinstance(value, dict | list | tuple):
+        return _tag_uuids(dict(value) if isinstance(value, dict) else list(value))
     return value

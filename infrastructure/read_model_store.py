@@ -53,29 +53,51 @@ class _Batch:
             self.before[key] = self.views._select(self.c, table, ident)
         return self.before[key]
 
+    def prefetch(self, events: Sequence[object]) -> None:
+        """Reads every row the events touch: one query per table, not one per row."""
+        wanted: dict[str, set[str]] = {}
+        for event in events:
+            table = _table_of(event)
+            if table is not None:
+                wanted.setdefault(table, set()).add(str(getattr(event, "originator_id", "")))
+        for table, idents in wanted.items():
+            rows = self.views._select_many(self.c, table, sorted(idents))
+            for ident in idents:
+                self.before[(table, ident)] = rows.get(ident)
+
     def stage(self, event: object) -> None:
-        ident = str(getattr(event, "originator_id", ""))
-        if isinstance(event, Node.Event):
-            table, project = "nodes", project_node
-        elif isinstance(event, RegisteredModel.Event):
-            table, project = "models", project_model
-        elif isinstance(event, Job.Event):
-            table, project = "jobs", project_job
-        else:
+        table = _table_of(event)
+        if table is None:
             return
-        row = project(self._row(table, ident), event)
+        ident = str(getattr(event, "originator_id", ""))
+        row = _PROJECT[table](self._row(table, ident), event)
         if row is not None:
             self.after[(table, ident)] = row
 
     def write(self) -> None:
         views, c = self.views, self.c
+        jobs = []
         for (table, ident), row in self.after.items():
             if table == "nodes":
                 views._write_node(c, ident, row)
             elif table == "models":
                 views._write_model(c, ident, row)
             else:
-                views._write_job(c, ident, row, self.before.get((table, ident)))
+                jobs.append((ident, row, self.before.get((table, ident))))
+        views._write_jobs(c, jobs)
+
+
+def _table_of(event: object) -> str | None:
+    if isinstance(event, Node.Event):
+        return "nodes"
+    if isinstance(event, RegisteredModel.Event):
+        return "models"
+    if isinstance(event, Job.Event):
+        return "jobs"
+    return None
+
+
+_PROJECT = {"nodes": project_node, "models": project_model, "jobs": project_job}
 
 
 class _ReadModelViews:
@@ -125,11 +147,22 @@ class _ReadModelViews:
     def process_events(self, items: Sequence[tuple[object, Tracking]]) -> None:
         """Applies several events and records their tracking, atomically: each row they touch
         is read once and written once (a batch of token chunks of one job is one update)."""
+        if not items:
+            return
         with self._transaction(commit=True) as c:
-            for _, tracking in items:  # tracking first, as in process_event
-                cast(Any, self)._insert_tracking(c, tracking)
+            # Tracking first, as in process_event. With eventsourcing's single-row tracking
+            # (the default), recording the first position refuses a batch that overlaps what
+            # another follower applied, and the last position advances the row.
+            insert = cast(Any, self)._insert_tracking
+            trackings = [tracking for _, tracking in items]
+            if cast(Any, self).datastore.single_row_tracking:
+                trackings = list(dict.fromkeys([trackings[0], trackings[-1]]))
+            for tracking in trackings:
+                insert(c, tracking)
             batch = _Batch(self, c)
-            for event, _ in items:
+            events = [event for event, _ in items]
+            batch.prefetch(events)
+            for event in events:
                 batch.stage(event)
             batch.write()
 
@@ -203,14 +236,31 @@ class _ReadModelViews:
     def _write_job(
         self, c: Any, ident: str, job: dict[str, Any], job_row: dict[str, Any] | None
     ) -> None:
-        c.execute(
+        self._write_jobs(c, [(ident, job, job_row)])
+
+    def _write_jobs(
+        self, c: Any, jobs: list[tuple[str, dict[str, Any], dict[str, Any] | None]]
+    ) -> None:
+        """Upserts job rows in one statement run for all (``executemany``)."""
+        if not jobs:
+            return
+        c.executemany(
             self._sql(
                 f"INSERT INTO {self._t('jobs')} (job_id, state, model, submitted_at, data) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET "
                 "state = excluded.state, data = excluded.data"
             ),
-            (ident, job["state"], job["model"], job["submitted_at"], _dumps(job)),
+            [
+                (ident, job["state"], job["model"], job["submitted_at"], _dumps(job))
+                for ident, job, _ in jobs
+            ],
         )
+        for ident, job, job_row in jobs:
+            self._write_job_nodes(c, ident, job, job_row)
+
+    def _write_job_nodes(
+        self, c: Any, ident: str, job: dict[str, Any], job_row: dict[str, Any] | None
+    ) -> None:
         if job_row is None or job_row["nodes"] != job["nodes"]:
             c.execute(self._sql(f"DELETE FROM {self._t('job_nodes')} WHERE job_id = ?"), (ident,))
             for node_id in job["nodes"]:
@@ -228,6 +278,25 @@ class _ReadModelViews:
 
     def _select(self, c: Any, table: str, ident: str) -> dict[str, Any] | None:
         return self._select_data(c, table, _KEYS[table], ident)
+
+    def _select_many(self, c: Any, table: str, idents: list[str]) -> dict[str, dict[str, Any]]:
+        key = _KEYS[table]
+        out: dict[str, dict[str, Any]] = {}
+        if self.ph == "%s":  # Postgres: one statement whatever the count (prepared once)
+            c.execute(f"SELECT {key}, data FROM {self._t(table)} WHERE {key} = ANY(%s)", (idents,))
+            for row in c.fetchall():
+                out[str(row[key])] = cast(dict[str, Any], _loads(row["data"]))
+            return out
+        for start in range(0, len(idents), 500):
+            chunk = idents[start : start + 500]
+            marks = ", ".join("?" * len(chunk))
+            c.execute(
+                self._sql(f"SELECT {key}, data FROM {self._t(table)} WHERE {key} IN ({marks})"),
+                tuple(chunk),
+            )
+            for row in c.fetchall():
+                out[str(row[key])] = cast(dict[str, Any], _loads(row["data"]))
+        return out
 
     def clear(self) -> None:
         """Empties the views and forgets the tracked position (for a rebuild)."""
