@@ -11,10 +11,12 @@ client's queue the moment they arrive, and are recorded in batches by the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, assert_never
 from uuid import UUID, uuid4
@@ -144,6 +146,8 @@ class JobManager:
         self.clock = clock
         self._placing = asyncio.Lock()
         self._queueing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
+        self._background: set[asyncio.Task[None]] = set()
         self.app = app
         self.scheduler = scheduler
         self.gateway = gateway
@@ -155,6 +159,12 @@ class JobManager:
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def _decide(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Scheduling decisions run in a thread of their own: queued behind store writes in
+        the shared pool, each placement of a burst waited for everyone's writes."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._decisions, functools.partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -228,12 +238,12 @@ class JobManager:
             run.plan, run.nodes, run.primary = plan, set(plan.node_ids), plan.primary.node_id
             failure = await self._validate(run, plan)
             if failure is None:
-                await self._call(self.app.validate_setup, run.job_id)
+                # The primary streams already; JOB_SETUP_VALIDATED is written meanwhile,
+                # off the first token's path (its tokens are recorded once it is).
                 run.phase = "execution"
-                if run.held:
-                    self.recorder.add(run.job_id, run.held)
-                    run.held = []
-                run.validated.set()
+                task = asyncio.get_running_loop().create_task(self._record_validation(run))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
                 return
             reason, blamed = failure
             self._cancel_on_primary(run, f"re-planning: {reason}")
@@ -252,6 +262,31 @@ class JobManager:
         await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
         self._ended(run.job_id)
         raise NoCapacityError(why)
+
+    async def _record_validation(self, run: JobRun) -> None:
+        try:
+            await self._call(self.app.validate_setup, run.job_id)
+        except DomainError:
+            if self.runs.get(run.job_id) is run:  # no ending raced with it: a bug
+                log.exception("job %s: its setup could not be recorded", run.job_id)
+            return  # cancelled or ended meanwhile; its ending released the slots
+        except Exception as e:
+            if self.runs.pop(run.job_id, None) is None:
+                return
+            log.error("job %s: recording its setup failed: %r", run.job_id, e)
+            self._cancel_on_primary(run, "the controller could not record the job")
+            run.queue.put_nowait(
+                StreamItem(
+                    "error", error=f"recording the job failed: {e}", error_code="store_error"
+                )
+            )
+            await self._quietly(self.app.fail, run.job_id, f"store error: {e}", "store_error")
+            self._ended(run.job_id)
+            return
+        if run.held:
+            self.recorder.add(run.job_id, run.held)
+            run.held = []
+        run.validated.set()
 
     async def _admit(self, run: JobRun, failure: tuple[str, str] | None) -> ExecutionPlan:
         """A dispatched plan for the job: placed at once, or after waiting in the queue.
@@ -337,7 +372,7 @@ class JobManager:
         """
         for _race in range(MAX_PLACEMENT_RACES):
             async with self._placing:
-                result = await self._call(
+                result = await self._decide(
                     self.scheduler.place,
                     run.model_row,
                     frozenset(run.excluded),
@@ -406,7 +441,7 @@ class JobManager:
 
     async def _unplaced(self, run: JobRun, reason: str) -> Unplaced:
         """Whether waiting can help: would a plan fit if every busy slot were free?"""
-        idle = await self._call(
+        idle = await self._decide(
             self.scheduler.place,
             run.model_row,
             frozenset(run.excluded),

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,11 @@ async def _sweep_forever(monitor: HealthMonitor) -> None:
 async def start_controller(settings: Settings) -> RunningController:
     services, storage = build_services(settings)
     loop = asyncio.get_running_loop()
+    # Store writes run in the default pool: as many threads as store connections (pool plus
+    # overflow, and two for the rest), not the interpreter's default of cores + 4.
+    loop.set_default_executor(
+        ThreadPoolExecutor(settings.database_pool_size * 2 + 2, thread_name_prefix="store")
+    )
     services.connections.bind(loop)
     servicer = ControlPlaneServicer(
         app=services.app,
