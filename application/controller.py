@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID, uuid4
 
@@ -349,6 +350,22 @@ class Controller(Application[UUID]):
 
         return CommandResult(self._run(command), job_id)
 
+    def submit_and_dispatch_many(self, dispatches: Sequence[NewDispatch]) -> int:
+        """:meth:`submit_and_dispatch` for several new jobs in one transaction, all or nothing
+        (jobs placed on the same node share its aggregate, so their slots add up)."""
+
+        def command() -> list[Aggregate]:
+            changed: dict[UUID, Aggregate] = {}
+            for d in dispatches:
+                job = self._new_job(d.submission, d.job_id)
+                job.record_plan(d.plan)
+                changed[job.id] = job
+                for node in self._assign(job, d.plan, d.roles, d.allow_degraded, changed):
+                    changed[node.id] = node
+            return list(changed.values())
+
+        return self._run(command)
+
     def plan_and_dispatch(
         self,
         job_id: UUID | str,
@@ -483,6 +500,17 @@ class Controller(Application[UUID]):
                 node.release_job(str(job.id), outcome)
                 node.complete_drain_if_idle()
                 changed[uid] = node
+
+
+@dataclass(frozen=True)
+class NewDispatch:
+    """A new job with its plan and the role of each plan node (see submit_and_dispatch)."""
+
+    submission: Submission
+    job_id: UUID
+    plan: dict[str, Any]
+    roles: Mapping[str, str]
+    allow_degraded: bool = False
 
 
 def _node_ids(job: Job) -> Iterable[str]:

@@ -40,6 +40,7 @@ from application.agent_messages import (
 )
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
+from application.dispatch_batcher import DispatchBatcher
 from application.errors import NotFound
 from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
@@ -148,6 +149,7 @@ class JobManager:
         self._queueing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
         self._background: set[asyncio.Task[None]] = set()
+        self.dispatches = DispatchBatcher(app)
         self.app = app
         self.scheduler = scheduler
         self.gateway = gateway
@@ -218,6 +220,18 @@ class JobManager:
         except asyncio.CancelledError:
             await asyncio.wait([write])
             if not write.cancelled() and write.exception() is None:
+                run.recorded = True
+            raise
+        run.recorded = True
+
+    async def _record_async(self, run: JobRun, write: Awaitable[None]) -> None:
+        """:meth:`_record` for a write that is a coroutine (the dispatch batcher)."""
+        task = asyncio.ensure_future(write)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is None:
                 run.recorded = True
             raise
         run.recorded = True
@@ -418,14 +432,11 @@ class JobManager:
     ) -> None:
         """Records the plan and the dispatch in one transaction (submitting the job too)."""
         if not run.recorded:
-            await self._record(
+            await self._record_async(
                 run,
-                self.app.submit_and_dispatch,
-                run.submission,
-                run.uid,
-                plan.to_dict(),
-                roles,
-                allow_degraded=degraded,
+                self.dispatches.submit_and_dispatch(
+                    run.submission, run.uid, plan.to_dict(), roles, allow_degraded=degraded
+                ),
             )
         else:
             await self._record(

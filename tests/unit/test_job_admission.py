@@ -240,7 +240,7 @@ async def held_write(cluster: Cluster, name: str) -> tuple[asyncio.Event, thread
     return started, release
 
 
-@pytest.mark.parametrize("write", ["submit_and_queue", "submit_and_dispatch"])
+@pytest.mark.parametrize("write", ["submit_and_queue", "submit_and_dispatch_many"])
 async def test_a_client_that_leaves_during_the_write_that_creates_its_job_ends_it(
     write: str,
 ) -> None:
@@ -259,6 +259,6 @@ async def test_a_client_that_leaves_during_the_write_that_creates_its_job_ends_i
     assert len(cancelled) == 1
     codes = cluster.job_codes(cancelled[0])
     assert codes[0] == "JOB_SUBMITTED" and codes[-1] == "JOB_CANCELLED"
-    if write == "submit_and_dispatch":
+    if write == "submit_and_dispatch_many":
         node = cluster.read.get_node(cluster.node_ids[0])
         assert node is not None and node["current_jobs"] == []  # its slot was given back
