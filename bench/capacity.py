@@ -92,6 +92,8 @@ class Report:
     tokens_per_second: float = 0.0
     controller_cpu_s: float = 0.0
     controller_cpu_ms_per_token: float = 0.0
+    agents_cpu_s: float = 0.0
+    clients_cpu_s: float = 0.0
     added_ttft_ms: dict[str, float] = field(default_factory=dict)
     queue_wait_ms: dict[str, float] = field(default_factory=dict)
     queued_jobs: int = 0
@@ -224,6 +226,11 @@ class Agents:
         return dict(json.loads(lines[-1])) if lines else {}
 
 
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 def _wait(what: str, check: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -301,10 +308,13 @@ def run_streams(ctl: Controller, args: argparse.Namespace, report: Report) -> No
     _wait("every synthetic node READY with the model", ready, 120)
     time.sleep(2 * 1.0)  # two live-state flushes: every node's heartbeat is visible
     position, cpu = _max_position(ctl), ctl.cpu_seconds()
+    others = _cpu_seconds(psutil.Process(agents.proc.pid)), _cpu_seconds(psutil.Process())
     started = time.perf_counter()
     results = asyncio.run(_load(ctl, args.streams, args.tokens))
     report.wall_s = time.perf_counter() - started
     report.controller_cpu_s = ctl.cpu_seconds() - cpu
+    report.agents_cpu_s = _cpu_seconds(psutil.Process(agents.proc.pid)) - others[0]
+    report.clients_cpu_s = _cpu_seconds(psutil.Process()) - others[1]
     appended = _max_position(ctl) - position
     agents.stop()
 
@@ -476,6 +486,8 @@ def _print(r: Report) -> None:
         ("wall time", f"{r.wall_s:.1f} s"),
         ("tokens relayed", f"{r.tokens_relayed} ({r.tokens_per_second:,.0f} tok/s)"),
         ("controller CPU", f"{r.controller_cpu_s:.1f} s"),
+        ("synthetic agents CPU", f"{r.agents_cpu_s:.1f} s (same 2 cores)"),
+        ("HTTP clients CPU", f"{r.clients_cpu_s:.1f} s (same 2 cores)"),
         ("controller CPU/token", f"{r.controller_cpu_ms_per_token:.4f} ms"),
         ("added TTFT p50 / p99", f"{ttft['p50']:.1f} / {ttft['p99']:.1f} ms"),
         ("queue wait p50 / p99", f"{wait['p50']:.0f} / {wait['p99']:.0f} ms"),
