@@ -350,17 +350,21 @@ class Controller(Application[UUID]):
 
         return CommandResult(self._run(command), job_id)
 
-    def submit_and_dispatch_many(self, dispatches: Sequence[NewDispatch]) -> int:
-        """:meth:`submit_and_dispatch` for several new jobs in one transaction, all or nothing
-        (jobs placed on the same node share its aggregate, so their slots add up)."""
+    def record_new_jobs(self, new_jobs: Sequence[NewDispatch | NewQueued]) -> int:
+        """:meth:`submit_and_dispatch` and :meth:`submit_and_queue` for several new jobs in one
+        transaction, all or nothing, their events in the order given (jobs placed on the same
+        node share its aggregate, so their slots add up)."""
 
         def command() -> list[Aggregate]:
             changed: dict[UUID, Aggregate] = {}
-            for d in dispatches:
-                job = self._new_job(d.submission, d.job_id)
-                job.record_plan(d.plan)
+            for new in new_jobs:
+                job = self._new_job(new.submission, new.job_id)
                 changed[job.id] = job
-                for node in self._assign(job, d.plan, d.roles, d.allow_degraded, changed):
+                if isinstance(new, NewQueued):
+                    job.enqueue(new.position, new.reason)
+                    continue
+                job.record_plan(new.plan)
+                for node in self._assign(job, new.plan, new.roles, new.allow_degraded, changed):
                     changed[node.id] = node
             return list(changed.values())
 
@@ -511,6 +515,16 @@ class NewDispatch:
     plan: dict[str, Any]
     roles: Mapping[str, str]
     allow_degraded: bool = False
+
+
+@dataclass(frozen=True)
+class NewQueued:
+    """A new job that waits in its model's queue at ``position`` (see submit_and_queue)."""
+
+    submission: Submission
+    job_id: UUID
+    position: int
+    reason: str
 
 
 def _node_ids(job: Job) -> Iterable[str]:

@@ -1,12 +1,13 @@
-"""New jobs placed at once are written together: one transaction for a burst, not one each.
+"""New jobs are written together: one transaction for a burst, not one each.
 
-Each new job placed without waiting needs one store write (JOB_SUBMITTED, JOB_PLANNED, its
-nodes' NODE_JOB_ASSIGNED and JOB_DISPATCHED). The event store serialises writes (gapless
-notification ids), so a burst of a few hundred requests waited for a few hundred transactions
-in a row before the first of them could stream. The batcher writes every dispatch that is
-waiting when the previous write ends in one transaction (``Controller.submit_and_dispatch_many``);
-if that transaction is refused (a node lost a slot to another controller meanwhile), each job of
-the batch is written alone, so only the job whose slot was taken sees :class:`SlotTaken`.
+Each new job needs one store write: placed at once (JOB_SUBMITTED, JOB_PLANNED, its nodes'
+NODE_JOB_ASSIGNED and JOB_DISPATCHED), or queued (JOB_SUBMITTED and JOB_QUEUED). The event store
+serialises writes (gapless notification ids), so a burst of a few hundred requests waited for a
+few hundred transactions in a row. The batcher writes every new job that is waiting when the
+previous write ends in one transaction (``Controller.record_new_jobs``), in the order they came:
+queued jobs are recorded in queue order. If that transaction is refused (a node lost a slot to
+another controller meanwhile), each job of the batch is written alone, in order, so only the job
+whose slot was taken sees :class:`SlotTaken`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from uuid import UUID
 
 from application.commands import Submission
-from application.controller import Controller, NewDispatch
+from application.controller import Controller, NewDispatch, NewQueued
 from domain.errors import DomainError
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ MAX_BATCH = 200
 
 @dataclass
 class _Pending:
-    dispatch: NewDispatch
+    job: NewDispatch | NewQueued
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -53,7 +54,17 @@ class DispatchBatcher:
         allow_degraded: bool = False,
     ) -> None:
         """Returns once the job's dispatch is stored; raises what writing it alone raised."""
-        pending = _Pending(NewDispatch(submission, job_id, plan, dict(roles), allow_degraded))
+        await self._add(NewDispatch(submission, job_id, plan, dict(roles), allow_degraded))
+
+    async def submit_and_queue(
+        self, submission: Submission, job_id: UUID, position: int, reason: str
+    ) -> None:
+        """Returns once JOB_SUBMITTED and JOB_QUEUED are stored, after those of every job
+        queued before it."""
+        await self._add(NewQueued(submission, job_id, position, reason))
+
+    async def _add(self, job: NewDispatch | NewQueued) -> None:
+        pending = _Pending(job)
         self._pending.append(pending)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write_all())
@@ -66,17 +77,17 @@ class DispatchBatcher:
 
     async def _write(self, batch: list[_Pending]) -> None:
         try:
-            await asyncio.to_thread(self.app.submit_and_dispatch_many, [p.dispatch for p in batch])
+            await asyncio.to_thread(self.app.record_new_jobs, [p.job for p in batch])
             self.transactions += 1
         except Exception as e:
             if len(batch) == 1:
                 _settle(batch[0], e)
                 return
             if not isinstance(e, DomainError):
-                log.warning("writing %d dispatches together failed (%r); one by one", len(batch), e)
+                log.warning("writing %d new jobs together failed (%r); one by one", len(batch), e)
             for pending in batch:
                 try:
-                    await asyncio.to_thread(self.app.submit_and_dispatch_many, [pending.dispatch])
+                    await asyncio.to_thread(self.app.record_new_jobs, [pending.job])
                     self.transactions += 1
                 except Exception as alone:
                     _settle(pending, alone)

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -146,7 +145,6 @@ class JobManager:
         self.queue_timeout = queue_timeout
         self.clock = clock
         self._placing = asyncio.Lock()
-        self._queueing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
         self._background: set[asyncio.Task[None]] = set()
         self.dispatches = DispatchBatcher(app)
@@ -335,14 +333,14 @@ class JobManager:
         deadline = queued_at + self.queue_timeout
         ticket: Ticket | None = None
         try:
-            # Joining the queue and recording JOB_QUEUED take turns per model, so the store
-            # lists JOB_QUEUED in queue order (concurrent writes could commit out of order).
-            async with self._queueing[run.model]:
-                ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: no record
-                run.ticket = ticket
-                await self._record(
-                    run, self.app.submit_and_queue, run.submission, run.uid, ticket.position, reason
-                )
+            ticket = self.queue.join(run.model, run.job_id)  # QueueFullError: no record
+            run.ticket = ticket
+            # Joined and handed to the batcher with no await between: the store lists
+            # JOB_QUEUED in queue order (the batcher writes new jobs in the order they came).
+            await self._record_async(
+                run,
+                self.dispatches.submit_and_queue(run.submission, run.uid, ticket.position, reason),
+            )
             while True:
                 remaining = deadline - self.clock()
                 if remaining <= 0:

@@ -20,13 +20,13 @@ async def test_a_burst_of_new_jobs_is_written_in_few_transactions() -> None:
     cluster = Cluster(nodes=10)
     batcher = cluster.jobs.dispatches
     release = threading.Event()
-    real = cluster.app.submit_and_dispatch_many
+    real = cluster.app.record_new_jobs
 
     def held(dispatches: Any) -> int:
         release.wait(GUARD)  # the first write is slow: the others queue up behind it
         return real(dispatches)
 
-    cluster.app.submit_and_dispatch_many = held  # type: ignore[method-assign]
+    cluster.app.record_new_jobs = held  # type: ignore[method-assign,assignment]
     tasks = [
         asyncio.create_task(cluster.jobs.start(submission(f"q{i}"), cluster.model))
         for i in range(10)

@@ -240,15 +240,15 @@ async def held_write(cluster: Cluster, name: str) -> tuple[asyncio.Event, thread
     return started, release
 
 
-@pytest.mark.parametrize("write", ["submit_and_queue", "submit_and_dispatch_many"])
+@pytest.mark.parametrize("write", ["queued", "dispatched"])
 async def test_a_client_that_leaves_during_the_write_that_creates_its_job_ends_it(
     write: str,
 ) -> None:
     cluster = Cluster(nodes=1)
-    if write == "submit_and_queue":  # the only slot is busy, so the next job queues
+    if write == "queued":  # the only slot is busy, so the next job queues
         asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))  # noqa: RUF006
         await cluster.primary_assigned(1)
-    started, release = await held_write(cluster, write)
+    started, release = await held_write(cluster, "record_new_jobs")
     leaver = asyncio.create_task(cluster.jobs.start(submission("leaves"), MODEL))
     await asyncio.wait_for(started.wait(), GUARD)
     leaver.cancel()
@@ -259,6 +259,6 @@ async def test_a_client_that_leaves_during_the_write_that_creates_its_job_ends_i
     assert len(cancelled) == 1
     codes = cluster.job_codes(cancelled[0])
     assert codes[0] == "JOB_SUBMITTED" and codes[-1] == "JOB_CANCELLED"
-    if write == "submit_and_dispatch_many":
+    if write == "dispatched":
         node = cluster.read.get_node(cluster.node_ids[0])
         assert node is not None and node["current_jobs"] == []  # its slot was given back
