@@ -46,7 +46,7 @@ import psycopg
 
 from application.controller import Controller as ControllerApp
 from bench import scheduler_decisions, stats
-from bench.raw_sse_client import stream_chat
+from bench.raw_sse_client import StreamResult, stream_chat
 from infrastructure.persistence import persistence_env
 from infrastructure.read_model_store import open_read_model
 
@@ -62,16 +62,6 @@ THRESHOLDS = {
     "idle_core_share": 0.15,  # at most
     "scheduler_p99_ms": 5.0,  # at most
 }
-
-
-@dataclass
-class Stream:
-    status: int = 0
-    ttft: float | None = None
-    seconds: float = 0.0
-    tokens: int = 0
-    job_id: str = ""
-    error: str = ""
 
 
 @dataclass
@@ -239,19 +229,23 @@ def _wait(what: str, check: Any, timeout: float) -> None:
         time.sleep(0.5)
 
 
-async def _stream(ctl: Controller, index: int, tokens: int) -> Stream:
+async def _stream(ctl: Controller, index: int, tokens: int) -> StreamResult:
     body: dict[str, object] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"stream {index}"}],
         "stream": True,
         "max_tokens": tokens,
     }
-    r = await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, body)
-    return Stream(r.status, r.ttft, r.seconds, r.tokens, r.completion_id, r.error)
+    return await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, body)
 
 
-async def _load(ctl: Controller, streams: int, tokens: int) -> list[Stream]:
+async def _load(ctl: Controller, streams: int, tokens: int) -> list[StreamResult]:
     return list(await asyncio.gather(*(_stream(ctl, i, tokens) for i in range(streams))))
+
+
+def _job_id(completion_id: str) -> str:
+    """The job id inside an OpenAI completion id ("" when there is none)."""
+    return str(uuid.UUID(completion_id.removeprefix("chatcmpl-"))) if completion_id else ""
 
 
 def _store_scan(ctl: Controller) -> tuple[list[str], list[str]]:
@@ -335,7 +329,7 @@ def run_streams(ctl: Controller, args: argparse.Namespace, report: Report) -> No
     waits: dict[str, float] = {}
     recorded = 0
     for r in results:
-        job_id = str(uuid.UUID(r.job_id.removeprefix("chatcmpl-"))) if r.job_id else ""
+        job_id = _job_id(r.completion_id)
         row = views.get_job(job_id) if job_id else None
         if row is None:
             continue
@@ -352,7 +346,7 @@ def run_streams(ctl: Controller, args: argparse.Namespace, report: Report) -> No
     for r in results:
         if r.ttft is None:
             continue
-        job_id = str(uuid.UUID(r.job_id.removeprefix("chatcmpl-")))
+        job_id = _job_id(r.completion_id)
         added.append(1000 * (r.ttft - waits.get(job_id, 0.0)))
     report.queue_wait_ms = {
         "p50": stats.percentile(queue_ms, 50),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -152,16 +153,22 @@ async def test_concurrent_placements_never_collide() -> None:
     assert len(running) == 30
 
 
-async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_replan() -> None:
-    cluster = Cluster(nodes=2)
+def stale_view_with_a_rival_job(cluster: Cluster) -> tuple[str, Callable[[], None]]:
+    """Another controller dispatches a job to the first node; this one's read model goes stale
+    and has not seen it. Returns that node and the view's real catch-up."""
     cluster.read.catch_up()
     real_catch_up = cluster.read.catch_up
-    cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # the view goes stale
-    # Another controller dispatches a job to n00; this one's read model has not seen it.
+    cluster.read.catch_up = lambda: None  # type: ignore[method-assign]
     target = min(cluster.node_ids)
     rival = cluster.app.submit(submission("rival"))
     assert rival.aggregate_id is not None
     cluster.app.plan_and_dispatch(rival.aggregate_id, one_node_plan(target), {target: "primary"})
+    return target, real_catch_up
+
+
+async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_replan() -> None:
+    cluster = Cluster(nodes=2)
+    target, real_catch_up = stale_view_with_a_rival_job(cluster)
     caught_up = []
 
     def catch_up() -> None:  # what the job manager asks for after losing a slot
@@ -182,13 +189,7 @@ async def test_a_slot_taken_by_another_controller_costs_a_fresh_placement_not_a_
 
 async def test_views_too_far_behind_to_catch_up_do_not_fail_the_request() -> None:
     cluster = Cluster(nodes=2)
-    cluster.read.catch_up()
-    real_catch_up = cluster.read.catch_up
-    cluster.read.catch_up = lambda: None  # type: ignore[method-assign]  # the view goes stale
-    target = min(cluster.node_ids)
-    rival = cluster.app.submit(submission("rival"))
-    assert rival.aggregate_id is not None
-    cluster.app.plan_and_dispatch(rival.aggregate_id, one_node_plan(target), {target: "primary"})
+    target, real_catch_up = stale_view_with_a_rival_job(cluster)
 
     def catch_up() -> None:  # the wait for the views times out; they catch up later
         cluster.read.catch_up = real_catch_up  # type: ignore[method-assign]
