@@ -16,8 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, assert_never
+from typing import Any, TypeVar, assert_never
 from uuid import UUID, uuid4
 
 from application.admission import (
@@ -41,6 +40,7 @@ from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
 from application.dispatch_batcher import DispatchBatcher
 from application.errors import NotFound
+from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
 from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
 from application.token_recorder import TokenChunkRecorder
@@ -54,74 +54,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class NoCapacityError(CapacityError):
-    """No plan could be made or set up, and waiting would not help (HTTP 503)."""
-
-    code = "no_capacity"
-
-
 #: How often one placement may lose the race for a slot before the job queues instead.
 MAX_PLACEMENT_RACES = 16
-
-
-@dataclass(frozen=True)
-class Unplaced:
-    """No plan now. ``transient``: one would fit if busy slots were free, so waiting helps."""
-
-    reason: str
-    transient: bool
-
-
-@dataclass(frozen=True)
-class StreamItem:
-    """What the client side reads from a job's queue, in order."""
-
-    kind: Literal["deltas", "done", "error"]
-    deltas: tuple[Delta, ...] = ()
-    outcome: JobOutcome | None = None
-    error: str = ""
-    error_code: str = ""
-
-
-@dataclass
-class JobRun:
-    job_id: str
-    #: The validated request and the registered model's row it runs.
-    submission: Submission
-    model_row: dict[str, Any]
-    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
-    plan: ExecutionPlan | None = None
-    nodes: set[str] = field(default_factory=set)
-    primary: str = ""
-    phase: Literal["setup", "execution"] = "setup"
-    worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
-    setup_future: asyncio.Future[SetupOutcome] | None = None
-    #: Set once JOB_SETUP_VALIDATED is recorded; tokens may arrive (and be relayed) before.
-    validated: asyncio.Event = field(default_factory=asyncio.Event)
-    held: list[Delta] = field(default_factory=list)
-    submitted_at: float = field(default_factory=time.monotonic)
-    last_token_at: float | None = None
-    #: The job exists in the store (JOB_SUBMITTED recorded).
-    recorded: bool = False
-    ticket: Ticket | None = None
-    #: Nodes whose SECURITY_VIOLATION was recorded for this job (once per job and node).
-    reported_violations: set[str] = field(default_factory=set)
-    #: Nodes blamed for a failed setup of this job; later plans leave them out.
-    excluded: set[str] = field(default_factory=set)
-
-    @property
-    def uid(self) -> UUID:
-        return UUID(self.job_id)
-
-    @property
-    def model(self) -> str:
-        return str(self.model_row["name"])
-
-    @property
-    def setup_ok(self) -> bool:
-        """The primary reported a validated setup (JOB_SETUP_VALIDATED may be pending)."""
-        future = self.setup_future
-        return future is not None and future.done() and future.result().ok
 
 
 class JobManager:

@@ -16,7 +16,8 @@ from litestar.response import Stream
 
 from application.admission import CapacityError
 from application.commands import Submission
-from application.job_manager import JobManager, JobRun, StreamItem
+from application.job_manager import JobManager
+from application.job_run import JobRun, StreamItem
 from interfaces.http_auth import inference_guard
 from interfaces.http_errors import ApiError, error_body
 from interfaces.openai_validation import parse_chat_request

@@ -18,7 +18,7 @@ import pytest
 
 from application.admission import QueueFullError, QueueTimeoutError
 from application.commands import Submission
-from application.job_manager import NoCapacityError
+from application.job_run import NoCapacityError
 from domain.catalog import code_of
 from tests.plans import one_node_plan
 from tests.unit.job_cluster import (

@@ -1,0 +1,85 @@
+"""What the job manager keeps about one request while it runs, and what its client reads.
+
+:class:`JobRun` is the in-memory state of one job in this controller (its plan, the futures of
+its setup, the queue its HTTP response reads); :class:`StreamItem` is one entry of that queue.
+The durable record is the job's events; nothing here outlives the controller process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from uuid import UUID
+
+from application.admission import CapacityError, Ticket
+from application.agent_messages import SetupOutcome
+from application.commands import Delta, JobOutcome, Submission
+from domain.placement import ExecutionPlan
+
+
+class NoCapacityError(CapacityError):
+    """No plan could be made or set up, and waiting would not help (HTTP 503)."""
+
+    code = "no_capacity"
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """No plan now. ``transient``: one would fit if busy slots were free, so waiting helps."""
+
+    reason: str
+    transient: bool
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """What the client side reads from a job's queue, in order."""
+
+    kind: Literal["deltas", "done", "error"]
+    deltas: tuple[Delta, ...] = ()
+    outcome: JobOutcome | None = None
+    error: str = ""
+    error_code: str = ""
+
+
+@dataclass
+class JobRun:
+    job_id: str
+    #: The validated request and the registered model's row it runs.
+    submission: Submission
+    model_row: dict[str, Any]
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    plan: ExecutionPlan | None = None
+    nodes: set[str] = field(default_factory=set)
+    primary: str = ""
+    phase: Literal["setup", "execution"] = "setup"
+    worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
+    setup_future: asyncio.Future[SetupOutcome] | None = None
+    #: Set once JOB_SETUP_VALIDATED is recorded; tokens may arrive (and be relayed) before.
+    validated: asyncio.Event = field(default_factory=asyncio.Event)
+    held: list[Delta] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    #: The job exists in the store (JOB_SUBMITTED recorded).
+    recorded: bool = False
+    ticket: Ticket | None = None
+    #: Nodes whose SECURITY_VIOLATION was recorded for this job (once per job and node).
+    reported_violations: set[str] = field(default_factory=set)
+    #: Nodes blamed for a failed setup of this job; later plans leave them out.
+    excluded: set[str] = field(default_factory=set)
+
+    @property
+    def uid(self) -> UUID:
+        return UUID(self.job_id)
+
+    @property
+    def model(self) -> str:
+        return str(self.model_row["name"])
+
+    @property
+    def setup_ok(self) -> bool:
+        """The primary reported a validated setup (JOB_SETUP_VALIDATED may be pending)."""
+        future = self.setup_future
+        return future is not None and future.done() and future.result().ok
