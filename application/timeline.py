@@ -137,6 +137,8 @@ def _plan(plan: Mapping[str, Any] | None) -> str:
         text += " split=" + "/".join(f"{float(s):g}" for s in split)
     if plan.get("context_size"):
         text += f" ctx={plan['context_size']}"
+    if int(plan.get("parallel") or 1) > 1:
+        text += f" x{plan['parallel']} slots"
     return text
 
 
