@@ -26,6 +26,7 @@ from infrastructure.live_state import InProcessLiveState
 
 SHA = "5e" * 32
 MODEL = {"name": "m", "sha256": SHA, "file_name": "m.gguf", "context_size": 2048}
+#: Warm servers of the model: 100, or a tenth of the nodes when there are fewer than 1,000.
 WARM_SERVERS = 100
 GIB = 1 << 30
 
@@ -41,6 +42,7 @@ class StaticRows:
 
 
 def _rows(nodes: int, *, full: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    warm_servers = max(1, min(WARM_SERVERS, nodes // 10))
     app = Controller()
     local = {
         "sha256": SHA,
@@ -70,9 +72,9 @@ def _rows(nodes: int, *, full: bool) -> tuple[list[dict[str, Any]], list[str]]:
         node_id = str(result.aggregate_id)
         ids.append(node_id)
         app.mark_ready(node_id)
-        holds = i < WARM_SERVERS + 25  # 25 idle holders for cold plans
+        holds = i < warm_servers + max(1, warm_servers // 4)  # idle holders for cold plans
         app.report_resources(node_id, resources, [local] if holds else [])
-    for i, node_id in enumerate(ids[:WARM_SERVERS]):
+    for i, node_id in enumerate(ids[:warm_servers]):
         node = app.get_node(node_id)
         plan = ExecutionPlan(
             "m", SHA, "m.gguf", 2048, 1, PlanNode(node_id, node.address, 50052, 1), (), (1.0,), 4
