@@ -322,13 +322,8 @@ class Controller(Application[UUID]):
         self, submission: Submission, job_id: UUID, position: int, reason: str
     ) -> CommandResult:
         """JOB_SUBMITTED and JOB_QUEUED in one transaction."""
-
-        def command() -> list[Aggregate]:
-            job = self._new_job(submission, job_id)
-            job.enqueue(position, reason)
-            return [job]
-
-        return CommandResult(self._run(command), job_id)
+        new = NewQueued(submission, job_id, position, reason)
+        return CommandResult(self.record_new_jobs([new]), job_id)
 
     def submit_and_dispatch(
         self,
@@ -342,13 +337,8 @@ class Controller(Application[UUID]):
         """JOB_SUBMITTED, JOB_PLANNED, the plan's NODE_JOB_ASSIGNED and JOB_DISPATCHED in one
         transaction. A node that cannot take the job (another placement took its slot first,
         here or in another controller) raises a domain error and nothing is recorded."""
-
-        def command() -> list[Aggregate]:
-            job = self._new_job(submission, job_id)
-            job.record_plan(plan)
-            return [job, *self._assign(job, plan, roles, allow_degraded)]
-
-        return CommandResult(self._run(command), job_id)
+        new = NewDispatch(submission, job_id, plan, roles, allow_degraded)
+        return CommandResult(self.record_new_jobs([new]), job_id)
 
     def record_new_jobs(self, new_jobs: Sequence[NewDispatch | NewQueued]) -> int:
         """:meth:`submit_and_dispatch` and :meth:`submit_and_queue` for several new jobs in one

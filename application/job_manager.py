@@ -146,18 +146,10 @@ class JobManager:
         """Runs a store write that creates or places ``run``'s job to its end even when the
         caller is cancelled meanwhile (the client went away), so the ending recorded next is
         based on what was really written. ``run.recorded`` is set once the job exists."""
-        write = asyncio.ensure_future(self._call(fn, *args, **kwargs))
-        try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            await asyncio.wait([write])
-            if not write.cancelled() and write.exception() is None:
-                run.recorded = True
-            raise
-        run.recorded = True
+        await self._record_async(run, self._call(fn, *args, **kwargs))
 
     async def _record_async(self, run: JobRun, write: Awaitable[None]) -> None:
-        """:meth:`_record` for a write that is a coroutine (the dispatch batcher)."""
+        """:meth:`_record` for a write given as an awaitable (the dispatch batcher's)."""
         task = asyncio.ensure_future(write)
         try:
             await asyncio.shield(task)

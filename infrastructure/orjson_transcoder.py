@@ -54,28 +54,18 @@ def _tag_uuids(value: Any) -> Any:
     kind = type(value)
     if kind in _PLAIN:
         return value
-    if kind is dict:
-        changed: dict[Any, Any] | None = None
-        for key, item in value.items():
+    if kind is dict or kind is list:
+        entries = value.items() if kind is dict else enumerate(value)
+        copy: Any = None
+        for key, item in entries:
             if type(item) in _PLAIN:
                 continue
             tagged = _tag_uuids(item)
             if tagged is not item:
-                if changed is None:
-                    changed = dict(value)
-                changed[key] = tagged
-        return value if changed is None else changed
-    if kind is list:
-        items: list[Any] | None = None
-        for index, item in enumerate(value):
-            if type(item) in _PLAIN:
-                continue
-            tagged = _tag_uuids(item)
-            if tagged is not item:
-                if items is None:
-                    items = list(value)
-                items[index] = tagged
-        return value if items is None else items
+                if copy is None:
+                    copy = kind(value)
+                copy[key] = tagged
+        return value if copy is None else copy
     if isinstance(value, UUID):
         return {_TAG: "uuid_hex", _DATA: value.hex}
     if isinstance(value, Decimal):
