@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
 from agent.control_handler import Send, job_failure, setup_failure, worker_status
 from agent.endpoints import validate_rpc_bind_host
@@ -65,11 +67,9 @@ from agent.job_messages import (
     GENERATION_FAILED,
     INVALID_PLAN,
     JOB_ALREADY_RUNNING,
-    MODEL_NOT_FOUND,
     RUNTIME_BUSY,
     RUNTIME_CRASHED,
     RUNTIME_START_FAILED,
-    SHA256_MISMATCH,
     DeltaSender,
     SetupFailure,
     chat_request,
@@ -79,7 +79,7 @@ from agent.job_messages import (
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, ServerSpec
 from agent.managed_child import ProcessExit
-from agent.model_store import ModelStore
+from agent.plan_model import PlanModels
 from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
@@ -150,6 +150,10 @@ class LlamaHandler:
         self._send: Send | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        # One keep-alive HTTP client for every generation request to llama-server: a new
+        # client and connection per request cost several milliseconds of time to first token.
+        self._http: httpx.AsyncClient | None = None
+        self.models = PlanModels(self.models_dir, self.data_dir)
 
     # -- ControlHandler ---------------------------------------------------------------
 
@@ -233,6 +237,9 @@ class LlamaHandler:
         for background in list(self._background):
             background.cancel()
         await asyncio.to_thread(self.runtime.close)
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     # -- RPC worker ------------------------------------------------------------------------
 
@@ -307,11 +314,14 @@ class LlamaHandler:
         """Validate the plan and return a healthy llama-server (reserved: call
         :meth:`_release_server` afterwards) and the chat messages."""
         messages = parse_messages(plan.generation.messages_json)
-        model_path = await asyncio.to_thread(
-            self._find_and_verify_model, plan.model_file_name, plan.model_sha256
-        )
+        model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
         spec = self._server_spec_for(plan, model_path)
         await self._reserve_server(spec)
+        if not spec.rpc_endpoints:
+            # A warm one-node server is used as it is: no thread hop, nothing to probe.
+            warm = self.runtime.running_server(spec)
+            if warm is not None:
+                return warm, messages
         try:
             linked, restart = await asyncio.to_thread(warm_links, self.runtime.server, spec)
             await probe_peers(
@@ -326,23 +336,6 @@ class LlamaHandler:
             self._release_server()
             raise
         return server, messages
-
-    def _find_and_verify_model(self, file_name: str, expected_sha256: str) -> Path:
-        # A fresh store re-reads the hash cache the agent session keeps up to date.
-        store = ModelStore(self.models_dir, self.data_dir)
-        path = store.find(file_name)
-        if path is None:
-            raise SetupFailure(
-                MODEL_NOT_FOUND, f"model file {file_name!r} not found in {store.models_dir}"
-            )
-        if not store.verify(path, expected_sha256):
-            model = store.describe(path)
-            found = f"cannot be verified: {model.error}" if model.error else f"is {model.sha256}"
-            raise SetupFailure(
-                SHA256_MISMATCH,
-                f"sha256 of {path} {found}; the plan expects {expected_sha256 or '(none)'}",
-            )
-        return path
 
     def _server_spec_for(self, plan: pb.ExecutionPlan, model_path: Path) -> ServerSpec:
         parallel = plan.parallel or 1
@@ -400,7 +393,9 @@ class LlamaHandler:
         usage = None
         timings = None
         failure: tuple[str, str] | None = None
-        stream = server.stream_chat(request)
+        if self._http is None:
+            self._http = httpx.AsyncClient(verify=False)  # loopback plain HTTP: no CA bundle
+        stream = server.stream_chat(request, client=self._http)
         try:
             async for delta in stream:
                 if delta.text:

@@ -10,7 +10,6 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import os
@@ -38,6 +37,7 @@ from agent.agent_config import (
 from agent.control_client import run_agent
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
+from infrastructure import event_loop
 from proto import SLOTS_LABEL
 
 PROG = "node-agent"
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         preflight(config)
         handler = build_handler(config)
-        asyncio.run(run_agent(config, handler))
+        event_loop.run(run_agent(config, handler))
     except (AgentError, IdentityFileError) as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -99,6 +99,14 @@ class RuntimeManager:
             self._server = server
             return server
 
+    def running_server(self, spec: ServerSpec) -> LlamaServer | None:
+        """The server already running for ``spec``, if any (never starts or stops one)."""
+        with self._server_lock:
+            current = self._server
+            if self._closed or current is None or current.spec != spec or not current.alive:
+                return None
+            return current
+
     async def ensure_server_async(self, spec: ServerSpec) -> LlamaServer:
         return await asyncio.to_thread(self.ensure_server, spec)
 

@@ -21,7 +21,7 @@ content delta) and tokens/s (``usage.completion_tokens`` from the stream's usage
 by the time from the first to the last content delta). Results: a table, the ratios
 (controller / direct), and a JSON file under ``var/bench/``.
 
-    python -m bench.compare_paths                # 10 prompts x 64 tokens, all paths
+    python -m bench.compare_paths                # 30 prompts x 64 tokens, all paths
     python -m bench.compare_paths --quick        # 3 prompts x 16 tokens
     python -m bench.compare_paths --paths a,c    # direct paths only
 """
@@ -90,6 +90,8 @@ PROMPTS = (
     "Tell me a fun fact about the moon.",
 )
 
+#: The issue asks for at least 30 paired prompts per comparison.
+DEFAULT_PROMPTS = 30
 SOLO_MEMORY_LIMIT = 4 * 1024 * 1024 * 1024
 REQUEST_TIMEOUT = 300.0
 #: Give up on a path after this many failed requests in a row.
@@ -760,7 +762,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per path (10)")
+    parser.add_argument(
+        "--prompts", type=int, default=None, help=f"prompts per path ({DEFAULT_PROMPTS})"
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (64)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--quick", action="store_true", help="3 prompts x 16 tokens")
@@ -805,7 +809,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--var-dir", type=Path, default=Path("var/bench/run"))
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args(argv)
-    args.prompts = args.prompts or (3 if args.quick else 10)
+    args.prompts = args.prompts or (3 if args.quick else DEFAULT_PROMPTS)
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     keys = [k.strip() for k in args.paths.split(",") if k.strip()]
     unknown = set(keys) - set(PATH_ORDER)

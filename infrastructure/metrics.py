@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from application.ports import LiveNode
 from domain.catalog import code_of
 from domain.states import NodeState
+from infrastructure.loop_histogram import LoopHistogram
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,13 @@ class PrometheusMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.inter_token = Histogram(
+        # Observed for every relayed token message, by the event loop alone: lock-free.
+        self.inter_token = LoopHistogram(
             "dacp_inter_token_latency_seconds",
             "Time between consecutive token chunks relayed for one job.",
-            buckets=INTER_TOKEN_BUCKETS,
-            registry=r,
+            INTER_TOKEN_BUCKETS,
         )
+        r.register(self.inter_token)
         self.append = Histogram(
             "dacp_event_store_append_seconds",
             "Time to append one command's events to the event store (one transaction).",

@@ -6,7 +6,6 @@ Errors end with exit code 2 and one line on stderr; nothing half-done is recorde
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from application.enrollment import (
     enrollment_key,
     mint_enrollment_token,
 )
+from infrastructure import event_loop
 from infrastructure.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     )
     settings = Settings.from_env()
     try:
-        asyncio.run(serve_forever(settings))
+        event_loop.run(serve_forever(settings))
     except KeyboardInterrupt:
         pass
     except OSError as e:

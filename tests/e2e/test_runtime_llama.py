@@ -175,13 +175,17 @@ async def test_split_over_two_rpc_workers_streams_tokens_and_uses_them(
 async def test_warm_server_is_reused_for_an_equal_spec(
     manager: RuntimeManager, model_file: Path
 ) -> None:
+    assert manager.running_server(ServerSpec(str(model_file), ctx_size=1024)) is None
     first = await manager.ensure_server_async(ServerSpec(str(model_file), ctx_size=1024))
     again = await manager.ensure_server_async(ServerSpec(str(model_file), ctx_size=1024))
     assert again is first and again.pid == first.pid and first.alive
+    assert manager.running_server(ServerSpec(str(model_file), ctx_size=1024)) is first
+    assert manager.running_server(ServerSpec(str(model_file), ctx_size=512)) is None
 
     other = await manager.ensure_server_async(ServerSpec(str(model_file), ctx_size=512))
     assert other is not first and other.pid != first.pid
     assert not first.alive  # replaced, not leaked
+    assert manager.running_server(ServerSpec(str(model_file), ctx_size=1024)) is None
 
 
 async def test_killed_llama_server_is_detected_and_replaced(

@@ -290,7 +290,11 @@ def test_parse_args_quick_and_paths() -> None:
     assert (args.prompts, args.max_tokens) == (3, 16)
     assert args.path_keys == ["a", "c"]
     args = compare_paths.parse_args([])
-    assert (args.prompts, args.max_tokens, args.seed) == (10, 64, 42)
+    assert (args.prompts, args.max_tokens, args.seed) == (
+        30,
+        64,
+        42,
+    )  # the issue asks for at least 30 paired prompts
     assert args.path_keys == ["a", "b1", "c", "b2"]
     with pytest.raises(SystemExit):
         compare_paths.parse_args(["--paths", "a,zz"])
