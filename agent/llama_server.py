@@ -8,12 +8,13 @@ import ipaddress
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from agent.endpoints import free_loopback_port, parse_endpoint, port_is_free
 from agent.llama_binaries import RuntimeBinaries
@@ -294,7 +295,7 @@ class LlamaServer(ManagedChild):
                         f"llama-server returned {resp.status_code}: {_error_message(body)}",
                         status_code=resp.status_code,
                     )
-                async for line in resp.aiter_lines():
+                async for line in _sse_lines(resp.aiter_bytes()):
                     delta = _parse_sse_line(line)
                     if delta is _DONE:
                         return
@@ -326,16 +327,34 @@ class _Done:
 _DONE = _Done()
 
 
-def _parse_sse_line(line: str) -> ChatDelta | _Done | None:
-    if not line.startswith("data:"):
+async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of an SSE body as bytes, without their ``\n`` or ``\r\n``, however the
+    body is cut into chunks (a last line without an ending is given too).
+
+    One token per event makes this the agent's per-token hot path: bytes are split as they
+    come, with no text decoding before the JSON parser (orjson reads UTF-8 bytes itself).
+    """
+    rest = b""
+    async for chunk in chunks:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            yield line[:-1] if line.endswith(b"\r") else line
+    if rest:
+        yield rest[:-1] if rest.endswith(b"\r") else rest
+
+
+def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
+    if not line.startswith(b"data:"):
         return None  # blank separators, ": ping" comments, event: lines
     data = line[5:].strip()
-    if data == "[DONE]":
+    if data == b"[DONE]":
         return _DONE
     try:
-        chunk = json.loads(data)
-    except ValueError:
-        raise GenerationError(f"llama-server sent malformed stream data: {data[:200]}") from None
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        shown = data[:200].decode("utf-8", errors="replace")
+        raise GenerationError(f"llama-server sent malformed stream data: {shown}") from None
     if not isinstance(chunk, dict):
         return None
     if "error" in chunk:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import sys
 import zipfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent import llama_binaries, llama_server
 from agent.endpoints import parse_endpoint, validate_rpc_bind_host
@@ -215,8 +220,8 @@ def test_chat_payload_streams_with_usage_and_drops_unset_fields() -> None:
     assert full["stop"] == ["a", "b"]
 
 
-def sse(data: object) -> str:
-    return "data: " + json.dumps(data)
+def sse(data: object) -> bytes:
+    return b"data: " + json.dumps(data).encode()
 
 
 def test_sse_content_delta() -> None:
@@ -240,17 +245,55 @@ def test_sse_final_chunks() -> None:
     assert delta.timings is not None and delta.timings.tokens_per_second == pytest.approx(80.0)
 
 
-@pytest.mark.parametrize("line", ["", ": ping", "event: message", sse({"choices": []})])
-def test_sse_lines_without_content_are_skipped(line: str) -> None:
+@pytest.mark.parametrize("line", [b"", b": ping", b"event: message", sse({"choices": []})])
+def test_sse_lines_without_content_are_skipped(line: bytes) -> None:
     assert llama_server._parse_sse_line(line) is None
 
 
 def test_sse_done_and_errors() -> None:
-    assert llama_server._parse_sse_line("data: [DONE]") is llama_server._DONE
+    assert llama_server._parse_sse_line(b"data: [DONE]") is llama_server._DONE
     with pytest.raises(GenerationError, match="context full"):
         llama_server._parse_sse_line(sse({"error": {"code": 500, "message": "context full"}}))
     with pytest.raises(GenerationError, match="malformed"):
-        llama_server._parse_sse_line("data: {not json")
+        llama_server._parse_sse_line(b"data: {not json")
+
+
+@given(
+    st.lists(
+        st.text(
+            alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)),
+            max_size=12,
+        )
+    ),
+    st.sampled_from([b"\n", b"\r\n"]),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_sse_lines_are_the_same_however_the_body_is_cut(
+    lines: list[str], ending: bytes, cuts: list[int]
+) -> None:
+    body = b"".join(line.encode() + ending for line in lines)
+    bounds = sorted({0, len(body), *(c for c in cuts if c < len(body))})
+    chunks = [body[a:b] for a, b in itertools.pairwise(bounds)]
+
+    async def given_chunks() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def collect() -> list[bytes]:
+        return [line async for line in llama_server._sse_lines(given_chunks())]
+
+    assert asyncio.run(collect()) == [line.encode() for line in lines]
+
+
+def test_an_unterminated_last_line_is_given_too() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\ndata: [DO"
+        yield b"NE]"
+
+    async def collect() -> list[bytes]:
+        return [line async for line in llama_server._sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == [b"data: 1", b"", b"data: [DONE]"]
 
 
 # --- crash reports --------------------------------------------------------------------------
