@@ -25,6 +25,7 @@ from eventsourcing.persistence import RecordConflictError, Recording
 
 from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
+from application.store_guard import StoreGuard
 from domain.errors import IllegalTransition, SlotTaken
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
@@ -58,7 +59,13 @@ class Controller(Application[UUID]):
         "AGGREGATE_CACHE_FASTFORWARD": "y",
     }
 
-    def __init__(self, env: Mapping[str, str] | None = None, *, record_content: bool = True):
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        record_content: bool = True,
+        guard: StoreGuard | None = None,
+    ):
         super().__init__(env)
         self.record_content = record_content
         self._listeners: list[SaveListener] = []
@@ -72,6 +79,8 @@ class Controller(Application[UUID]):
         # state loaded from the store.
         self._fresh_jobs: OrderedDict[UUID, Job] = OrderedDict()
         self._fresh_lock = threading.Lock()
+        #: Fails commands fast while the store is unreachable (storage gives it a probe).
+        self.guard = guard if guard is not None else StoreGuard(probe=lambda: True)
 
     # ------------------------------------------------------------- plumbing
 
@@ -99,9 +108,17 @@ class Controller(Application[UUID]):
         return self.recorder.max_notification_id() or 0
 
     def _run(self, command: Callable[[], Sequence[Aggregate]]) -> int:
-        """Runs ``command`` (load + mutate) and saves, retrying on version conflicts."""
+        """Runs ``command`` (load + mutate) and saves, retrying on version conflicts.
+
+        While the store is unreachable (:attr:`guard`) it raises ``StoreUnavailable`` at
+        once instead of waiting for the connection pool's timeout."""
+        self.guard.check()
         for attempt in range(MAX_COMMAND_ATTEMPTS):
-            aggregates = command()
+            try:
+                aggregates = command()
+            except BaseException as e:
+                self.guard.observe(e)
+                raise
             started = time.perf_counter()
             try:
                 recordings = self.save(*aggregates)
@@ -111,8 +128,9 @@ class Controller(Application[UUID]):
                 # collide in lock-step again, then re-run on fresh state.
                 time.sleep(random.uniform(0, 0.002 * 2**attempt))
                 continue
-            except BaseException:
+            except BaseException as e:
                 self._forget_fresh(aggregates)
+                self.guard.observe(e)
                 raise
             self._keep_fresh(aggregates)
             if self.append_observer is not None:

@@ -33,6 +33,11 @@ class LiveState(Protocol):
         """Whether the shared store (if any) answers; may do network I/O."""
         ...
 
+    def local_only(self) -> bool:
+        """True while a configured shared store is unreachable, so this process keeps the
+        heartbeats it receives to itself (no I/O: the last write's outcome)."""
+        ...
+
     def close(self) -> None: ...
 
 

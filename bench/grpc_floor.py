@@ -86,11 +86,13 @@ def _clients_main(port: int, streams: int, interval: float) -> None:
 
 
 def measure(streams: int, interval: float, seconds: float) -> Floor:
-    ports: Any = mp.Queue()
-    server = mp.Process(target=_server_main, args=(ports,), daemon=True)
+    # Spawned, not forked: a process that has used gRPC cannot fork a working gRPC child.
+    spawn = mp.get_context("spawn")
+    ports: Any = spawn.Queue()
+    server = spawn.Process(target=_server_main, args=(ports,), daemon=True)
     server.start()
     port = ports.get(timeout=30)
-    clients = mp.Process(target=_clients_main, args=(port, streams, interval), daemon=True)
+    clients = spawn.Process(target=_clients_main, args=(port, streams, interval), daemon=True)
     clients.start()
     try:
         time.sleep(interval + 3.0)  # every stream open and sending

@@ -56,6 +56,9 @@ class InProcessLiveState:
     def ping(self) -> bool:
         return True
 
+    def local_only(self) -> bool:
+        return False  # no shared store is configured: nothing to fall back from
+
     def close(self) -> None:
         pass
 
@@ -147,6 +150,9 @@ class RedisLiveState:
         except redis.RedisError:
             return False
 
+    def local_only(self) -> bool:
+        return False  # every call goes to Redis (and raises when it cannot)
+
 
 def _fields(live: LiveNode) -> dict[str, Any]:
     return {
@@ -196,6 +202,9 @@ class WriteBehindLiveState(InProcessLiveState):
 
     def ping(self) -> bool:
         return self.backend.ping()
+
+    def local_only(self) -> bool:
+        return self._failing
 
     def flush(self) -> None:
         """Writes the entries that changed since the last flush; reads the entries of nodes

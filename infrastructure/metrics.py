@@ -168,6 +168,7 @@ class ClusterSources:
     feed_subscribers: Callable[[], int] = lambda: 0
     feed_dropped: Callable[[], int] = lambda: 0
     queue_depths: Callable[[], Mapping[str, int]] = dict
+    live_local_only: Callable[[], bool] = lambda: False
 
 
 class ClusterCollector(Collector):
@@ -217,6 +218,11 @@ class ClusterCollector(Collector):
                 "dacp_event_feed_subscribers",
                 "Open live event feed streams.",
                 self.sources.feed_subscribers,
+            ),
+            (
+                "dacp_live_state_local_only",
+                "1 while Redis is unreachable: heartbeats are kept in this controller only.",
+                lambda: int(self.sources.live_local_only()),
             ),
         ):
             try:

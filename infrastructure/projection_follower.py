@@ -86,9 +86,10 @@ class ProjectionFollower:
                     self._follow_subscription()
                 else:
                     self._follow_log()
-            except Exception:
+            except Exception as e:
                 if self._stop.is_set():
                     return
+                self.app.guard.observe(e)  # a lost connection: requests fail fast meanwhile
                 log.exception("projection follower failed; restarting in 1 s")
                 self._stop.wait(1.0)
 

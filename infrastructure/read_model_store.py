@@ -8,7 +8,7 @@ SQL serves Postgres and SQLite: only the placeholder and the table qualification
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import orjson
@@ -19,6 +19,7 @@ from eventsourcing.utils import Environment
 from psycopg.sql import SQL
 
 from application.read_models import eligibility_of, project_job, project_model, project_node
+from application.store_guard import StoreGuard
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
@@ -100,14 +101,32 @@ def _table_of(event: object) -> str | None:
 _PROJECT = {"nodes": project_node, "models": project_model, "jobs": project_job}
 
 
+@contextlib.contextmanager
+def _guarded(
+    transaction: contextlib.AbstractContextManager[Any], guard: StoreGuard | None
+) -> Iterator[Any]:
+    """``transaction``, telling ``guard`` about the errors that show an outage."""
+    try:
+        with transaction as c:
+            yield c
+    except BaseException as e:
+        if guard is not None:
+            guard.observe(e)
+        raise
+
+
 class _ReadModelViews:
     """SQL of the views; mixed into a database-specific tracking recorder."""
 
     ph = "?"
     view_name = "dacp_readmodel"
+    #: The store's circuit breaker (open_storage sets it): no pool wait during an outage.
+    guard: StoreGuard | None = None
 
     def _transaction(self, *, commit: bool) -> contextlib.AbstractContextManager[Any]:
-        return cast(Any, self).datastore.transaction(commit=commit)  # type: ignore[no-any-return]
+        if self.guard is not None:
+            self.guard.check()
+        return _guarded(cast(Any, self).datastore.transaction(commit=commit), self.guard)
 
     def _t(self, table: str) -> str:
         return f"{self.view_name}_{table}"

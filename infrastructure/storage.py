@@ -2,16 +2,57 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import psycopg
 
 from application.controller import Controller
+from application.store_guard import StoreGuard
 from infrastructure.persistence import persistence_env
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore, open_read_model
+
+
+def store_probe(env: Mapping[str, str]) -> Callable[[], bool]:
+    """Whether the store answers now: for Postgres one connection (1 s timeout) and one
+    query, outside the pool; an embedded SQLite file is always there."""
+    if "POSTGRES_DBNAME" not in env:
+        return lambda: True
+
+    def probe() -> bool:
+        try:
+            with _connect(env, connect_timeout=1) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error:
+            return False
+        return True
+
+    return probe
+
+
+def _refresh_pools(*recorders: object) -> None:
+    """After an outage: drop the pools' broken connections and connect again now. Left to
+    themselves, psycopg's pools retry with a growing backoff, and requests would wait for
+    a connection for seconds after the database is back."""
+    for recorder in recorders:
+        pool = getattr(getattr(recorder, "datastore", None), "pool", None)
+        check = getattr(pool, "check", None)  # psycopg_pool's; SQLite has no pool to refresh
+        if check is not None:
+            check()
+
+
+def _connect(env: Mapping[str, str], **kwargs: object) -> psycopg.Connection[Any]:
+    return psycopg.connect(
+        dbname=env["POSTGRES_DBNAME"],
+        host=env["POSTGRES_HOST"],
+        port=int(env["POSTGRES_PORT"]),
+        user=env["POSTGRES_USER"],
+        password=env.get("POSTGRES_PASSWORD") or None,
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 def ensure_postgres_schema(env: Mapping[str, str]) -> None:
@@ -19,14 +60,7 @@ def ensure_postgres_schema(env: Mapping[str, str]) -> None:
     schema = env.get("POSTGRES_SCHEMA")
     if not schema:
         return
-    with psycopg.connect(
-        dbname=env["POSTGRES_DBNAME"],
-        host=env["POSTGRES_HOST"],
-        port=int(env["POSTGRES_PORT"]),
-        user=env["POSTGRES_USER"],
-        password=env.get("POSTGRES_PASSWORD") or None,
-        autocommit=True,
-    ) as conn:
+    with _connect(env, autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')  # type: ignore[arg-type]
 
 
@@ -43,6 +77,7 @@ class Storage:
 
     def close(self) -> None:
         self.follower.stop()
+        self.app.guard.close()
         self.app.close()
         factory = getattr(self.read_model, "factory", None)
         if factory is not None:
@@ -55,8 +90,11 @@ def open_storage(
     """Opens storage from an eventsourcing environment (see :func:`persistence_env`)."""
     env = dict(env)
     ensure_postgres_schema(env)
-    app = Controller(env=env, record_content=record_content)
+    guard = StoreGuard(store_probe(env))
+    app = Controller(env=env, record_content=record_content, guard=guard)
     store = open_read_model(env)
+    cast(Any, store).guard = guard
+    guard.on_back = lambda: _refresh_pools(app.recorder, store)
     follower = ProjectionFollower(app, store, poll_interval=poll_interval)
     return Storage(app=app, read_model=store, follower=follower, env=env)
 

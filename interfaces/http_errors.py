@@ -9,6 +9,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
 from application.errors import ConcurrencyExhausted, NotFound
+from application.store_guard import StoreUnavailable
 from domain.errors import IllegalTransition, InvalidCommand
 
 
@@ -110,5 +111,6 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     TimeoutError: _unavailable,
     ConcurrencyExhausted: _unavailable,
     PersistenceError: _unavailable,
+    StoreUnavailable: _unavailable,
     Exception: _internal,
 }

@@ -74,6 +74,7 @@ def cluster_collector(services: Services, jobs: JobManager, feed: EventFeed) -> 
             feed_subscribers=lambda: feed.subscriber_count,
             feed_dropped=lambda: feed.dropped,
             queue_depths=jobs.queue.depths,
+            live_local_only=services.live.local_only,
         )
     )
 

@@ -261,7 +261,7 @@ def test_sse_done_and_errors() -> None:
 @given(
     st.lists(
         st.text(
-            alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)),
+            alphabet=st.characters(codec="utf-8", blacklist_characters="\r\n"),
             max_size=12,
         )
     ),

@@ -1,0 +1,173 @@
+"""PostgreSQL stopped or frozen. Stopped: new requests fail fast with 503 and ``Retry-After``
+(not queued, not hanging). Stopped or frozen: heartbeats are still handled, nodes that kept
+heartbeating are not recorded as silent afterwards, and everything works again without a
+restart.
+
+A controller on a private PostgreSQL cluster (``initdb`` + ``pg_ctl``) and the shared Redis;
+fake agents heartbeat every 0.2 s and the test settings mark a node OFFLINE after 2 s of
+silence, so an outage of twice that is long enough for a wrong verdict to show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from uuid import UUID
+
+import httpx
+import pytest
+
+from domain.catalog import code_of
+from interfaces.controller_main import RunningController, controller
+from tests.conftest import controller_settings
+from tests.faults.services import OwnPostgres
+from tests.integration.fake_agent import FakeAgent
+from tests.integration.test_control_plane import token
+
+SHA = "ab" * 32
+AI = {"Authorization": "Bearer test-ai-key"}
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+SILENCE = {"HEARTBEAT_TIMEOUT", "NODE_OFFLINE"}
+OFFLINE_AFTER = 2.0
+#: A request while the store is down must be answered within this (fail fast).
+FAST = 3.0
+#: Requests succeed again at most this long after the store is back.
+RECOVERY = 5.0
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[OwnPostgres]:
+    server = OwnPostgres().init().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+async def ctl(
+    pg_schema: str, tmp_path: Path, own_postgres: OwnPostgres
+) -> AsyncIterator[RunningController]:
+    settings = controller_settings(
+        pg_schema,
+        tmp_path,
+        database_url=f"{own_postgres.url}?schema={pg_schema}",
+        offline_after=OFFLINE_AFTER,
+        queue_timeout=30.0,
+    )
+    async with controller(settings) as running:
+        yield running
+
+
+@pytest.fixture
+async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
+    target = f"127.0.0.1:{ctl.grpc_port}"
+    started = await FakeAgent(target, token(), "a", holds=SHA, memory=4 << 30).start()
+    await _until(lambda: _state(ctl, started) == "READY")
+    async with _http(ctl) as client:
+        r = await client.post(
+            "/api/admin/models",
+            headers=ADMIN,
+            json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
+        )
+        assert r.status_code == 201, r.text
+    await _until(lambda: bool(ctl.services.read_model.eligibility()[0]["local_models"]))
+    yield started
+    await started.stop()
+
+
+def _http(ctl: RunningController) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=30)
+
+
+def _state(ctl: RunningController, agent: FakeAgent) -> str:
+    return str(ctl.services.app.get_node(agent.node_id).state)
+
+
+def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
+    return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
+
+
+async def _until(check: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except Exception:  # the store may still be coming back
+            pass
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+async def _ask(ctl: RunningController) -> httpx.Response:
+    async with _http(ctl) as client:
+        return await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+
+
+async def _outage_answers(ctl: RunningController) -> None:
+    """What a client sees while the store is away: a quick 503 with Retry-After."""
+    started = time.monotonic()
+    r = await _ask(ctl)
+    took = time.monotonic() - started
+    assert r.status_code == 503, r.text
+    assert r.headers.get("retry-after"), r.headers
+    assert r.json()["error"]["code"] == "store_unavailable", r.text
+    assert took < FAST, f"took {took:.1f}s"
+    assert ctl.services.extras["jobs"].queue.depths() in ({}, {"m": 0})  # nothing queued
+
+
+async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -> float:
+    """Works again without a restart, and nobody was recorded as silent; returns how long
+    after the store was back the first request succeeded."""
+    while True:
+        r = await _ask(ctl)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert time.monotonic() - back_at < RECOVERY, f"not recovered after {RECOVERY:g}s"
+        await asyncio.sleep(0.1)
+    recovery = time.monotonic() - back_at
+    assert r.json()["choices"][0]["message"]["content"] == "Hello world"
+    assert _state(ctl, agent) == "READY"
+    assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
+    print(f"recovered {recovery:.2f}s after the store was back")
+    return recovery
+
+
+async def test_postgres_down_for_twice_offline_after(
+    ctl: RunningController, agent: FakeAgent, own_postgres: OwnPostgres
+) -> None:
+    assert (await _ask(ctl)).status_code == 200
+    own_postgres.stop()
+    down_at = time.monotonic()
+    await _outage_answers(ctl)
+    await asyncio.sleep(max(0.0, 2 * OFFLINE_AFTER - (time.monotonic() - down_at)))
+    await _outage_answers(ctl)
+    own_postgres.start()
+    await _recovered(ctl, agent, time.monotonic())
+
+
+async def test_postgres_frozen_does_not_block_heartbeats(
+    ctl: RunningController, agent: FakeAgent, own_postgres: OwnPostgres
+) -> None:
+    assert (await _ask(ctl)).status_code == 200
+    seen_before = ctl.services.live.get(agent.node_id)
+    assert seen_before is not None
+    own_postgres.pause()
+    try:
+        frozen_at = time.monotonic()
+        await asyncio.sleep(1.0)
+        # Heartbeats keep landing in live state while every store call hangs.
+        seen = ctl.services.live.get(agent.node_id)
+        assert seen is not None and seen.last_seen > seen_before.last_seen + 0.5
+        await asyncio.sleep(max(0.0, 2 * OFFLINE_AFTER - (time.monotonic() - frozen_at)))
+        seen = ctl.services.live.get(agent.node_id)
+        assert seen is not None and time.time() - seen.last_seen < 1.0
+    finally:
+        own_postgres.resume()
+    await _recovered(ctl, agent, time.monotonic())
