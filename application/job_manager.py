@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, assert_never
 from uuid import UUID, uuid4
@@ -179,9 +179,7 @@ class JobManager:
                 # The primary streams already; JOB_SETUP_VALIDATED is written meanwhile,
                 # off the first token's path (its tokens are recorded once it is).
                 run.phase = "execution"
-                task = asyncio.get_running_loop().create_task(self._record_validation(run))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self._record_validation(run))
                 return
             reason, blamed = failure
             self._cancel_on_primary(run, f"re-planning: {reason}")
@@ -479,21 +477,42 @@ class JobManager:
     # ----------------------------------------------------- messages from agents
 
     async def handle(self, node_id: str, message: AgentJobMessage) -> None:
-        """Every job message an agent sends, by kind; each kind is handled exactly once."""
+        """Every job message an agent sends, by kind; each kind is handled exactly once.
+
+        Returns at once: the kinds that write to the store run as tasks, so a slow or frozen
+        store never holds up the node's message loop (its heartbeats, other jobs' tokens).
+        Tokens are relayed before a later ``JobFinished`` of the same job is looked at."""
         match message:
             case TokensGenerated(job_id, deltas):
                 self._relay(node_id, job_id, deltas)
             case WorkerStatus():
-                await self._worker_status(node_id, message)
+                self._in_background(self._worker_status(node_id, message))
             case WorkerStopped(job_id, reason):
                 # RPC_WORKER_STOPPED, while the node still serves the job.
-                await self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
+                self._in_background(
+                    self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
+                )
             case SetupReported(job_id, outcome):
                 self._setup_reported(node_id, job_id, outcome)
             case JobFinished(job_id, result):
-                await self._job_finished(node_id, job_id, result)
+                self._in_background(self._job_finished(node_id, job_id, result))
             case _:
                 assert_never(message)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("handling an agent message failed", exc_info=task.exception())
+
+    async def settle(self) -> None:
+        """Waits until every agent message handed over so far is fully handled (tests)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _worker_status(self, node_id: str, status: WorkerStatus) -> None:
         run = self.runs.get(status.job_id)

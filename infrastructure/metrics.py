@@ -169,6 +169,8 @@ class ClusterSources:
     feed_dropped: Callable[[], int] = lambda: 0
     queue_depths: Callable[[], Mapping[str, int]] = dict
     live_local_only: Callable[[], bool] = lambda: False
+    projection_failing: Callable[[], bool] = lambda: False
+    projection_skipped: Callable[[], int] = lambda: 0
 
 
 class ClusterCollector(Collector):
@@ -220,6 +222,16 @@ class ClusterCollector(Collector):
                 self.sources.feed_subscribers,
             ),
             (
+                "dacp_read_model_lag",
+                "Events stored but not yet applied to the read model.",
+                lambda: max(0, self.sources.store_position() - self.sources.read_model_position()),
+            ),
+            (
+                "dacp_projection_failing",
+                "1 while the projection follower retries after an error (store unreachable).",
+                lambda: int(self.sources.projection_failing()),
+            ),
+            (
                 "dacp_live_state_local_only",
                 "1 while Redis is unreachable: heartbeats are kept in this controller only.",
                 lambda: int(self.sources.live_local_only()),
@@ -240,6 +252,17 @@ class ClusterCollector(Collector):
             out.append(depth)
         except Exception:
             self._failed("the admission queue")
+        try:
+            out.append(
+                CounterMetricFamily(
+                    "dacp_projection_skipped_events",
+                    "Events the read model skipped because they failed to apply "
+                    "(`dacp projections rebuild` once the cause is fixed).",
+                    value=self.sources.projection_skipped(),
+                )
+            )
+        except Exception:
+            self._failed("the projection follower")
         try:
             dropped = CounterMetricFamily(
                 "dacp_event_feed_dropped",

@@ -20,13 +20,18 @@ from typing import Any
 from eventsourcing.persistence import IntegrityError, Tracking
 
 from application.controller import Controller
+from application.store_guard import StoreUnavailable, is_outage
 from infrastructure.read_model_store import ReadModelStore
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
 #: Attempts before an event that cannot be applied is skipped (and logged) by the views.
+#: Only failures of the event itself count: an unreachable store is retried for as long as
+#: it lasts, and never makes the views skip anything.
 POISON_AFTER = 3
+#: Backoff between attempts after a failure (seconds): doubles from the first to the last.
+RETRY_FIRST, RETRY_MAX = 0.2, 5.0
 
 
 class ProjectionFollower:
@@ -45,6 +50,8 @@ class ProjectionFollower:
         self._event_listeners: list[Callable[[int, object], None]] = []
         self._failures: dict[int, int] = {}
         self.skipped: list[int] = []
+        #: The error the follower is retrying after ("" while it keeps up).
+        self.error = ""
         self.uses_subscription = app.factory.env.get("PERSISTENCE_MODULE") == (
             "eventsourcing.postgres"
         )
@@ -80,6 +87,7 @@ class ProjectionFollower:
         self._wake.set()
 
     def _run(self) -> None:
+        delay = RETRY_FIRST
         while not self._stop.is_set():
             try:
                 if self.uses_subscription:
@@ -90,8 +98,13 @@ class ProjectionFollower:
                 if self._stop.is_set():
                     return
                 self.app.guard.observe(e)  # a lost connection: requests fail fast meanwhile
-                log.exception("projection follower failed; restarting in 1 s")
-                self._stop.wait(1.0)
+                if not self.error:
+                    log.exception("projection follower failed; retrying with backoff")
+                self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self._stop.wait(delay)
+                delay = min(RETRY_MAX, delay * 2)
+            else:
+                delay = RETRY_FIRST
 
     def _follow_log(self) -> None:
         while not self._stop.is_set():
@@ -122,6 +135,9 @@ class ProjectionFollower:
                 start=self._position + 1, limit=BATCH
             )
             if not notifications:
+                if self.error:
+                    log.warning("projection follower caught up again after: %s", self.error)
+                    self.error = ""
                 return applied
             self._apply_batch(notifications)
             applied += len(notifications)
@@ -153,7 +169,9 @@ class ProjectionFollower:
         except IntegrityError:
             # Already applied (another follower or an earlier run): tracking says so.
             log.debug("notification %s already applied", notification.id)
-        except Exception:
+        except Exception as e:
+            if is_outage(e) or isinstance(e, StoreUnavailable):
+                raise  # the store, not the event: retried for as long as it lasts
             failures = self._failures.get(notification.id, 0) + 1
             self._failures = {notification.id: failures}
             if failures < POISON_AFTER:

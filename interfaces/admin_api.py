@@ -138,23 +138,29 @@ class AdminRoutes(Routes):
 async def health(state: State, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     svc = services(state)
 
-    def store_ok() -> bool:
+    def store_position() -> int | None:
+        if not svc.app.guard.up:
+            return None  # known unreachable: no wait for the pool
         try:
-            svc.app.position()
-            return True
+            return svc.app.position()
         except Exception:
-            return False
+            return None
 
-    store = await asyncio.to_thread(store_ok)
+    position = await asyncio.to_thread(store_position)
+    store = position is not None
     live = await asyncio.to_thread(svc.live.ping)
-    healthy = store and live
+    follower = svc.follower
+    healthy = store and live and not follower.error
     return Response(
         {
             "status": "ok" if healthy else "degraded",
             "store": store,
             "live_state": live,
-            "store_kind": "postgres" if svc.follower.uses_subscription else "sqlite",
-            "read_model_position": svc.follower.position,
+            "store_kind": "postgres" if follower.uses_subscription else "sqlite",
+            "read_model_position": follower.position,
+            "read_model_lag": None if position is None else max(0, position - follower.position),
+            "projection_error": follower.error or None,
+            "projection_skipped_events": list(follower.skipped),
             "controller_version": CONTROLLER_VERSION,
             "protocol": PROTOCOL_VERSION,
             "connected_nodes": len(svc.connections.connected()),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 import grpc
@@ -273,11 +273,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             ram_free = live.telemetry.get("ram_free_bytes") if live else None
             resources = resources_from_report(message.resource_report.inventory, ram_free)
             models = local_models_to_list(message.resource_report.models)
-            await self._command(self.app.report_resources, node_id, resources, models)
+            # Store writes run beside the message loop: a slow store must not hold up the
+            # node's heartbeats (nor its jobs' tokens) behind them.
+            self._beside(self._command(self.app.report_resources, node_id, resources, models))
         elif kind == "runtime_fault":
             if message.runtime_fault.fatal:
                 fault = message.runtime_fault.message
-                await self._command(self.app.report_node_error, node_id, fault)
+                self._beside(self._command(self.app.report_node_error, node_id, fault))
             else:
                 log.warning("node %s reports: %s", node_id, message.runtime_fault.message)
         elif kind == "hello":
@@ -286,6 +288,17 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             await self.uplink.on_agent_message(node_id, message)
         else:
             log.warning("node %s sent %s but no job manager is running", node_id, kind)
+
+    def _beside(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._cleanups.add(task)
+        task.add_done_callback(self._beside_done)
+
+    def _beside_done(self, task: asyncio.Future[None]) -> None:
+        self._cleanups.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # A store or Redis hiccup must not cost the node its control stream.
+            log.error("handling a node message failed", exc_info=task.exception())
 
     async def _command(self, fn: Callable[..., object], *args: Any) -> None:
         try:

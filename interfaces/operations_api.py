@@ -69,12 +69,14 @@ def cluster_collector(services: Services, jobs: JobManager, feed: EventFeed) -> 
             live=services.live.all,
             connected=services.connections.is_connected,
             active_jobs=lambda: len(jobs.runs),
-            store_position=services.app.position,
+            store_position=lambda: _store_position(services),
             read_model_position=lambda: services.follower.position,
             feed_subscribers=lambda: feed.subscriber_count,
             feed_dropped=lambda: feed.dropped,
             queue_depths=jobs.queue.depths,
             live_local_only=services.live.local_only,
+            projection_failing=lambda: bool(services.follower.error),
+            projection_skipped=lambda: len(services.follower.skipped),
         )
     )
 
@@ -111,3 +113,9 @@ def operations_handlers() -> list[ControllerRouterHandler]:
         cache_control=CacheControlHeader(no_cache=True),
     )
     return [metrics, dashboard, static]
+
+
+def _store_position(services: Services) -> int:
+    """The store's position; raises at once (a scrape error) while it is unreachable."""
+    services.app.guard.check()
+    return services.app.position()

@@ -119,6 +119,12 @@ async def _outage_answers(ctl: RunningController) -> None:
     assert r.json()["error"]["code"] == "store_unavailable", r.text
     assert took < FAST, f"took {took:.1f}s"
     assert ctl.services.extras["jobs"].queue.depths() in ({}, {"m": 0})  # nothing queued
+    async with _http(ctl) as client:
+        started = time.monotonic()
+        health = await client.get("/health")
+        assert time.monotonic() - started < FAST
+    assert health.status_code == 503
+    assert health.json()["status"] == "degraded" and health.json()["store"] is False
 
 
 async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -> float:
@@ -135,6 +141,12 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
     assert _state(ctl, agent) == "READY"
     assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
+    await _until(lambda: not ctl.services.follower.error)  # the views caught up again
+    await asyncio.to_thread(ctl.services.follower.wait, ctl.services.app.position(), 5.0)
+    async with _http(ctl) as client:
+        health = (await client.get("/health")).json()
+    assert health["status"] == "ok" and health["read_model_lag"] == 0, health
+    assert health["projection_skipped_events"] == []
     print(f"recovered {recovery:.2f}s after the store was back")
     return recovery
 
@@ -156,6 +168,12 @@ async def test_postgres_frozen_does_not_block_heartbeats(
     ctl: RunningController, agent: FakeAgent, own_postgres: OwnPostgres
 ) -> None:
     assert (await _ask(ctl)).status_code == 200
+    # A job that finishes while the store is frozen: its ending waits for the store, the
+    # node's heartbeats must not wait behind it.
+    words = tuple(f" w{i}" for i in range(20))
+    agent.words, agent.word_delay = words, 0.05
+    streaming = asyncio.ensure_future(_ask(ctl))
+    await _until(lambda: len(agent.plans) == 2)
     seen_before = ctl.services.live.get(agent.node_id)
     assert seen_before is not None
     own_postgres.pause()
@@ -168,6 +186,11 @@ async def test_postgres_frozen_does_not_block_heartbeats(
         await asyncio.sleep(max(0.0, 2 * OFFLINE_AFTER - (time.monotonic() - frozen_at)))
         seen = ctl.services.live.get(agent.node_id)
         assert seen is not None and time.time() - seen.last_seen < 1.0
+        assert not streaming.done()  # its ending waits for the store
     finally:
         own_postgres.resume()
+    answer = await asyncio.wait_for(streaming, RECOVERY)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "".join(words)
+    agent.words, agent.word_delay = ("Hello", " world"), 0.0
     await _recovered(ctl, agent, time.monotonic())

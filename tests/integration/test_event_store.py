@@ -7,7 +7,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from eventsourcing.persistence import Tracking
+from eventsourcing.persistence import OperationalError, Tracking
 
 from application.commands import Delta
 from application.controller import Controller
@@ -281,3 +281,35 @@ def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
     row = storage.read_model.get_node(str(node_id))
     assert row is not None and row["security_violations"] == 1
     assert storage.read_model.max_tracking_id(storage.read_model.view_name) == 3
+
+
+def test_an_unreachable_store_is_retried_and_never_skips_an_event(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage.follower.stop()  # drive the follower by hand
+    app = storage.app
+    node_id = enroll_ready(app, "a")  # positions 1 and 2
+    outage = {"left": 2 * POISON_AFTER}  # longer than the poison threshold
+    real, real_batch = storage.read_model.process_event, storage.read_model.process_events
+
+    def down(event: object, tracking: Any) -> None:
+        if outage["left"] > 0:
+            outage["left"] -= 1
+            raise OperationalError("server closed the connection unexpectedly")
+        real(event, tracking)  # type: ignore[arg-type]
+
+    def down_batch(items: list[tuple[object, Any]]) -> None:
+        if outage["left"] > 0:
+            raise OperationalError("server closed the connection unexpectedly")
+        real_batch(items)
+
+    monkeypatch.setattr(storage.read_model, "process_event", down)
+    monkeypatch.setattr(storage.read_model, "process_events", down_batch)
+    follower = ProjectionFollower(app, storage.read_model)
+    while outage["left"] > 0:
+        with pytest.raises(OperationalError):
+            follower.catch_up()
+    assert follower.catch_up() == 2
+    assert follower.skipped == []  # nothing lost to the outage
+    row = storage.read_model.get_node(str(node_id))
+    assert row is not None and row["state"] == "READY"

@@ -168,6 +168,7 @@ class Cluster:
     async def finish(self, node_id: str, job_id: str) -> None:
         result = AgentJobResult(ok=True, finish_reason="stop", completion_tokens=1)
         await self.jobs.handle(node_id, JobFinished(job_id, result))
+        await self.jobs.settle()
 
 
 def count(cluster: Cluster, code: str) -> int:
