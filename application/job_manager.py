@@ -43,6 +43,7 @@ from application.errors import NotFound
 from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
 from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
+from application.store_guard import StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
@@ -56,6 +57,8 @@ T = TypeVar("T")
 
 #: How often one placement may lose the race for a slot before the job queues instead.
 MAX_PLACEMENT_RACES = 16
+#: Backoff between attempts to record a job's ending while the store is unreachable (s).
+ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
 
 
 class JobManager:
@@ -447,9 +450,7 @@ class JobManager:
             self.queue.leave(run.ticket)
         if run.primary:
             self.gateway.cancel_job(run.primary, job_id, reason)
-        await self.recorder.flush(job_id)
-        await self._quietly(self.app.cancel, job_id, reason)
-        self._ended(job_id)
+        await self._record_ending(job_id, self.app.cancel, reason)
 
     def _label(self, node_id: str) -> str:
         """``name (id prefix)`` for messages people read; the id alone if unknown."""
@@ -462,6 +463,41 @@ class JobManager:
         """Tells the primary to stop generating (it keeps its runtime otherwise busy)."""
         if run.primary and run.setup_future is not None:
             self.gateway.cancel_job(run.primary, run.job_id, reason)
+
+    async def _record_ending(
+        self,
+        job_id: str,
+        end: Callable[..., Any],
+        *args: Any,
+        tell: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Records the job's last token chunk and its ending (``end(job_id, *args)``), then
+        frees its slots. The client hears the ending (``tell``) once it is written, or at
+        once when the store is unreachable: the write is then retried with backoff until
+        the store takes it, so the job and its nodes never stay busy in the store."""
+        name = getattr(end, "__name__", "ending")
+        delay, told = ENDING_RETRY_FIRST, False
+        while True:
+            try:
+                await self.recorder.flush(job_id)
+                await self._call(end, job_id, *args)
+            except (DomainError, NotFound) as e:
+                log.info("%s of job %s skipped: %s", name, job_id, e)
+            except Exception as e:
+                if not (is_outage(e) or isinstance(e, StoreUnavailable)):
+                    log.exception("%s of job %s failed", name, job_id)
+                else:
+                    if not told:
+                        log.warning("job %s: recording its %s waits for the store", job_id, name)
+                        tell()
+                        told = True
+                    await asyncio.sleep(delay)
+                    delay = min(ENDING_RETRY_MAX, delay * 2)
+                    continue
+            break
+        if not told:
+            tell()
+        self._ended(job_id)
 
     async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs a command on a path that must go on whatever happens to the command: a
@@ -582,15 +618,12 @@ class JobManager:
                 error=result.error or "generation failed",
                 error_code=result.error_code or "execution_failed",
             )
-        try:
-            await self.recorder.flush(job_id)
-            if result.ok:
-                await self._quietly(self.app.complete, job_id, item.outcome)
-            else:
-                await self._quietly(self.app.fail, job_id, result.error, result.error_code)
-        finally:
-            run.queue.put_nowait(item)  # the client hears the ending whatever the store does
-            self._ended(job_id)
+        tell = functools.partial(run.queue.put_nowait, item)
+        if result.ok:
+            await self._record_ending(job_id, self.app.complete, item.outcome, tell=tell)
+        else:
+            fail = self.app.fail
+            await self._record_ending(job_id, fail, result.error, result.error_code, tell=tell)
 
     async def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed: setup waits fail over; executions on it are lost."""
@@ -623,24 +656,21 @@ class JobManager:
             "uninterrupted generation is not guaranteed",
             error_code="node_lost",
         )
+        # The primary validated; wait until that is recorded so the failure is recorded in
+        # the execution phase, where it happened.
         try:
-            # The primary validated; wait until that is recorded so the failure is
-            # recorded in the execution phase, where it happened.
-            try:
-                await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
-            except TimeoutError:
-                log.warning("job %s lost its node before its setup was recorded", run.job_id)
-            if self.runs.pop(run.job_id, None) is None:
-                return
-            if node_id != run.primary:
-                self._cancel_on_primary(run, f"RPC worker node {label} lost")
-            await self.recorder.flush(run.job_id)
-            await self._quietly(
-                self.app.fail, run.job_id, f"node {label} lost during execution", "node_lost"
-            )
-        finally:
+            await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
+        except TimeoutError:
+            log.warning("job %s lost its node before its setup was recorded", run.job_id)
+        if self.runs.pop(run.job_id, None) is None:
             run.queue.put_nowait(item)
             self._ended(run.job_id)
+            return
+        if node_id != run.primary:
+            self._cancel_on_primary(run, f"RPC worker node {label} lost")
+        why = f"node {label} lost during execution"
+        tell = functools.partial(run.queue.put_nowait, item)
+        await self._record_ending(run.job_id, self.app.fail, why, "node_lost", tell=tell)
 
     async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""

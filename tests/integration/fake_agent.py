@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from proto import SLOTS_LABEL
 from proto import control_pb2 as pb
 from tests.integration.control_client import RawSession, enroll, inventory
 
@@ -23,11 +24,13 @@ class FakeAgent:
         memory: int = 160 << 20,
         words: tuple[str, ...] = ("Hello", " world"),
         address: str = "127.0.0.1",
+        slots: int = 1,
     ):
         self.target, self.token, self.name = target, token, name
         self.holds = holds  # sha256 of the model file it reports
         self.memory = memory
         self.address = address
+        self.slots = slots
         self.words = words
         self.unresponsive = False
         self.fail_setup: pb.SetupResult | None = None
@@ -42,6 +45,7 @@ class FakeAgent:
     async def start(self) -> FakeAgent:
         inv = inventory(self.address)
         inv.labels["dacp.memory_limit_bytes"] = str(self.memory)
+        inv.labels[SLOTS_LABEL] = str(self.slots)
         import grpc
 
         from proto import control_pb2_grpc as pb_grpc
