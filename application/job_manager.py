@@ -38,6 +38,7 @@ from application.agent_messages import (
 )
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
+from application.deadlines import Deadlines
 from application.dispatch_batcher import DispatchBatcher
 from application.errors import NotFound
 from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
@@ -75,9 +76,11 @@ class JobManager:
         metrics: Metrics | None = None,
         queue: AdmissionQueue | None = None,
         queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+        deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.metrics: Metrics = metrics or NullMetrics()
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.queue = queue if queue is not None else AdmissionQueue()
         self.queue_timeout = queue_timeout
         self.clock = clock
@@ -182,6 +185,7 @@ class JobManager:
                 # The primary streams already; JOB_SETUP_VALIDATED is written meanwhile,
                 # off the first token's path (its tokens are recorded once it is).
                 run.phase = "execution"
+                run.executing_since = time.monotonic()
                 self._in_background(self._record_validation(run))
                 return
             reason, blamed = failure
@@ -451,6 +455,41 @@ class JobManager:
         if run.primary:
             self.gateway.cancel_job(run.primary, job_id, reason)
         await self._record_ending(job_id, self.app.cancel, reason)
+
+    def enforce_deadlines(self, now: float | None = None) -> list[str]:
+        """Ends every job past one of its deadlines (:mod:`application.deadlines`) as
+        JOB_FAILED with the deadline's code, tells its client and stops its primary; returns
+        the ids of the jobs it ended. The controller calls it every half second."""
+        at = time.monotonic() if now is None else now
+        ended = []
+        for run in list(self.runs.values()):
+            missed = self.deadlines.missed(
+                at,
+                submitted_at=run.submitted_at,
+                executing_since=run.executing_since,
+                last_token_at=run.last_token_at,
+            )
+            if missed is None or run.executing_since is None:
+                continue  # a job still in setup or queued has its own limits
+            code, why = missed
+            self.runs.pop(run.job_id, None)
+            log.warning("job %s: %s", run.job_id, why)
+            self._cancel_on_primary(run, why)
+            self._in_background(self._end_past_deadline(run, why, code))
+            ended.append(run.job_id)
+        return ended
+
+    async def _end_past_deadline(self, run: JobRun, why: str, code: str) -> None:
+        # Its tokens so far are recorded once JOB_SETUP_VALIDATED is: wait for that first,
+        # so they land before the ending, in the execution phase.
+        try:
+            await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
+        except TimeoutError:
+            log.warning("job %s passed a deadline before its setup was recorded", run.job_id)
+        tell = functools.partial(
+            run.queue.put_nowait, StreamItem("error", error=why, error_code=code)
+        )
+        await self._record_ending(run.job_id, self.app.fail, why, code, tell=tell)
 
     def _label(self, node_id: str) -> str:
         """``name (id prefix)`` for messages people read; the id alone if unknown."""

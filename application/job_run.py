@@ -61,6 +61,8 @@ class JobRun:
     validated: asyncio.Event = field(default_factory=asyncio.Event)
     held: list[Delta] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    #: When generation started (the primary validated); None while queued or in setup.
+    executing_since: float | None = None
     last_token_at: float | None = None
     #: The job exists in the store (JOB_SUBMITTED recorded).
     recorded: bool = False

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from application.admission import DEFAULT_QUEUE_MAX, DEFAULT_QUEUE_TIMEOUT
+from application.deadlines import (
+    DEFAULT_FIRST_TOKEN_TIMEOUT,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    Deadlines,
+)
 from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
 
 
@@ -15,7 +20,9 @@ class SettingsError(ValueError):
     """A configuration value is malformed; the message names the variable."""
 
 
-def _float(env: Mapping[str, str], key: str, default: float) -> float:
+def _float(
+    env: Mapping[str, str], key: str, default: float, *, zero_means_off: bool = False
+) -> float:
     raw = env.get(key, "").strip()
     if not raw:
         return default
@@ -23,8 +30,9 @@ def _float(env: Mapping[str, str], key: str, default: float) -> float:
         value = float(raw)
     except ValueError as e:
         raise SettingsError(f"{key} must be a number of seconds, got {raw!r}") from e
-    if value <= 0:
-        raise SettingsError(f"{key} must be positive, got {raw!r}")
+    if value < 0 or (value == 0 and not zero_means_off):
+        limit = "at least 0 (0: off)" if zero_means_off else "positive"
+        raise SettingsError(f"{key} must be {limit}, got {raw!r}")
     return value
 
 
@@ -73,7 +81,13 @@ class Settings:
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     queue_max: int = DEFAULT_QUEUE_MAX
     token_record_interval: float = 1.0
+    first_token_timeout: float = DEFAULT_FIRST_TOKEN_TIMEOUT
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
+    request_timeout: float = 0.0  # off
     var_dir: Path = field(default_factory=lambda: Path("var"))
+
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self.first_token_timeout, self.stream_idle_timeout, self.request_timeout)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -102,8 +116,18 @@ class Settings:
             queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
             queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
             token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", 1.0),
+            first_token_timeout=_float(env, "FIRST_TOKEN_TIMEOUT", DEFAULT_FIRST_TOKEN_TIMEOUT),
+            stream_idle_timeout=_float(env, "STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT),
+            request_timeout=_float(env, "REQUEST_TIMEOUT", 0.0, zero_means_off=True),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
         )
+        try:
+            settings.deadlines()
+        except ValueError as e:
+            raise SettingsError(
+                "FIRST_TOKEN_TIMEOUT and STREAM_IDLE_TIMEOUT must be positive and "
+                f"REQUEST_TIMEOUT at least 0 (0: off): {e}"
+            ) from None
         if settings.token_record_interval <= 0:
             raise SettingsError(
                 f"TOKEN_RECORD_INTERVAL must be positive, got {settings.token_record_interval}"

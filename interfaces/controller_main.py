@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: How often queued requests re-check for capacity that changed outside this process.
 QUEUE_POLL_INTERVAL = 0.5
+#: How often running jobs are checked against their deadlines (seconds).
+DEADLINE_CHECK_INTERVAL = 0.5
 
 SWEEP_INTERVAL = 0.5
 
@@ -68,6 +70,16 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
         enrollment=EnrollmentService(storage.app, settings.node_enrollment_secret),
     )
     return services, storage
+
+
+async def _deadlines_forever(jobs: JobManager) -> None:
+    """Ends jobs past their first-token, idle or request deadline (application/deadlines)."""
+    while True:
+        await asyncio.sleep(DEADLINE_CHECK_INTERVAL)
+        try:
+            jobs.enforce_deadlines()
+        except Exception:
+            log.exception("enforcing job deadlines failed")
 
 
 async def _wake_queue_forever(jobs: JobManager) -> None:
@@ -128,6 +140,7 @@ async def start_controller(settings: Settings) -> RunningController:
         metrics=metrics,
         queue=AdmissionQueue(settings.queue_max),
         queue_timeout=settings.queue_timeout,
+        deadlines=settings.deadlines(),
     )
     services.extras["jobs"] = jobs
     metrics.add_collector(cluster_collector(services, jobs, feed))
@@ -160,6 +173,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(http_server.serve(), name="http"),
         asyncio.create_task(_sweep_forever(monitor), name="health-sweep"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
+        asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
     ]
     while not http_server.started:
         if tasks[0].done():

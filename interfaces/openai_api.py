@@ -16,6 +16,7 @@ from litestar.response import Stream
 
 from application.admission import CapacityError
 from application.commands import Submission
+from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
 from interfaces.http_auth import inference_guard
@@ -125,7 +126,8 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
         ) from e
     if first.kind == "error":
         # Nothing was sent yet, so the failure keeps its real status.
-        raise ApiError(502, first.error, type_="server_error", code=first.error_code)
+        status = 504 if first.error_code in DEADLINE_CODES else 502
+        raise ApiError(status, first.error, type_="server_error", code=first.error_code)
     completion_id = "chatcmpl-" + run.job_id.replace("-", "")
     created = int(time.time())
     if submission.stream:

@@ -332,3 +332,24 @@ async def test_token_batches_survive_a_store_error(
     row = synced(ctl).services.read_model.get_job(jid)
     assert row is not None and row["text"] == "".join(f" w{i}" for i in range(30))
     await a.stop()
+
+
+async def test_a_primary_that_sends_no_token_in_time_ends_the_request_with_504(
+    pg_schema: str, tmp_path: Path
+) -> None:
+    settings = controller_settings(pg_schema, tmp_path, first_token_timeout=1.0)
+    async with controller(settings) as running:
+        (a,) = await agents(running, {"name": "a", "holds": SHA, "memory": 4 << 30})
+        a.word_delay = 5.0  # validates, then stays silent longer than the limit
+        started = time.monotonic()
+        r = await complete_once(running)
+        took = time.monotonic() - started
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "first_token_timeout"
+        assert 1.0 < took < 4.0
+        jid = a.plans[0].job_id
+        await asyncio.sleep(0.2)
+        assert job_codes(running, jid)[-1] == "JOB_FAILED"
+        assert running.services.app.get_node(a.node_id).jobs == []
+        assert jid in a.cancelled  # the primary was told to stop
+        await a.stop()

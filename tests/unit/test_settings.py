@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from application.deadlines import Deadlines
 from infrastructure.settings import Settings, SettingsError
 
 
@@ -11,6 +12,13 @@ def test_defaults() -> None:
     settings = Settings.from_env({})
     assert settings.token_record_interval == 1.0
     assert settings.queue_timeout == 120.0 and settings.queue_max == 512
+    assert settings.deadlines() == Deadlines(first_token=300.0, stream_idle=60.0, request=0.0)
+
+
+def test_deadlines_from_the_environment() -> None:
+    env = {"FIRST_TOKEN_TIMEOUT": "20", "STREAM_IDLE_TIMEOUT": "5", "REQUEST_TIMEOUT": "600"}
+    assert Settings.from_env(env).deadlines() == Deadlines(20.0, 5.0, 600.0)
+    assert Settings.from_env({"REQUEST_TIMEOUT": "0"}).request_timeout == 0.0  # off
 
 
 @pytest.mark.parametrize(
@@ -20,6 +28,8 @@ def test_defaults() -> None:
         ({"QUEUE_MAX": "0"}, "QUEUE_MAX must be at least 1"),
         ({"QUEUE_MAX": "many"}, "QUEUE_MAX must be an integer"),
         ({"DEGRADED_AFTER": "20"}, "OFFLINE_AFTER (15.0) must exceed DEGRADED_AFTER (20.0)"),
+        ({"STREAM_IDLE_TIMEOUT": "0"}, "STREAM_IDLE_TIMEOUT must be positive"),
+        ({"REQUEST_TIMEOUT": "-1"}, "REQUEST_TIMEOUT must be at least 0 (0: off)"),
     ],
 )
 def test_bad_values_are_refused_by_name(env: dict[str, str], message: str) -> None:
