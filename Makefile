@@ -18,7 +18,7 @@ proto: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py
+	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py proto/keepalive.py
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -38,7 +38,7 @@ browser:
 test:
 	@$(BOOTSTRAP) test
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py
+	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py proto/keepalive.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
+from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,9 @@ class AgentConfig:
     backoff_max: float = 30.0
     resource_check_interval: float = 30.0
     rpc_timeout: float = 15.0  # Enroll deadline and how long to wait for Welcome
+    # gRPC keepalive on the control channel (proto/keepalive.py): a dead link is noticed.
+    keepalive_interval: float = keepalive.DEFAULT_INTERVAL
+    keepalive_timeout: float = keepalive.DEFAULT_TIMEOUT
 
     @property
     def resolved_models_dir(self) -> Path:

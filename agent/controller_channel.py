@@ -26,6 +26,7 @@ from agent.identity import NodeIdentity, load_identity, save_identity
 from agent.resources import Resources
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
+from proto import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class ControllerChannel:
     def _open_channel(self) -> grpc.aio.Channel:
         target = self._target
         assert target is not None
+        options = keepalive.channel_options(
+            self.config.keepalive_interval, self.config.keepalive_timeout
+        )
         if target.secure:
             root: bytes | None = None
             if self.config.tls_ca_file is not None:
@@ -100,9 +104,9 @@ class ControllerChannel:
                 except OSError as exc:
                     raise ConfigError(f"cannot read TLS CA file: {exc}") from exc
             credentials = grpc.ssl_channel_credentials(root_certificates=root)
-            channel = grpc.aio.secure_channel(target.address, credentials)
+            channel = grpc.aio.secure_channel(target.address, credentials, options=options)
         else:
-            channel = grpc.aio.insecure_channel(target.address)
+            channel = grpc.aio.insecure_channel(target.address, options=options)
         self._channel = channel
         return channel
 

@@ -14,6 +14,7 @@ from application.deadlines import (
     Deadlines,
 )
 from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
+from proto import keepalive
 
 
 class SettingsError(ValueError):
@@ -84,6 +85,8 @@ class Settings:
     first_token_timeout: float = DEFAULT_FIRST_TOKEN_TIMEOUT
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
     request_timeout: float = 0.0  # off
+    keepalive_interval: float = keepalive.DEFAULT_INTERVAL
+    keepalive_timeout: float = keepalive.DEFAULT_TIMEOUT
     var_dir: Path = field(default_factory=lambda: Path("var"))
 
     def deadlines(self) -> Deadlines:
@@ -119,6 +122,8 @@ class Settings:
             first_token_timeout=_float(env, "FIRST_TOKEN_TIMEOUT", DEFAULT_FIRST_TOKEN_TIMEOUT),
             stream_idle_timeout=_float(env, "STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT),
             request_timeout=_float(env, "REQUEST_TIMEOUT", 0.0, zero_means_off=True),
+            keepalive_interval=_float(env, "GRPC_KEEPALIVE_INTERVAL", keepalive.DEFAULT_INTERVAL),
+            keepalive_timeout=_float(env, "GRPC_KEEPALIVE_TIMEOUT", keepalive.DEFAULT_TIMEOUT),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
         )
         try:

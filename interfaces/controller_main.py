@@ -31,6 +31,7 @@ from interfaces.http_app import create_app
 from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
 from proto import control_pb2_grpc as pb_grpc
+from proto import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,9 @@ async def start_controller(settings: Settings) -> RunningController:
     orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_unfinished_jobs, services))
     if orphans:
         log.warning("failed %d job(s) left unfinished by a previous controller run", orphans)
-    grpc_server = grpc.aio.server()
+    grpc_server = grpc.aio.server(
+        options=keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout)
+    )
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
     grpc_port = grpc_server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
     if grpc_port == 0:
