@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, assert_never
 from uuid import UUID, uuid4
@@ -36,6 +36,7 @@ from application.agent_messages import (
     WorkerStatus,
     WorkerStopped,
 )
+from application.background import BackgroundTasks
 from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
 from application.deadlines import Deadlines
@@ -86,7 +87,7 @@ class JobManager:
         self.clock = clock
         self._placing = asyncio.Lock()
         self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks("handling an agent message")
         self.dispatches = DispatchBatcher(app)
         self.app = app
         self.scheduler = scheduler
@@ -186,7 +187,7 @@ class JobManager:
                 # off the first token's path (its tokens are recorded once it is).
                 run.phase = "execution"
                 run.executing_since = time.monotonic()
-                self._in_background(self._record_validation(run))
+                self._background.spawn(self._record_validation(run))
                 return
             reason, blamed = failure
             self._cancel_on_primary(run, f"re-planning: {reason}")
@@ -475,7 +476,7 @@ class JobManager:
             self.runs.pop(run.job_id, None)
             log.warning("job %s: %s", run.job_id, why)
             self._cancel_on_primary(run, why)
-            self._in_background(self._end_past_deadline(run, why, code))
+            self._background.spawn(self._end_past_deadline(run, why, code))
             ended.append(run.job_id)
         return ended
 
@@ -561,33 +562,22 @@ class JobManager:
             case TokensGenerated(job_id, deltas):
                 self._relay(node_id, job_id, deltas)
             case WorkerStatus():
-                self._in_background(self._worker_status(node_id, message))
+                self._background.spawn(self._worker_status(node_id, message))
             case WorkerStopped(job_id, reason):
                 # RPC_WORKER_STOPPED, while the node still serves the job.
-                self._in_background(
+                self._background.spawn(
                     self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
                 )
             case SetupReported(job_id, outcome):
                 self._setup_reported(node_id, job_id, outcome)
             case JobFinished(job_id, result):
-                self._in_background(self._job_finished(node_id, job_id, result))
+                self._background.spawn(self._job_finished(node_id, job_id, result))
             case _:
                 assert_never(message)
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("handling an agent message failed", exc_info=task.exception())
-
     async def settle(self) -> None:
         """Waits until every agent message handed over so far is fully handled (tests)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self._background.settle()
 
     async def _worker_status(self, node_id: str, status: WorkerStatus) -> None:
         run = self.runs.get(status.job_id)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
 
+from application.background import BackgroundTasks
 from application.controller import Controller
 from application.enrollment import EnrollmentNotConfigured, EnrollmentService, Unauthenticated
 from application.errors import TokenAlreadyUsed
@@ -133,7 +134,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.heartbeat_interval = heartbeat_interval
         self.uplink = uplink
         self.clock = clock
-        self._cleanups: set[asyncio.Future[None]] = set()
+        self._cleanups = BackgroundTasks("handling a node message")
 
     # ----------------------------------------------------------------- Enroll
 
@@ -230,9 +231,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             if self.connections.close(node_id, queue):
                 # gRPC cancels this handler when the client cancels the call; the clean-up
                 # (node offline, its jobs re-planned or failed) must run to its end anyway.
-                cleanup = asyncio.ensure_future(self._on_stream_closed(node_id))
-                self._cleanups.add(cleanup)
-                cleanup.add_done_callback(self._cleanups.discard)
+                cleanup = self._cleanups.spawn(self._on_stream_closed(node_id))
                 await asyncio.shield(cleanup)
 
     def _on_hello(self, node_id: str, state: str, agent_version: str) -> None:
@@ -274,12 +273,15 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             resources = resources_from_report(message.resource_report.inventory, ram_free)
             models = local_models_to_list(message.resource_report.models)
             # Store writes run beside the message loop: a slow store must not hold up the
-            # node's heartbeats (nor its jobs' tokens) behind them.
-            self._beside(self._command(self.app.report_resources, node_id, resources, models))
+            # node's heartbeats (nor its jobs' tokens) behind them; a failure is logged and
+            # never costs the node its control stream.
+            self._cleanups.spawn(
+                self._command(self.app.report_resources, node_id, resources, models)
+            )
         elif kind == "runtime_fault":
             if message.runtime_fault.fatal:
                 fault = message.runtime_fault.message
-                self._beside(self._command(self.app.report_node_error, node_id, fault))
+                self._cleanups.spawn(self._command(self.app.report_node_error, node_id, fault))
             else:
                 log.warning("node %s reports: %s", node_id, message.runtime_fault.message)
         elif kind == "hello":
@@ -288,17 +290,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             await self.uplink.on_agent_message(node_id, message)
         else:
             log.warning("node %s sent %s but no job manager is running", node_id, kind)
-
-    def _beside(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._cleanups.add(task)
-        task.add_done_callback(self._beside_done)
-
-    def _beside_done(self, task: asyncio.Future[None]) -> None:
-        self._cleanups.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # A store or Redis hiccup must not cost the node its control stream.
-            log.error("handling a node message failed", exc_info=task.exception())
 
     async def _command(self, fn: Callable[..., object], *args: Any) -> None:
         try:

@@ -23,6 +23,7 @@ from agent.control_handler import NullHandler
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.tcp_proxy import TcpProxy
+from tests.faults.waiting import until
 
 KEEPALIVE = 1.0  # interval and timeout, both ends
 #: A dead link must be noticed within the keepalive interval + timeout, plus slack.
@@ -77,14 +78,6 @@ async def session(
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def _until(check: object, timeout: float) -> float:
-    started = time.monotonic()
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() - started < timeout, f"not within {timeout:g}s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
-
-
 @pytest.mark.parametrize("fault", ["cut", "black hole"])
 async def test_a_dead_link_is_noticed_and_the_agent_reconnects(
     ctl: RunningController, proxy: TcpProxy, session: AgentSession, fault: str
@@ -94,11 +87,11 @@ async def test_a_dead_link_is_noticed_and_the_agent_reconnects(
     enrolled = len(list(ctl.services.app.repository.event_store.get(UUID(node_id))))
     connections = session.connections
     (proxy.cut if fault == "cut" else proxy.black_hole)()
-    took = await _until(
+    took = await until(
         lambda: session.connections > connections and session.state == AgentState.READY,
         NOTICED_WITHIN,
     )
-    await _until(lambda: ctl.services.connections.is_connected(node_id), NOTICED_WITHIN)
+    await until(lambda: ctl.services.connections.is_connected(node_id), NOTICED_WITHIN)
     assert session.node_id == node_id  # the same identity: no second enrolment
     events = ctl.services.app.repository.event_store.get(UUID(node_id))
     assert "NODE_ENROLLED" not in [type(e).__name__ for e in list(events)[enrolled:]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
@@ -23,6 +23,7 @@ from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
+from tests.faults.waiting import until
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -35,13 +36,6 @@ OFFLINE_AFTER = 2.0
 FAST = 3.0
 #: Requests succeed again at most this long after the store is back.
 RECOVERY = 5.0
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[OwnPostgres]:
-    server = OwnPostgres().init().start()
-    yield server
-    server.close()
 
 
 @pytest.fixture
@@ -63,7 +57,7 @@ async def ctl(
 async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
     target = f"127.0.0.1:{ctl.grpc_port}"
     started = await FakeAgent(target, token(), "a", holds=SHA, memory=4 << 30).start()
-    await _until(lambda: _state(ctl, started) == "READY")
+    await until(lambda: _state(ctl, started) == "READY")
     async with _http(ctl) as client:
         r = await client.post(
             "/api/admin/models",
@@ -71,7 +65,7 @@ async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
             json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
         )
         assert r.status_code == 201, r.text
-    await _until(lambda: bool(ctl.services.read_model.eligibility()[0]["local_models"]))
+    await until(lambda: bool(ctl.services.read_model.eligibility()[0]["local_models"]))
     yield started
     await started.stop()
 
@@ -86,18 +80,6 @@ def _state(ctl: RunningController, agent: FakeAgent) -> str:
 
 def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
     return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
-
-
-async def _until(check: object, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check():  # type: ignore[operator]
-                return
-        except Exception:  # the store may still be coming back
-            pass
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
 
 
 async def _ask(ctl: RunningController) -> httpx.Response:
@@ -141,7 +123,7 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
     assert _state(ctl, agent) == "READY"
     assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
-    await _until(lambda: not ctl.services.follower.error)  # the views caught up again
+    await until(lambda: not ctl.services.follower.error)  # the views caught up again
     await asyncio.to_thread(ctl.services.follower.wait, ctl.services.app.position(), 5.0)
     async with _http(ctl) as client:
         health = (await client.get("/health")).json()
@@ -173,7 +155,7 @@ async def test_postgres_frozen_does_not_block_heartbeats(
     words = tuple(f" w{i}" for i in range(20))
     agent.words, agent.word_delay = words, 0.05
     streaming = asyncio.ensure_future(_ask(ctl))
-    await _until(lambda: len(agent.plans) == 2)
+    await until(lambda: len(agent.plans) == 2)
     seen_before = ctl.services.live.get(agent.node_id)
     assert seen_before is not None
     own_postgres.pause()

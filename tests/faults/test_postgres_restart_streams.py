@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -31,13 +31,6 @@ WORDS = tuple(f" w{i}" for i in range(40))
 TERMINAL = {"JOB_COMPLETED", "JOB_FAILED", "JOB_CANCELLED"}
 #: Every job is terminal in the store this long after PostgreSQL is back.
 SETTLED_WITHIN = 10.0
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[OwnPostgres]:
-    server = OwnPostgres().init().start()
-    yield server
-    server.close()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
@@ -22,19 +21,13 @@ from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnRedis
+from tests.faults.waiting import until
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
 #: Node events that mean the controller thought a node went quiet.
 SILENCE = {"HEARTBEAT_TIMEOUT", "NODE_OFFLINE"}
 OFFLINE_AFTER = 2.0
-
-
-@pytest.fixture
-async def own_redis(tmp_path: Path) -> AsyncIterator[OwnRedis]:
-    server = OwnRedis(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -52,7 +45,7 @@ async def ctl(
 async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
     target = f"127.0.0.1:{ctl.grpc_port}"
     agents = [await FakeAgent(target, token(), f"n{i}").start() for i in range(3)]
-    await _until(lambda: all(_state(ctl, a) == "READY" for a in agents))
+    await until(lambda: all(_state(ctl, a) == "READY" for a in agents))
     yield agents
     for agent in agents:
         await agent.stop()
@@ -64,13 +57,6 @@ def _state(ctl: RunningController, agent: FakeAgent) -> str:
 
 def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
     return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
-
-
-async def _until(check: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def _local_only_metric(ctl: RunningController) -> float:
@@ -98,7 +84,7 @@ async def _quiet_period(ctl: RunningController, agents: list[FakeAgent]) -> None
 async def test_redis_flushed(
     ctl: RunningController, fleet: list[FakeAgent], own_redis: OwnRedis
 ) -> None:
-    await _until(lambda: _in_redis(own_redis, fleet))
+    await until(lambda: _in_redis(own_redis, fleet))
     own_redis.client().flushall()
     await _quiet_period(ctl, fleet)
     assert _in_redis(own_redis, fleet)  # written again from this controller's own view
@@ -107,11 +93,11 @@ async def test_redis_flushed(
 async def test_redis_restarted_empty(
     ctl: RunningController, fleet: list[FakeAgent], own_redis: OwnRedis
 ) -> None:
-    await _until(lambda: _in_redis(own_redis, fleet))
+    await until(lambda: _in_redis(own_redis, fleet))
     own_redis.stop()
     own_redis.start()  # same port, nothing kept
     await _quiet_period(ctl, fleet)
-    await _until(lambda: _in_redis(own_redis, fleet))
+    await until(lambda: _in_redis(own_redis, fleet))
 
 
 async def test_redis_down_for_several_offline_windows(
@@ -123,13 +109,13 @@ async def test_redis_down_for_several_offline_windows(
     assert await _local_only_metric(ctl) == 0
     caplog.set_level(logging.WARNING, logger="infrastructure.live_state")
     own_redis.stop()
-    await _until(lambda: ctl.services.live.local_only())
+    await until(lambda: ctl.services.live.local_only())
     assert await _local_only_metric(ctl) == 1
     assert any("Redis unavailable" in r.getMessage() for r in caplog.records)
     await _quiet_period(ctl, fleet)
     own_redis.start()
-    await _until(lambda: not ctl.services.live.local_only())
+    await until(lambda: not ctl.services.live.local_only())
     assert await _local_only_metric(ctl) == 0
-    await _until(lambda: _in_redis(own_redis, fleet))
+    await until(lambda: _in_redis(own_redis, fleet))
     for agent in fleet:
         assert not SILENCE & set(_codes(ctl, agent))
