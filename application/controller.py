@@ -79,6 +79,9 @@ class Controller(Application[UUID]):
         # state loaded from the store.
         self._fresh_jobs: OrderedDict[UUID, Job] = OrderedDict()
         self._fresh_lock = threading.Lock()
+        #: This controller process's id, recorded with every job it submits: another
+        #: controller sharing the store leaves a job alone while its owner's lease lives.
+        self.owner = ""
         #: Fails commands fast while the store is unreachable (storage gives it a probe).
         self.guard = guard if guard is not None else StoreGuard(probe=lambda: True)
 
@@ -330,6 +333,7 @@ class Controller(Application[UUID]):
             prompt_sha256=sha256_text(canonical),
             message_count=len(submission.messages),
             stream=submission.stream,
+            controller=self.owner,
         )
 
     def submit(self, submission: Submission, job_id: UUID | None = None) -> CommandResult:

@@ -38,6 +38,15 @@ class LiveState(Protocol):
         heartbeats it receives to itself (no I/O: the last write's outcome)."""
         ...
 
+    def renew_lease(self, owner: str, ttl: float) -> None:
+        """Says controller ``owner`` is alive for ``ttl`` more seconds (may do I/O)."""
+        ...
+
+    def live_owners(self) -> set[str]:
+        """The controllers whose lease has not run out (may do I/O; raises when it cannot
+        tell, so that nobody's jobs are taken for orphans on a guess)."""
+        ...
+
     def close(self) -> None: ...
 
 

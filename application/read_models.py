@@ -138,6 +138,7 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "params": event.params,
             "message_count": event.message_count,
             "prompt_sha256": event.prompt_sha256,
+            "controller": event.__dict__.get("controller", ""),  # absent in older events
             "plan": None,
             "nodes": [],
             "replans": 0,

@@ -50,6 +50,8 @@ class Job(Aggregate):
         prompt_sha256: str
         message_count: int
         stream: bool
+        #: The controller process that runs the job (absent in jobs recorded before).
+        controller: str = ""
 
     class Queued(Event):
         """No plan could start at once; the job waits in its model's admission queue."""
@@ -156,8 +158,10 @@ class Job(Aggregate):
         prompt_sha256: str,
         message_count: int,
         stream: bool,
+        controller: str = "",
     ) -> None:
         self.model = model
+        self.controller = controller
         self.params = params
         self.messages = messages
         self.prompt_sha256 = prompt_sha256
@@ -198,6 +202,7 @@ class Job(Aggregate):
         prompt_sha256: str,
         message_count: int,
         stream: bool,
+        controller: str = "",
     ) -> Job:
         if not model:
             raise InvalidCommand("a job needs a model")
@@ -212,6 +217,7 @@ class Job(Aggregate):
             prompt_sha256=prompt_sha256,
             message_count=message_count,
             stream=stream,
+            controller=controller,
         )
 
     def enqueue(self, position: int, reason: str) -> None:

@@ -33,6 +33,7 @@ class InProcessLiveState:
     def __init__(self) -> None:
         self._nodes: dict[str, LiveNode] = {}
         self._lock = threading.Lock()
+        self._leases: dict[str, float] = {}  # controller -> monotonic expiry
 
     def record_heartbeat(self, node_id: str, telemetry: dict[str, Any], at: float) -> None:
         with self._lock:
@@ -58,6 +59,15 @@ class InProcessLiveState:
 
     def local_only(self) -> bool:
         return False  # no shared store is configured: nothing to fall back from
+
+    def renew_lease(self, owner: str, ttl: float) -> None:
+        with self._lock:
+            self._leases[owner] = time.monotonic() + ttl
+
+    def live_owners(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            return {owner for owner, until in self._leases.items() if until > now}
 
     def close(self) -> None:
         pass
@@ -153,6 +163,18 @@ class RedisLiveState:
     def local_only(self) -> bool:
         return False  # every call goes to Redis (and raises when it cannot)
 
+    def renew_lease(self, owner: str, ttl: float) -> None:
+        key = f"{self._prefix}controller:{owner}"
+        if ttl <= 0:
+            self._redis.delete(key)  # given up
+        else:
+            self._redis.set(key, b"1", px=max(1, int(ttl * 1000)))
+
+    def live_owners(self) -> set[str]:
+        start = len(f"{self._prefix}controller:")
+        keys = self._redis.scan_iter(match=f"{self._prefix}controller:*", count=1000)
+        return {(k.decode() if isinstance(k, bytes) else str(k))[start:] for k in keys}
+
 
 def _fields(live: LiveNode) -> dict[str, Any]:
     return {
@@ -205,6 +227,12 @@ class WriteBehindLiveState(InProcessLiveState):
 
     def local_only(self) -> bool:
         return self._failing
+
+    def renew_lease(self, owner: str, ttl: float) -> None:
+        self.backend.renew_lease(owner, ttl)
+
+    def live_owners(self) -> set[str]:
+        return self.backend.live_owners()
 
     def flush(self) -> None:
         """Writes the entries that changed since the last flush; reads the entries of nodes

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ log = logging.getLogger(__name__)
 
 #: How often queued requests re-check for capacity that changed outside this process.
 QUEUE_POLL_INTERVAL = 0.5
+#: This controller's lease (seconds): renewed every LEASE_RENEW_INTERVAL, it runs out
+#: LEASE_TTL after the process dies; then other controllers fail its unfinished jobs (checked
+#: every RECONCILE_INTERVAL). Shared through Redis; without it only this process is known.
+LEASE_TTL = 10.0
+LEASE_RENEW_INTERVAL = 2.0
+RECONCILE_INTERVAL = 5.0
 #: How often running jobs are checked against their deadlines (seconds).
 DEADLINE_CHECK_INTERVAL = 0.5
 
@@ -147,9 +154,11 @@ async def start_controller(settings: Settings) -> RunningController:
     metrics.add_collector(cluster_collector(services, jobs, feed))
     services.extras["recorder"] = recorder
     servicer.uplink = JobUplink(jobs)
-    orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_unfinished_jobs, services))
+    services.app.owner = str(uuid.uuid4())
+    await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
+    orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, services))
     if orphans:
-        log.warning("failed %d job(s) left unfinished by a previous controller run", orphans)
+        log.warning("failed %d job(s) whose controller is gone", orphans)
     grpc_server = grpc.aio.server(
         options=keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout)
     )
@@ -177,6 +186,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(_sweep_forever(monitor), name="health-sweep"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
+        asyncio.create_task(_lease_forever(services, jobs), name="lease"),
     ]
     while not http_server.started:
         if tasks[0].done():
@@ -191,14 +201,37 @@ async def start_controller(settings: Settings) -> RunningController:
     )
 
 
-def _unfinished_jobs(services: Services) -> list[str]:
+def _orphaned_jobs(services: Services) -> list[str]:
+    """Unfinished jobs whose controller is gone: not this one, and its lease has run out
+    (or the job predates leases). Raises when the leases cannot be read (Redis down), so
+    that no live controller's job is failed on a guess."""
     services.follower.wait(services.app.position(), timeout=30)
-    live_states = sorted(UNFINISHED_JOB_STATES)
+    live = services.live.live_owners() | {services.app.owner}
     return [
         row["job_id"]
-        for state in live_states
+        for state in sorted(UNFINISHED_JOB_STATES)
         for row in services.read_model.list_jobs(state=state, limit=10_000)
+        if row.get("controller", "") not in live
     ]
+
+
+async def _lease_forever(services: Services, jobs: JobManager) -> None:
+    """Keeps this controller's lease alive, and fails the jobs of controllers that died
+    (their lease ran out): their clients are gone and their node slots must come free."""
+    last_reconcile = time.monotonic()
+    while True:
+        await asyncio.sleep(LEASE_RENEW_INTERVAL)
+        try:
+            await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
+            if time.monotonic() - last_reconcile >= RECONCILE_INTERVAL:
+                last_reconcile = time.monotonic()
+                failed = await jobs.fail_orphans(
+                    lambda: asyncio.to_thread(_orphaned_jobs, services)
+                )
+                if failed:
+                    log.warning("failed %d job(s) whose controller is gone", failed)
+        except Exception as e:
+            log.warning("controller lease or reconciliation skipped: %r", e)
 
 
 async def stop_controller(running: RunningController) -> None:
@@ -216,6 +249,10 @@ async def stop_controller(running: RunningController) -> None:
     for task in running.tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+    # A clean stop gives up the lease at once: a controller started next (or another one
+    # sharing the store) fails this one's unfinished jobs without waiting for it to run out.
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(running.services.live.renew_lease, running.services.app.owner, 0)
     running.services.live.close()
     running.storage.close()
 

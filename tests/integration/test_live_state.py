@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from infrastructure.live_state import RedisLiveState, WriteBehindLiveState
+from infrastructure.live_state import InProcessLiveState, RedisLiveState, WriteBehindLiveState
 from tests.conftest import TEST_REDIS_URL
 
 
@@ -85,3 +86,17 @@ def test_a_flush_reads_back_only_nodes_not_connected_here_and_sets_ttls(prefix: 
     assert set(here.all()) == {"mine", "theirs"}
     client = redis.Redis.from_url(TEST_REDIS_URL)
     assert 0 < client.ttl(f"{prefix}node:mine") <= 24 * 3600  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("kind", ["redis", "in-process"])
+def test_controller_leases_live_until_they_run_out_or_are_given_up(prefix: str, kind: str) -> None:
+    live = controller(prefix) if kind == "redis" else InProcessLiveState()
+    other = controller(prefix) if kind == "redis" else live  # another process, same Redis
+    live.renew_lease("a", 30.0)
+    other.renew_lease("b", 0.05)
+    assert {"a", "b"} <= live.live_owners()
+    deadline = time.monotonic() + 5
+    while "b" in live.live_owners():  # ran out
+        assert time.monotonic() < deadline
+    live.renew_lease("a", 0)  # given up
+    assert not {"a", "b"} & live.live_owners()
