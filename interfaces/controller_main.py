@@ -205,6 +205,7 @@ def _orphaned_jobs(services: Services) -> list[str]:
     """Unfinished jobs whose controller is gone: not this one, and its lease has run out
     (or the job predates leases). Raises when the leases cannot be read (Redis down), so
     that no live controller's job is failed on a guess."""
+    services.app.guard.check()  # store unreachable: nothing to decide now
     services.follower.wait(services.app.position(), timeout=30)
     live = services.live.live_owners() | {services.app.owner}
     return [
