@@ -23,8 +23,13 @@ from interfaces.http_auth import inference_guard
 from interfaces.http_errors import ApiError, error_body
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
+from proto import MAX_CONTROL_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
+
+#: A chat request travels to its primary inside one control message, with room to spare for
+#: the plan's other fields: a larger one is refused here, alone, with 413.
+MAX_CHAT_REQUEST_BYTES = MAX_CONTROL_MESSAGE_BYTES - 256 * 1024
 
 _background: set[asyncio.Task[Any]] = set()
 
@@ -84,6 +89,14 @@ def _epoch(iso: str) -> float:
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     svc = _services(state)
     raw = await request.body()
+    if len(raw) > MAX_CHAT_REQUEST_BYTES:
+        raise ApiError(
+            413,
+            f"the request is {len(raw):,} bytes; at most {MAX_CHAT_REQUEST_BYTES:,} bytes fit "
+            "in one execution plan to a node",
+            param="messages",
+            code="request_too_large",
+        )
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

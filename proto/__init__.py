@@ -15,4 +15,9 @@ PROTOCOL_VERSION = "dacp.control.v1"
 SLOTS_LABEL = "dacp.slots"
 MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
 
-__all__ = ["MEMORY_LIMIT_LABEL", "PROTOCOL_VERSION", "SLOTS_LABEL"]
+# The largest message either end of the control channel accepts (gRPC's default receive limit,
+# left as it is on both ends). A plan carries the whole prompt, so a request whose plan would
+# exceed it is refused before it is sent: an oversized message would break the node's stream.
+MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
+
+__all__ = ["MAX_CONTROL_MESSAGE_BYTES", "MEMORY_LIMIT_LABEL", "PROTOCOL_VERSION", "SLOTS_LABEL"]

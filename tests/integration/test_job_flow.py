@@ -353,3 +353,24 @@ async def test_a_primary_that_sends_no_token_in_time_ends_the_request_with_504(
         assert running.services.app.get_node(a.node_id).jobs == []
         assert jid in a.cancelled  # the primary was told to stop
         await a.stop()
+
+
+async def test_a_5_mb_prompt_fails_alone_and_the_node_keeps_its_stream(
+    ctl: RunningController,
+) -> None:
+    (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
+    async with http(ctl) as client:
+        await register(ctl, client)
+        huge = {"model": "m", "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+        r = await client.post("/v1/chat/completions", headers=AI, json=huge)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("request_too_large", "messages")
+        assert a.plans == []  # nothing went down the node's stream
+        assert ctl.services.connections.is_connected(a.node_id)
+        small = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        r = await client.post("/v1/chat/completions", headers=AI, json=small)
+        assert r.status_code == 200, r.text
+    codes = [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(a.node_id))]
+    assert "NODE_OFFLINE" not in codes
+    await a.stop()
