@@ -340,32 +340,13 @@ class Controller(Application[UUID]):
         new_id = job_id or uuid4()
         return CommandResult(self._run(lambda: [self._new_job(submission, new_id)]), new_id)
 
-    def submit_and_queue(
-        self, submission: Submission, job_id: UUID, position: int, reason: str
-    ) -> CommandResult:
-        """JOB_SUBMITTED and JOB_QUEUED in one transaction."""
-        new = NewQueued(submission, job_id, position, reason)
-        return CommandResult(self.record_new_jobs([new]), job_id)
-
-    def submit_and_dispatch(
-        self,
-        submission: Submission,
-        job_id: UUID,
-        plan: dict[str, Any],
-        roles: Mapping[str, str],
-        *,
-        allow_degraded: bool = False,
-    ) -> CommandResult:
-        """JOB_SUBMITTED, JOB_PLANNED, the plan's NODE_JOB_ASSIGNED and JOB_DISPATCHED in one
-        transaction. A node that cannot take the job (another placement took its slot first,
-        here or in another controller) raises a domain error and nothing is recorded."""
-        new = NewDispatch(submission, job_id, plan, roles, allow_degraded)
-        return CommandResult(self.record_new_jobs([new]), job_id)
-
     def record_new_jobs(self, new_jobs: Sequence[NewDispatch | NewQueued]) -> int:
-        """:meth:`submit_and_dispatch` and :meth:`submit_and_queue` for several new jobs in one
-        transaction, all or nothing, their events in the order given (jobs placed on the same
-        node share its aggregate, so their slots add up)."""
+        """New jobs in one transaction, all or nothing, their events in the order given: for a
+        :class:`NewDispatch` JOB_SUBMITTED, JOB_PLANNED, the plan's NODE_JOB_ASSIGNED and
+        JOB_DISPATCHED; for a :class:`NewQueued` JOB_SUBMITTED and JOB_QUEUED. Jobs placed on
+        the same node share its aggregate, so their slots add up; a node that cannot take a
+        job (another placement took its slot first, here or in another controller) raises a
+        domain error and nothing is recorded. The dispatch batcher is the one caller."""
 
         def command() -> list[Aggregate]:
             changed: dict[UUID, Aggregate] = {}
@@ -393,7 +374,7 @@ class Controller(Application[UUID]):
         excluded_node: str = "",
     ) -> int:
         """Plans a submitted or queued job (or re-plans one whose setup failed, releasing its
-        old nodes) and dispatches it, all or nothing, like :meth:`submit_and_dispatch`."""
+        old nodes) and dispatches it, all or nothing, as :meth:`record_new_jobs` does."""
 
         def command() -> list[Aggregate]:
             job = self._job(job_id)
@@ -520,7 +501,7 @@ class Controller(Application[UUID]):
 
 @dataclass(frozen=True)
 class NewDispatch:
-    """A new job with its plan and the role of each plan node (see submit_and_dispatch)."""
+    """A new job with its plan and the role of each plan node (see record_new_jobs)."""
 
     submission: Submission
     job_id: UUID
@@ -531,7 +512,7 @@ class NewDispatch:
 
 @dataclass(frozen=True)
 class NewQueued:
-    """A new job that waits in its model's queue at ``position`` (see submit_and_queue)."""
+    """A new job that waits in its model's queue at ``position`` (see record_new_jobs)."""
 
     submission: Submission
     job_id: UUID

@@ -45,7 +45,7 @@ from application.errors import NotFound
 from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
 from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
 from application.scheduler import Scheduler
-from application.store_guard import StoreUnavailable, is_outage
+from application.store_guard import is_outage
 from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
@@ -524,7 +524,7 @@ class JobManager:
             except (DomainError, NotFound) as e:
                 log.info("%s of job %s skipped: %s", name, job_id, e)
             except Exception as e:
-                if not (is_outage(e) or isinstance(e, StoreUnavailable)):
+                if not is_outage(e):
                     log.exception("%s of job %s failed", name, job_id)
                 else:
                     if not told:

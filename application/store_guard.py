@@ -31,8 +31,9 @@ class StoreUnavailable(Exception):
 
 
 def is_outage(exc: BaseException) -> bool:
-    """Whether ``exc`` means the store cannot be reached (not that it refused something)."""
-    return isinstance(exc, OperationalError | InterfaceError | ConnectionError)
+    """Whether ``exc`` means the store cannot be reached (not that it refused something);
+    a guard that is already tripped (:class:`StoreUnavailable`) says so too."""
+    return isinstance(exc, OperationalError | InterfaceError | ConnectionError | StoreUnavailable)
 
 
 class StoreGuard:
@@ -75,8 +76,8 @@ class StoreGuard:
 
     def observe(self, exc: BaseException) -> None:
         """Called with every store error; trips the guard when it is an outage."""
-        if not is_outage(exc):
-            return
+        if isinstance(exc, StoreUnavailable) or not is_outage(exc):
+            return  # tripped already, or not an outage
         with self._lock:
             if self._down_since is not None or self._closed.is_set():
                 return

@@ -20,7 +20,7 @@ from typing import Any
 from eventsourcing.persistence import IntegrityError, Tracking
 
 from application.controller import Controller
-from application.store_guard import StoreUnavailable, is_outage
+from application.store_guard import is_outage
 from infrastructure.read_model_store import ReadModelStore
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class ProjectionFollower:
             # Already applied (another follower or an earlier run): tracking says so.
             log.debug("notification %s already applied", notification.id)
         except Exception as e:
-            if is_outage(e) or isinstance(e, StoreUnavailable):
+            if is_outage(e):
                 raise  # the store, not the event: retried for as long as it lasts
             failures = self._failures.get(notification.id, 0) + 1
             self._failures = {notification.id: failures}

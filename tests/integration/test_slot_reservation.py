@@ -12,7 +12,7 @@ import threading
 from uuid import UUID, uuid4
 
 from application.commands import JobOutcome, Submission
-from application.controller import Controller
+from application.controller import Controller, NewDispatch
 from domain.errors import SlotTaken
 from domain.node import Node
 from tests.integration.store_builders import enroll_ready
@@ -35,8 +35,8 @@ def test_two_controllers_never_double_book_a_slot(postgres_env: dict[str, str]) 
             barrier.wait()
             job_id = uuid4()
             try:
-                app.submit_and_dispatch(
-                    request, job_id, one_node_plan(node_id), {node_id: "primary"}
+                app.record_new_jobs(
+                    [NewDispatch(request, job_id, one_node_plan(node_id), {node_id: "primary"})]
                 )
             except SlotTaken:
                 lost[index] += 1
