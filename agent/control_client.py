@@ -12,11 +12,15 @@ Life of a session (:class:`AgentSession`), logged on every change of the local s
   change, and hand every downlink message to the :class:`ControlHandler`.
 
 A lost or unreachable controller sends the session back to ``REGISTERING`` and it retries with
-capped exponential backoff and full jitter, printing one line per failed attempt. A refused
+capped exponential backoff and full jitter, printing one line per failed attempt. Nothing a job
+sent is lost meanwhile: token chunks and results go to the :class:`JobJournal` first, and the
+next ``Welcome`` says what the controller still lacks of which jobs; the session re-sends that
+and cancels the jobs it leads that the controller gave up on. A refused
 enrollment token (:class:`EnrollmentRefused`) and a rejected stored identity
 (:class:`IdentityRejected`) are fatal: retrying cannot fix them.
 
-The session's other parts have their own modules: ``agent/controller_channel.py`` (channel,
+The session's other parts have their own modules: ``agent/job_traffic.py`` (job messages
+both ways, resuming jobs after a reconnect), ``agent/controller_channel.py`` (channel,
 retries, enrollment), ``agent/resources.py`` (what is reported), ``agent/control_handler.py``
 (the port to what runs jobs), ``agent/token_merge.py`` and ``agent/agent_config.py``.
 
@@ -30,8 +34,6 @@ import contextlib
 import enum
 import logging
 import signal
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
@@ -46,7 +48,9 @@ from agent.agent_config import (
     IdentityRejected,
     Jitter,
 )
-from agent.control_handler import ControlHandler, role_name, setup_failure, worker_status
+from agent.control_handler import (
+    ControlHandler,
+)
 from agent.controller_channel import (
     ConnectionLost,
     ControllerChannel,
@@ -55,12 +59,17 @@ from agent.controller_channel import (
 )
 from agent.discovery import sample_telemetry
 from agent.identity import NodeIdentity, identity_path, save_identity
+from agent.job_journal import JobJournal
+from agent.job_traffic import Connection, JobTraffic
 from agent.resources import ResourceCollector, Resources, log_resources
 from agent.token_merge import merge_token_chunks
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+
+#: How long a stopping agent waits for the controller to hear its goodbye (s).
+GOODBYE_TIMEOUT = 2.0
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
@@ -76,13 +85,7 @@ class AgentState(enum.StrEnum):
     READY = "READY"
 
 
-@dataclass(eq=False)
-class _Connection:
-    call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.ControllerMessage]
-    queue: asyncio.Queue[pb.AgentMessage] = field(default_factory=asyncio.Queue)
-
-
-class AgentSession(ControllerChannel):
+class AgentSession(ControllerChannel, JobTraffic):
     """One agent's relationship with the controller; see the module docstring.
 
     ``await run()`` returns after :meth:`stop` / :meth:`request_stop` and raises
@@ -114,7 +117,8 @@ class AgentSession(ControllerChannel):
         self._target: ControllerTarget | None = None
         self._resources: Resources | None = None
         self._reported: tuple[object, ...] | None = None
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
+        self.journal = JobJournal()
         self._channel: grpc.aio.Channel | None = None
         self._dispatch_tasks: set[asyncio.Task[None]] = set()
         self._main_task: asyncio.Task[Any] | None = None
@@ -241,7 +245,7 @@ class AgentSession(ControllerChannel):
             grpc.aio.StreamStreamCall[pb.AgentMessage, pb.ControllerMessage],
             rpc_stub.Connect(metadata=metadata),
         )
-        conn = _Connection(call)
+        conn = Connection(call)
         tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._write_loop(conn))]
         try:
             hello = pb.Hello(agent_version=AGENT_VERSION, node_id=identity.node_id)
@@ -267,13 +271,15 @@ class AgentSession(ControllerChannel):
             raise rpc_failure(exc) from None
         finally:
             self._conn = None
+            if self._stop_requested and len(tasks) == 4:  # writer, heartbeats, report, reader
+                await self._say_goodbye(conn, tasks[1:3])
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             call.cancel()
             await self._close_channel(channel)
 
-    async def _await_welcome(self, conn: _Connection, identity: NodeIdentity) -> pb.Welcome:
+    async def _await_welcome(self, conn: Connection, identity: NodeIdentity) -> pb.Welcome:
         try:
             async with asyncio.timeout(self.config.rpc_timeout):
                 first = await conn.call.read()
@@ -292,7 +298,7 @@ class AgentSession(ControllerChannel):
         return message.welcome
 
     async def _on_welcome(
-        self, conn: _Connection, identity: NodeIdentity, welcome: pb.Welcome
+        self, conn: Connection, identity: NodeIdentity, welcome: pb.Welcome
     ) -> None:
         if welcome.node_id and welcome.node_id != identity.node_id:
             log.warning("Welcome names node %s, expected %s", welcome.node_id, identity.node_id)
@@ -307,6 +313,8 @@ class AgentSession(ControllerChannel):
         if identity.controller_url != self._target.url:
             self.identity = identity.with_controller_url(self._target.url)
             save_identity(self.config.data_dir, self.identity)
+        # Before anything else goes out on the new stream: what the controller missed.
+        self._resume_jobs(conn, welcome)
         self._conn = conn
         # The last known resources go out at once; _resource_loop re-checks them right away
         # (hashing a model copied in while disconnected must not delay the heartbeats).
@@ -319,11 +327,26 @@ class AgentSession(ControllerChannel):
             f"heartbeat every {self.heartbeat_interval:g}s",
         )
 
-    def _queue_report(self, conn: _Connection, resources: Resources) -> None:
+    async def _say_goodbye(self, conn: Connection, loops: list[asyncio.Task[None]]) -> None:
+        """Sends ``Goodbye`` and waits (briefly) for the controller to end the stream: it
+        then knows the agent stopped, and takes the node offline at once instead of waiting
+        for it to come back. Only the writer touches the call until then: cancelling a task
+        that awaits the call cancels the call."""
+        for task in loops:  # nothing more is queued after the goodbye
+            task.cancel()
+        goodbye = pb.AgentMessage(goodbye=pb.Goodbye(reason="the agent is stopping"))
+        conn.queue.put_nowait(goodbye)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(GOODBYE_TIMEOUT):
+                await conn.queue.join()  # written
+                await conn.call.done_writing()
+                await conn.call.code()
+
+    def _queue_report(self, conn: Connection, resources: Resources) -> None:
         self._reported = resources.fingerprint()
         conn.queue.put_nowait(pb.AgentMessage(resource_report=resources.to_proto()))
 
-    async def _write_loop(self, conn: _Connection) -> None:
+    async def _write_loop(self, conn: Connection) -> None:
         queue = conn.queue
         while True:
             # Never wait to batch: take what queued up behind the previous write and merge
@@ -333,9 +356,11 @@ class AgentSession(ControllerChannel):
                 batch.append(queue.get_nowait())
             for message in merge_token_chunks(batch):
                 await self._write(conn, message)
+            for _ in batch:
+                queue.task_done()
 
     @staticmethod
-    async def _write(conn: _Connection, message: pb.AgentMessage) -> None:
+    async def _write(conn: Connection, message: pb.AgentMessage) -> None:
         try:
             await conn.call.write(message)
         except grpc.aio.AioRpcError:
@@ -345,14 +370,14 @@ class AgentSession(ControllerChannel):
                 raise await _call_ended(conn.call) from None
             raise ConnectionLost(f"write failed: {exc!r}", unreachable=False) from None
 
-    async def _read_loop(self, conn: _Connection) -> None:
+    async def _read_loop(self, conn: Connection) -> None:
         while True:
             received = await conn.call.read()
             if received is _EOF:
                 raise await _call_ended(conn.call)
             self._dispatch(cast(pb.ControllerMessage, received))
 
-    async def _heartbeat_loop(self, conn: _Connection) -> None:
+    async def _heartbeat_loop(self, conn: Connection) -> None:
         while True:
             telemetry = await asyncio.to_thread(sample_telemetry, nvml_module=self._nvml_module)
             try:
@@ -363,7 +388,7 @@ class AgentSession(ControllerChannel):
             conn.queue.put_nowait(pb.AgentMessage(heartbeat=telemetry.to_proto(active)))
             await asyncio.sleep(self.heartbeat_interval)
 
-    async def _resource_loop(self, conn: _Connection) -> None:
+    async def _resource_loop(self, conn: Connection) -> None:
         """Re-check the inventory and models now and then every resource_check_interval;
         send a ResourceReport only when they changed meaningfully."""
         while True:
@@ -374,73 +399,6 @@ class AgentSession(ControllerChannel):
                 log_resources(resources)
                 self._queue_report(conn, resources)
             await asyncio.sleep(self.config.resource_check_interval)
-
-    # -- downlink -----------------------------------------------------------------------
-
-    async def send(self, message: pb.AgentMessage) -> None:
-        """The ``send`` given to the handler: queue ``message`` on the current stream. Never
-        blocks or raises; the write loop sends the queue in order (see
-        :func:`merge_token_chunks`)."""
-        conn = self._conn
-        if conn is None:
-            log.warning(
-                "not connected to the controller; dropping %s", message.WhichOneof("payload")
-            )
-            return
-        conn.queue.put_nowait(message)
-
-    def _dispatch(self, message: pb.ControllerMessage) -> None:
-        kind = message.WhichOneof("payload")
-        handler = self.handler
-        send = self.send
-        coro: Coroutine[Any, Any, None]
-        if kind == "execution_plan":
-            coro = handler.on_plan(message.execution_plan, send)
-        elif kind == "start_rpc_worker":
-            coro = handler.on_start_rpc_worker(message.start_rpc_worker, send)
-        elif kind == "stop_rpc_worker":
-            coro = handler.on_stop_rpc_worker(message.stop_rpc_worker, send)
-        elif kind == "cancel_job":
-            coro = handler.on_cancel(message.cancel_job, send)
-        elif kind == "drain":
-            log.info("controller requested drain")
-            coro = handler.on_drain(send)
-        elif kind == "resume":
-            log.info("controller requested resume")
-            coro = handler.on_resume(send)
-        elif kind == "welcome":
-            log.debug("ignoring a repeated Welcome")
-            return
-        else:
-            log.warning("ignoring an unknown controller message (newer controller?)")
-            return
-        task = asyncio.create_task(self._run_handler(kind, message, coro))
-        self._dispatch_tasks.add(task)
-        task.add_done_callback(self._dispatch_tasks.discard)
-
-    async def _run_handler(
-        self, kind: str, message: pb.ControllerMessage, coro: Coroutine[Any, Any, None]
-    ) -> None:
-        try:
-            await coro
-        except Exception as exc:
-            log.exception("handler failed on %s", kind)
-            await self._report_handler_failure(kind, message, exc)
-
-    async def _report_handler_failure(
-        self, kind: str, message: pb.ControllerMessage, exc: Exception
-    ) -> None:
-        error = f"agent handler failed: {exc}"
-        if kind == "execution_plan":
-            plan = message.execution_plan
-            await self.send(setup_failure(plan.job_id, role_name(plan.role), error, "AGENT_ERROR"))
-        elif kind == "start_rpc_worker":
-            start = message.start_rpc_worker
-            await self.send(
-                worker_status(
-                    start.job_id, pb.RpcWorkerStatus.FAILED, start.host, start.port, error
-                )
-            )
 
 
 async def _call_ended(

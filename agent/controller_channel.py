@@ -93,9 +93,15 @@ class ControllerChannel:
     def _open_channel(self) -> grpc.aio.Channel:
         target = self._target
         assert target is not None
-        options = keepalive.channel_options(
-            self.config.keepalive_interval, self.config.keepalive_timeout
-        )
+        options: list[tuple[str, int]] = [
+            *keepalive.channel_options(
+                self.config.keepalive_interval, self.config.keepalive_timeout
+            ),
+            # A subchannel of its own: gRPC otherwise shares one per address across channels,
+            # and a new channel inherits the old one's reconnect backoff (up to 2 minutes),
+            # failing each attempt at once without trying; the session has its own backoff.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
         if target.secure:
             root: bytes | None = None
             if self.config.tls_ca_file is not None:

@@ -27,6 +27,8 @@ AGENT_STOPPING = "AGENT_STOPPING"
 RUNTIME_CRASHED = "RUNTIME_CRASHED"
 GENERATION_FAILED = "GENERATION_FAILED"
 CANCELLED = "CANCELLED"
+#: A job the controller resumes after a reconnect that this agent does not run (restarted).
+JOB_LOST = "JOB_LOST"
 
 
 # ---------------------------------------------------------------------------

@@ -74,3 +74,11 @@ class JobFinished:
 
 
 AgentJobMessage = TokensGenerated | WorkerStatus | WorkerStopped | SetupReported | JobFinished
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a message from an agent was refused (it is dropped; the stream goes on)."""
+
+    reason: str
+    job_id: str = ""

@@ -304,6 +304,14 @@ class Controller(Application[UUID]):
     ) -> int:
         return self._node_command(node_id, lambda n: n.security_violation(address, reason, job_id))
 
+    def reject_message(
+        self, node_id: UUID | str, kind: str, job_id: str, reason: str, suppressed: int = 0
+    ) -> int:
+        """Records that the node's agent sent a message that was refused (an audit event)."""
+        return self._node_command(
+            node_id, lambda n: n.reject_message(kind, job_id, reason, suppressed)
+        )
+
     # --------------------------------------------------------- model commands
 
     def register_model(

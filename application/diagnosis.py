@@ -48,6 +48,15 @@ PUBLIC_PEER = Hint(
     "A runtime peer address is outside the permitted private network range.",
     "Keep compute-plane traffic on an approved private LAN.",
 )
+AGENT_PROTOCOL = Hint(
+    "agent_protocol",
+    "Agent message rejected",
+    "The agent sent a message the controller cannot take: the two versions disagree, or the "
+    "agent has a bug.",
+    "Compare the agent's and the controller's versions and upgrade the older one; read the "
+    "agent's log around the rejected message.",
+)
+#: The product document's troubleshooting table (AGENT_PROTOCOL is ours).
 TROUBLESHOOTING: tuple[Hint, ...] = (
     CONTROLLER_UNREACHABLE,
     RPC_WORKER_LOST,
@@ -103,6 +112,8 @@ _CONTROLLER = (
 )
 #: Node events that mean the node left service (a job failing after one is explained by it).
 _LOSS_CODES = frozenset({"HEARTBEAT_TIMEOUT", "NODE_OFFLINE", "NODE_ERROR"})
+#: Node events that are troubles without losing the node.
+_TROUBLE_CODES = frozenset({"SECURITY_VIOLATION", "RPC_WORKER_STOPPED", "NODE_MESSAGE_REJECTED"})
 
 
 def _has(text: str, needles: Sequence[str]) -> bool:
@@ -186,6 +197,8 @@ def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
     payload: Mapping[str, Any] = entry.get("payload") or {}
     if code == "SECURITY_VIOLATION":
         return PUBLIC_PEER
+    if code == "NODE_MESSAGE_REJECTED":
+        return AGENT_PROTOCOL
     if code == "HEARTBEAT_TIMEOUT":
         return CONTROLLER_UNREACHABLE
     if code == "NODE_OFFLINE":
@@ -209,7 +222,7 @@ def node_findings(events: Sequence[Mapping[str, Any]], *, window: int = 50) -> l
     found: dict[tuple[str, str | None], dict[str, Any]] = {}
     for entry in events[-window:] if window > 0 else events:
         code = str(entry.get("code"))
-        if code not in _LOSS_CODES | {"SECURITY_VIOLATION", "RPC_WORKER_STOPPED"}:
+        if code not in _LOSS_CODES | _TROUBLE_CODES:
             continue
         hint = classify_node_event(entry)
         if hint is None and code == "RPC_WORKER_STOPPED":
@@ -253,12 +266,14 @@ def diagnose(
     controller_version: str,
     *,
     recent: int = 20,
+    skips: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The diagnosis report of one node.
 
     ``node``: its current state (aggregate attributes or read-model row); ``events``: its
     whole timeline; ``jobs``: rows of jobs that ran on it (any state; failed ones are
-    reported, newest first).
+    reported, newest first); ``skips``: events of the node or those jobs that the read
+    model skipped (its views of them may be stale).
     """
     failed = [j for j in jobs if j.get("state") == "FAILED"]
     failed.sort(key=lambda j: str(j.get("ended_at") or ""), reverse=True)
@@ -281,6 +296,7 @@ def diagnose(
         "failure_pattern": _pattern(phases) if reports else "no failed jobs",
         "findings": node_findings(events),
         "failed_jobs": reports,
+        "read_model_skips": [dict(skip) for skip in skips],
         "recent_events": list(events[-recent:]) if recent > 0 else [],
     }
 

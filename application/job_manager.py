@@ -30,6 +30,7 @@ from application.agent_messages import (
     AgentJobMessage,
     AgentJobResult,
     JobFinished,
+    Rejection,
     SetupOutcome,
     SetupReported,
     TokensGenerated,
@@ -190,6 +191,7 @@ class JobManager:
                 self._background.spawn(self._record_validation(run))
                 return
             reason, blamed = failure
+            run.past_nodes |= run.nodes  # their late answers are expected, not protocol errors
             self._cancel_on_primary(run, f"re-planning: {reason}")
             await self._call(self.app.release_nodes, run.job_id, "replanning")
             self.scheduler.ledger.released(run.job_id)
@@ -552,16 +554,24 @@ class JobManager:
 
     # ----------------------------------------------------- messages from agents
 
-    async def handle(self, node_id: str, message: AgentJobMessage) -> None:
+    async def handle(self, node_id: str, message: AgentJobMessage) -> Rejection | None:
         """Every job message an agent sends, by kind; each kind is handled exactly once.
 
         Returns at once: the kinds that write to the store run as tasks, so a slow or frozen
         store never holds up the node's message loop (its heartbeats, other jobs' tokens).
-        Tokens are relayed before a later ``JobFinished`` of the same job is looked at."""
+        Tokens are relayed before a later ``JobFinished`` of the same job is looked at.
+
+        Returns why the message was refused when it breaks the protocol: about a running job
+        the node has no part in, or out of order. A message about a job that has ended, or
+        from a node an earlier plan of the job used, is dropped quietly: it was late."""
         match message:
             case TokensGenerated(job_id, deltas):
-                self._relay(node_id, job_id, deltas)
-            case WorkerStatus():
+                return self._relay(node_id, job_id, deltas)
+            case WorkerStatus(job_id):
+                run = self.runs.get(job_id)
+                if run is not None and self._stranger(run, node_id):
+                    why = "an RPC worker status for a job the node has no part in"
+                    return Rejection(why, job_id)
                 self._background.spawn(self._worker_status(node_id, message))
             case WorkerStopped(job_id, reason):
                 # RPC_WORKER_STOPPED, while the node still serves the job.
@@ -569,11 +579,24 @@ class JobManager:
                     self._quietly(self.app.rpc_worker_stopped, node_id, job_id, reason)
                 )
             case SetupReported(job_id, outcome):
-                self._setup_reported(node_id, job_id, outcome)
+                return self._setup_reported(node_id, job_id, outcome)
             case JobFinished(job_id, result):
+                run = self.runs.get(job_id)
+                if run is not None and node_id == run.primary and not run.setup_ok:
+                    return Rejection("a job result before the job's setup result", job_id)
+                if run is not None and self._stranger(run, node_id, lead=True):
+                    return Rejection("a job result for a job the node does not lead", job_id)
                 self._background.spawn(self._job_finished(node_id, job_id, result))
             case _:
                 assert_never(message)
+        return None
+
+    @staticmethod
+    def _stranger(run: JobRun, node_id: str, *, lead: bool = False) -> bool:
+        """Whether ``node_id`` has no business sending messages about ``run`` (as its
+        primary, with ``lead``): neither in its plan nor in an earlier one."""
+        ours = node_id == run.primary if lead else node_id in run.nodes
+        return not ours and node_id not in run.past_nodes
 
     async def settle(self) -> None:
         """Waits until every agent message handed over so far is fully handled (tests)."""
@@ -589,15 +612,17 @@ class JobManager:
         if future is not None and not future.done():
             future.set_result(SetupOutcome(ok=status.started, error=status.error))
 
-    def _setup_reported(self, node_id: str, job_id: str, outcome: SetupOutcome) -> None:
+    def _setup_reported(self, node_id: str, job_id: str, outcome: SetupOutcome) -> Rejection | None:
         run = self.runs.get(job_id)
         if run is None or node_id != run.primary:
-            log.warning("node %s sent a setup result for job %s it does not lead", node_id, job_id)
-            return
+            if run is not None and self._stranger(run, node_id, lead=True):
+                return Rejection("a setup result for a job the node does not lead", job_id)
+            return None  # late: the job ended, or a plan it was in failed meanwhile
         if run.setup_future is not None and not run.setup_future.done():
             run.setup_future.set_result(outcome)
+        return None
 
-    def _relay(self, node_id: str, job_id: str, deltas: list[Delta]) -> None:
+    def _relay(self, node_id: str, job_id: str, deltas: list[Delta]) -> Rejection | None:
         """The relay: hand the deltas to the client now, record them later.
 
         The primary streams as soon as it has validated; until JOB_SETUP_VALIDATED is
@@ -606,10 +631,18 @@ class JobManager:
         run = self.runs.get(job_id)
         if run is None:
             log.debug("tokens for ended job %s from node %s dropped", job_id, node_id)
-            return
+            return None
         if node_id != run.primary:
-            log.warning("node %s sent tokens for job %s, which it does not lead", node_id, job_id)
-            return
+            if self._stranger(run, node_id, lead=True):
+                return Rejection("tokens for a job the node does not lead", job_id)
+            return None  # from the primary of a plan that failed: late
+        if run.next_seq == 0 and not run.setup_ok:
+            return Rejection("tokens before the job's setup result", job_id)
+        if deltas[0].seq != run.next_seq:  # re-sent after a reconnect, or a gap
+            deltas = self._unseen(run, deltas)
+            if not deltas:
+                return None
+        run.next_seq = deltas[-1].seq + 1
         run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
         now = time.monotonic()
         if run.last_token_at is None:
@@ -621,6 +654,21 @@ class JobManager:
             self.recorder.add(job_id, deltas)
         else:
             run.held.extend(deltas)
+        return None
+
+    @staticmethod
+    def _unseen(run: JobRun, deltas: list[Delta]) -> list[Delta]:
+        """``deltas`` without those already relayed (an agent re-sends from the last
+        sequence number the controller confirmed, so some may have arrived before)."""
+        fresh = [d for d in deltas if d.seq >= run.next_seq]
+        if fresh and fresh[0].seq != run.next_seq:
+            log.warning(
+                "job %s: tokens %d to %d never arrived",
+                run.job_id,
+                run.next_seq,
+                fresh[0].seq - 1,
+            )
+        return fresh
 
     async def _job_finished(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
         run = self.runs.get(job_id)
@@ -654,27 +702,42 @@ class JobManager:
             fail = self.app.fail
             await self._record_ending(job_id, fail, result.error, result.error_code, tell=tell)
 
-    async def node_disconnected(self, node_id: str) -> None:
-        """A node's stream closed: setup waits fail over; executions on it are lost."""
-        label = self._label(node_id)
+    def node_disconnected(self, node_id: str) -> None:
+        """A node's stream closed (or a new one replaced it): the setups waiting for it fail
+        over at once, as what it answered may be lost. Executions go on: the agent keeps
+        what it sends meanwhile and re-sends it when it is back (:meth:`resumed_jobs`), or
+        :meth:`node_gone` ends them."""
         lost = SetupOutcome(
             ok=False,
-            error=f"node {label} disconnected",
+            error=f"node {self._label(node_id)} disconnected",
             error_code="NODE_LOST",
             failed_node_id=node_id,
         )
-        executing = []
         for run in list(self.runs.values()):
-            if node_id not in run.nodes:
-                continue
-            if run.phase == "setup" and not run.setup_ok:
+            if node_id in run.nodes and run.phase == "setup" and not run.setup_ok:
                 future = run.worker_futures.get(node_id)
                 if future is not None and not future.done():
                     future.set_result(lost)
                 if run.setup_future is not None and not run.setup_future.done():
                     run.setup_future.set_result(lost)
-            else:
-                executing.append(run)
+
+    def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]:
+        """The jobs executing on ``node_id`` that go on over its new stream, each with the
+        first token sequence number not received yet (the ``Welcome`` names them)."""
+        return [(run.job_id, run.next_seq) for run in self._executing_on(node_id)]
+
+    def _executing_on(self, node_id: str) -> list[JobRun]:
+        return [
+            run
+            for run in self.runs.values()
+            if node_id in run.nodes and (run.phase == "execution" or run.setup_ok)
+        ]
+
+    async def node_gone(self, node_id: str) -> None:
+        """A node stayed disconnected past the reconnect grace: the executions on it are
+        lost (failed as ``node_lost``; a job on a lost RPC worker is stopped first)."""
+        label = self._label(node_id)
+        executing = self._executing_on(node_id)
         await asyncio.gather(*(self._lose(run, node_id, label) for run in executing))
 
     async def _lose(self, run: JobRun, node_id: str, label: str) -> None:

@@ -64,6 +64,8 @@ class JobRun:
     #: When generation started (the primary validated); None while queued or in setup.
     executing_since: float | None = None
     last_token_at: float | None = None
+    #: The sequence number of the next delta: a re-sent delta below it is dropped.
+    next_seq: int = 0
     #: The job exists in the store (JOB_SUBMITTED recorded).
     recorded: bool = False
     ticket: Ticket | None = None
@@ -71,6 +73,8 @@ class JobRun:
     reported_violations: set[str] = field(default_factory=set)
     #: Nodes blamed for a failed setup of this job; later plans leave them out.
     excluded: set[str] = field(default_factory=set)
+    #: The nodes of this job's earlier plans (their late messages are dropped quietly).
+    past_nodes: set[str] = field(default_factory=set)
 
     @property
     def uid(self) -> UUID:

@@ -207,6 +207,12 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     ),
     "RPC_WORKER_STOPPED": lambda p: f"job {short(p.get('job_id'))}: {p.get('reason')}",
     "SECURITY_VIOLATION": _violation,
+    "NODE_MESSAGE_REJECTED": lambda p: (
+        f"{p.get('kind')} rejected"
+        + (f" (job {short(p.get('job_id'))})" if p.get("job_id") else "")
+        + f": {p.get('reason')}"
+        + (f"; {p.get('suppressed')} more not recorded" if p.get("suppressed") else "")
+    ),
     "NODE_JOB_ASSIGNED": lambda p: f"job {short(p.get('job_id'))} as {p.get('role')}",
     "NODE_JOB_RELEASED": lambda p: f"job {short(p.get('job_id'))} {p.get('outcome')}",
     "JOB_SUBMITTED": _submitted,

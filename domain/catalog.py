@@ -24,6 +24,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.RpcWorkerStarted,
     Node.RpcWorkerStopped,
     Node.SecurityViolation,
+    Node.MessageRejected,
     Node.JobAssigned,
     Node.JobReleased,
 )

@@ -153,6 +153,17 @@ class Node(Aggregate):
         def evolve(self, node: Node) -> None:
             node.security_violations += 1
 
+    class MessageRejected(Event):
+        """The node's agent sent a message the controller could not take (malformed, too
+        large, out of order, or about another node's job); ``suppressed`` more were rejected
+        since the last such event and not recorded one by one."""
+
+        code: ClassVar[str] = "NODE_MESSAGE_REJECTED"
+        kind: str
+        job_id: str
+        reason: str
+        suppressed: int
+
     class JobAssigned(Event):
         code: ClassVar[str] = "NODE_JOB_ASSIGNED"
         job_id: str
@@ -358,6 +369,16 @@ class Node(Aggregate):
     def security_violation(self, address: str, reason: str, job_id: str = "") -> None:
         self.trigger_event(
             self.SecurityViolation, state=self.state, address=address, reason=reason, job_id=job_id
+        )
+
+    def reject_message(self, kind: str, job_id: str, reason: str, suppressed: int = 0) -> None:
+        self.trigger_event(
+            self.MessageRejected,
+            state=self.state,
+            kind=kind,
+            job_id=job_id,
+            reason=reason,
+            suppressed=suppressed,
         )
 
     def assign_job(

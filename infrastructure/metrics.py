@@ -171,6 +171,7 @@ class ClusterSources:
     live_local_only: Callable[[], bool] = lambda: False
     projection_failing: Callable[[], bool] = lambda: False
     projection_skipped: Callable[[], int] = lambda: 0
+    agent_messages_rejected: Callable[[], Mapping[str, int]] = dict
 
 
 class ClusterCollector(Collector):
@@ -263,6 +264,18 @@ class ClusterCollector(Collector):
             )
         except Exception:
             self._failed("the projection follower")
+        try:
+            rejected = CounterMetricFamily(
+                "dacp_agent_messages_rejected",
+                "Agent messages the controller refused (malformed, too large, out of order, "
+                "another node's job), by the refused message's kind.",
+                labels=["kind"],
+            )
+            for kind, count in sorted(self.sources.agent_messages_rejected().items()):
+                rejected.add_metric([kind], count)
+            out.append(rejected)
+        except Exception:
+            self._failed("the rejected agent messages")
         try:
             dropped = CounterMetricFamily(
                 "dacp_event_feed_dropped",

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from eventsourcing.persistence import IntegrityError, Tracking
@@ -49,7 +50,8 @@ class ProjectionFollower:
         self._subscription: Any = None
         self._event_listeners: list[Callable[[int, object], None]] = []
         self._failures: dict[int, int] = {}
-        self.skipped: list[int] = []
+        #: Events the views skipped (notification ids), recorded in the store (``skips``).
+        self.skipped: list[int] = _recorded_skips(store)
         #: The error the follower is retrying after ("" while it keeps up).
         self.error = ""
         self.uses_subscription = app.factory.env.get("PERSISTENCE_MODULE") == (
@@ -187,7 +189,15 @@ class ProjectionFollower:
                 exc_info=True,
             )
             self.skipped.append(notification.id)
-            self.store.insert_tracking(tracking)
+            skip = {
+                "notification_id": notification.id,
+                "originator_id": str(notification.originator_id),
+                "originator_version": notification.originator_version,
+                "event": type(event).__qualname__,
+                "error": f"{type(e).__name__}: {e}",
+                "skipped_at": datetime.now(UTC).isoformat(),
+            }
+            self.store.record_skip(tracking, skip)
         self._applied(notification.id, event)
 
     def _applied(self, position: int, event: object) -> None:
@@ -214,6 +224,14 @@ class ProjectionFollower:
                     )
                 self._wake.set()
                 self._cond.wait(min(remaining, 0.25))
+
+
+def _recorded_skips(store: ReadModelStore) -> list[int]:
+    try:
+        return [int(skip["notification_id"]) for skip in store.list_skips()]
+    except Exception as e:  # the store is down: the count starts from this run's skips
+        log.warning("cannot read the events the views skipped: %r", e)
+        return []
 
 
 def rebuild(app: Controller, store: ReadModelStore) -> int:

@@ -24,7 +24,7 @@ from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
 
-VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models")
+VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models", "skips")
 
 
 def _dumps(value: Any) -> str:
@@ -149,6 +149,10 @@ class _ReadModelViews:
             "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
             f"CREATE TABLE IF NOT EXISTS {self._t('models')} ("
             "model_id TEXT PRIMARY KEY, name TEXT NOT NULL, data TEXT NOT NULL)",
+            # Events the views could not take (the follower skipped them), for diagnosis.
+            f"CREATE TABLE IF NOT EXISTS {self._t('skips')} ("
+            "notification_id BIGINT PRIMARY KEY, originator_id TEXT NOT NULL, "
+            "data TEXT NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.view_name}_jobs_submitted "
             f"ON {self._t('jobs')} (submitted_at)",
         ]
@@ -184,6 +188,33 @@ class _ReadModelViews:
             for event in events:
                 batch.stage(event)
             batch.write()
+
+    def record_skip(self, tracking: Tracking, skip: Mapping[str, Any]) -> None:
+        """Records that the event at ``tracking`` was skipped (``skip``: its
+        ``notification_id``, ``originator_id``, ``event``, ``error``, ``skipped_at``), and
+        its tracking, atomically: the views move on past it, and say so."""
+        with self._transaction(commit=True) as c:
+            cast(Any, self)._insert_tracking(c, tracking)
+            c.execute(
+                self._sql(
+                    f"INSERT INTO {self._t('skips')} (notification_id, originator_id, data) "
+                    "VALUES (?, ?, ?)"
+                ),
+                (skip["notification_id"], str(skip["originator_id"]), _dumps(dict(skip))),
+            )
+
+    def list_skips(self, originator_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The skipped events (of ``originator_ids`` only, when given), oldest first."""
+        if originator_ids is None:
+            return self._all(f"SELECT data FROM {self._t('skips')} ORDER BY notification_id")
+        if not originator_ids:
+            return []
+        marks = ", ".join("?" for _ in originator_ids)
+        return self._all(
+            f"SELECT data FROM {self._t('skips')} WHERE originator_id IN ({marks}) "
+            "ORDER BY notification_id",
+            tuple(originator_ids),
+        )
 
     def _apply(self, c: Any, event: object) -> None:
         # Each aggregate has its own view: look up only the row this event can change.

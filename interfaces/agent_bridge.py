@@ -8,6 +8,7 @@ from application.agent_messages import (
     AgentJobMessage,
     AgentJobResult,
     JobFinished,
+    Rejection,
     SetupOutcome,
     SetupReported,
     TokensGenerated,
@@ -77,25 +78,44 @@ class JobUplink:
     def __init__(self, jobs: JobManager) -> None:
         self.jobs = jobs
 
-    async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> None:
+    async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> Rejection | None:
         typed = job_message(message)
-        if typed is not None:
-            await self.jobs.handle(node_id, typed)
+        if typed is None or isinstance(typed, Rejection):
+            return typed
+        return await self.jobs.handle(node_id, typed)
 
     async def on_node_disconnected(self, node_id: str) -> None:
-        await self.jobs.node_disconnected(node_id)
+        self.jobs.node_disconnected(node_id)
+
+    async def on_node_gone(self, node_id: str) -> None:
+        await self.jobs.node_gone(node_id)
+
+    def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]:
+        return self.jobs.resumed_jobs(node_id)
 
 
 _WORKER_STATES = (pb.RpcWorkerStatus.STARTED, pb.RpcWorkerStatus.FAILED)
+_JOB_KINDS = frozenset({"rpc_worker_status", "setup_result", "job_result"})
 
 
-def job_message(message: pb.AgentMessage) -> AgentJobMessage | None:
-    """The typed job message a protobuf uplink message carries (None: not a job message)."""
+def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
+    """The typed job message a protobuf uplink message carries (None: not a job message), or
+    why it is malformed."""
     kind = message.WhichOneof("payload")
     if kind == "token_chunk":
         chunk = message.token_chunk
         deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1) for d in chunk.deltas]
+        if not deltas or not chunk.job_id:
+            return Rejection("a token chunk without a job id or deltas", chunk.job_id)
+        seq = deltas[0].seq
+        for delta in deltas[1:]:
+            if delta.seq <= seq:
+                return Rejection("token sequence numbers out of order in one chunk", chunk.job_id)
+            seq = delta.seq
         return TokensGenerated(chunk.job_id, deltas)
+    job_id = getattr(message, kind).job_id if kind in _JOB_KINDS else ""
+    if kind in _JOB_KINDS and not job_id:
+        return Rejection(f"a {kind} without a job id")
     if kind == "rpc_worker_status":
         st = message.rpc_worker_status
         if st.state == pb.RpcWorkerStatus.STOPPED:
@@ -103,7 +123,7 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | None:
         if st.state in _WORKER_STATES:
             started = st.state == pb.RpcWorkerStatus.STARTED
             return WorkerStatus(st.job_id, started, st.host, int(st.port), st.error)
-        return None
+        return Rejection("an RPC worker status without a state", st.job_id)
     if kind == "setup_result":
         sr = message.setup_result
         outcome = SetupOutcome(sr.ok, sr.error, sr.error_code, sr.failed_node_id)

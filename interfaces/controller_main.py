@@ -31,8 +31,8 @@ from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
 from interfaces.http_app import create_app
 from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
+from proto import CONTROLLER_RECEIVE_BYTES, keepalive
 from proto import control_pb2_grpc as pb_grpc
-from proto import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,15 @@ async def _wake_queue_forever(jobs: JobManager) -> None:
         jobs.capacity_changed()
 
 
-async def _sweep_forever(monitor: HealthMonitor) -> None:
+async def _sweep_forever(monitor: HealthMonitor, jobs: JobManager) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL)
         try:
             actions = await asyncio.to_thread(monitor.sweep, time.time())
             for node_id, action in actions:
                 log.info("health: %s %s", action, node_id)
+                if action == "offline":  # its jobs waited for it in vain
+                    await jobs.node_gone(node_id)
         except Exception:
             log.exception("health sweep failed")
 
@@ -151,7 +153,7 @@ async def start_controller(settings: Settings) -> RunningController:
         deadlines=settings.deadlines(),
     )
     services.extras["jobs"] = jobs
-    metrics.add_collector(cluster_collector(services, jobs, feed))
+    metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
     servicer.uplink = JobUplink(jobs)
     services.app.owner = str(uuid.uuid4())
@@ -160,7 +162,10 @@ async def start_controller(settings: Settings) -> RunningController:
     if orphans:
         log.warning("failed %d job(s) whose controller is gone", orphans)
     grpc_server = grpc.aio.server(
-        options=keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout)
+        options=[
+            *keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout),
+            ("grpc.max_receive_message_length", CONTROLLER_RECEIVE_BYTES),
+        ]
     )
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
     grpc_port = grpc_server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
@@ -183,7 +188,7 @@ async def start_controller(settings: Settings) -> RunningController:
     )
     tasks = [
         asyncio.create_task(http_server.serve(), name="http"),
-        asyncio.create_task(_sweep_forever(monitor), name="health-sweep"),
+        asyncio.create_task(_sweep_forever(monitor, jobs), name="health-sweep"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),

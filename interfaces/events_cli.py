@@ -237,13 +237,13 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         events = timeline(storage.app, uid)
         node = state_of(storage.app.get_node(uid))
         node["node_id"] = str(uid)
-        jobs = [
-            row
-            for job_id in node_job_ids(storage, uid, events)
-            if (row := job_row(storage.app, job_id)) is not None
-        ]
+        job_ids = node_job_ids(storage, uid, events)
+        jobs = [row for job_id in job_ids if (row := job_row(storage.app, job_id)) is not None]
+        skips = storage.read_model.list_skips([str(uid), *job_ids])
     jobs.sort(key=lambda r: str(r.get("submitted_at") or ""), reverse=True)
-    report = diagnose(node, events, jobs[:DIAGNOSE_JOBS], CONTROLLER_VERSION, recent=args.recent)
+    report = diagnose(
+        node, events, jobs[:DIAGNOSE_JOBS], CONTROLLER_VERSION, recent=args.recent, skips=skips
+    )
     if args.json:
         _emit_json(report)
     else:
@@ -290,6 +290,18 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
             f"    reason: {j['reason']}" + (f" ({j['error_code']})" if j["error_code"] else "")
         )
         lines.append(f"    check:  {j['check']}")
+    skips = report.get("read_model_skips") or []
+    if skips:
+        lines.append("")
+        lines.append(
+            "read model: skipped events of this node or its jobs (their views may be stale; "
+            "`dacp projections rebuild` once the cause is fixed):"
+        )
+        for skip in skips:
+            lines.append(
+                f"  #{skip['notification_id']} {skip['event']} of {skip['originator_id']} "
+                f"at {table_time(str(skip['skipped_at']))}: {skip['error']}"
+            )
     lines.append("")
     recent = report["recent_events"]
     lines.append(f"recent events (last {len(recent)}):")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from proto import MEMORY_LIMIT_LABEL
@@ -42,6 +43,9 @@ def inventory_to_dict(inv: pb.Inventory) -> dict[str, Any]:
     }
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def resources_from_report(inv: pb.Inventory, ram_free_bytes: int | None) -> dict[str, Any]:
     """The resources recorded for a node: its inventory plus free RAM when known."""
     resources = inventory_to_dict(inv)
@@ -52,7 +56,21 @@ def resources_from_report(inv: pb.Inventory, ram_free_bytes: int | None) -> dict
 
 
 def local_models_to_list(models: Any) -> list[dict[str, Any]]:
-    """Readable GGUF files an agent holds (entries with an error are left out)."""
+    """Readable GGUF files an agent holds (entries with an error are left out). Raises
+    ValueError for an entry no agent would send: a sha256 that is not 64 lowercase hex
+    digits, or a file name that is a path."""
+    for m in models:
+        if m.error or not m.sha256:
+            continue
+        if not _SHA256.fullmatch(m.sha256):
+            raise ValueError(f"model {m.file_name!r}: sha256 is not 64 lowercase hex digits")
+        if (
+            not m.file_name
+            or "/" in m.file_name
+            or "\\" in m.file_name
+            or m.file_name in (".", "..")
+        ):
+            raise ValueError(f"model file name {m.file_name!r} is not a plain file name")
     return sorted(
         (
             {

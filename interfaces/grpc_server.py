@@ -3,6 +3,11 @@
 Each upstream message becomes an application command (run in a worker thread, since the
 event store is synchronous); heartbeats only touch live state. Downstream messages for a
 node go through :class:`AgentConnections`, which any thread may call.
+
+A stream the agent ends with ``Goodbye`` (it stops) takes the node OFFLINE at once and its
+jobs with it. A stream that breaks (a reset, a keepalive timeout) takes nothing: the
+node's jobs wait for it to reconnect, which its ``Welcome`` then resumes (the agent re-sends
+what was lost), until the health sweep finds it silent for ``OFFLINE_AFTER``.
 """
 
 from __future__ import annotations
@@ -10,16 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
 
+from application.agent_messages import Rejection
 from application.background import BackgroundTasks
 from application.controller import Controller
 from application.enrollment import EnrollmentNotConfigured, EnrollmentService, Unauthenticated
 from application.errors import TokenAlreadyUsed
 from application.ports import LiveState
+from application.rejections import RejectionAudit
 from application.version import CONTROLLER_VERSION
 from domain.enrollment_token import (
     BadSignatureError,
@@ -35,7 +43,7 @@ from interfaces.grpc_convert import (
     local_models_to_list,
     resources_from_report,
 )
-from proto import SLOTS_LABEL
+from proto import MAX_CONTROL_MESSAGE_BYTES, SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -59,6 +67,11 @@ def _int_label(labels: Any, key: str, default: int) -> int:
         return max(default, int(labels.get(key, default)))
     except (TypeError, ValueError):
         return default
+
+
+def _said_goodbye(reader: asyncio.Task[bool] | None) -> bool:
+    """Whether the node's stream ended because the agent closed it (see ``_read``)."""
+    return reader is not None and reader.done() and not reader.cancelled() and reader.result()
 
 
 class AgentConnections:
@@ -110,9 +123,15 @@ class AgentConnections:
 class UplinkHandler(Protocol):
     """Receives the job-related messages agents send up (the job manager)."""
 
-    async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> None: ...
+    async def on_agent_message(
+        self, node_id: str, message: pb.AgentMessage
+    ) -> Rejection | None: ...
 
     async def on_node_disconnected(self, node_id: str) -> None: ...
+
+    async def on_node_gone(self, node_id: str) -> None: ...
+
+    def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]: ...
 
 
 class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
@@ -135,6 +154,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.uplink = uplink
         self.clock = clock
         self._cleanups = BackgroundTasks("handling a node message")
+        self._rejections = RejectionAudit()
+        #: Refused agent messages by the refused message's kind (for /metrics).
+        self.rejected: Counter[str] = Counter()
 
     # ----------------------------------------------------------------- Enroll
 
@@ -208,17 +230,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 f"credential of node {node_id} cannot speak for node {first.hello.node_id}",
             )
         queue = self.connections.open(node_id)
-        reader: asyncio.Task[None] | None = None
+        reader: asyncio.Task[bool] | None = None
         try:
             self.live.mark_connected(node_id, True, self.clock())
             await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
-            yield pb.ControllerMessage(
-                welcome=pb.Welcome(
-                    controller_version=CONTROLLER_VERSION,
-                    node_id=node_id,
-                    heartbeat_interval_seconds=self.heartbeat_interval,
-                )
-            )
+            yield pb.ControllerMessage(welcome=await self._welcome(node_id))
             reader = asyncio.create_task(self._read(node_id, iterator, queue))
             while True:
                 item = await queue.get()
@@ -226,13 +242,31 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                     break
                 yield item
         finally:
+            said_goodbye = _said_goodbye(reader)
             if reader is not None:
                 reader.cancel()
             if self.connections.close(node_id, queue):
                 # gRPC cancels this handler when the client cancels the call; the clean-up
                 # (node offline, its jobs re-planned or failed) must run to its end anyway.
-                cleanup = self._cleanups.spawn(self._on_stream_closed(node_id))
+                cleanup = self._cleanups.spawn(self._on_stream_closed(node_id, said_goodbye))
                 await asyncio.shield(cleanup)
+
+    async def _welcome(self, node_id: str) -> pb.Welcome:
+        """The node's Welcome, naming the jobs that go on over this stream. What the node
+        answered on an earlier stream may be lost, so the setups waiting for it fail over
+        first (a new stream can replace one the controller has not seen die yet)."""
+        resumed: list[tuple[str, int]] = []
+        if self.uplink is not None:
+            await self.uplink.on_node_disconnected(node_id)
+            resumed = self.uplink.resumed_jobs(node_id)
+        if resumed:
+            log.info("node %s is back: %d job(s) resume", node_id, len(resumed))
+        return pb.Welcome(
+            controller_version=CONTROLLER_VERSION,
+            node_id=node_id,
+            heartbeat_interval_seconds=self.heartbeat_interval,
+            resumed_jobs=[pb.ResumedJob(job_id=j, next_seq=seq) for j, seq in resumed],
+        )
 
     def _on_hello(self, node_id: str, state: str, agent_version: str) -> None:
         try:
@@ -245,11 +279,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def _read(
         self, node_id: str, iterator: AsyncIterator[pb.AgentMessage], queue: asyncio.Queue[Any]
-    ) -> None:
+    ) -> bool:
+        """Handles the node's messages until its stream ends; True when the agent said
+        goodbye, False when the stream broke."""
+        goodbye = False
         try:
             async for message in iterator:
                 try:
-                    await self._on_message(node_id, message)
+                    if not await self._on_message(node_id, message):
+                        goodbye = True
+                        break
                 except Exception:
                     # A store or Redis hiccup must not cost the node its control stream.
                     log.exception(
@@ -261,17 +300,28 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             log.exception("control stream of node %s failed", node_id)
         finally:
             queue.put_nowait(_CLOSE)
+        return goodbye
 
-    async def _on_message(self, node_id: str, message: pb.AgentMessage) -> None:
+    async def _on_message(self, node_id: str, message: pb.AgentMessage) -> bool:
+        """Handles one message; False when it was the agent's goodbye (the stream ends). A
+        message that breaks the protocol is refused alone (:meth:`_reject`)."""
         kind = message.WhichOneof("payload")
-        if kind == "heartbeat":
+        if message.ByteSize() > MAX_CONTROL_MESSAGE_BYTES:
+            size = message.ByteSize()
+            why = f"{size} bytes, more than the {MAX_CONTROL_MESSAGE_BYTES} a message may have"
+            self._reject(node_id, kind or "", Rejection(why))
+        elif kind == "heartbeat":
             telemetry = heartbeat_to_dict(message.heartbeat)
             self.live.record_heartbeat(node_id, telemetry, self.clock())
         elif kind == "resource_report":
             live = self.live.get(node_id)
             ram_free = live.telemetry.get("ram_free_bytes") if live else None
-            resources = resources_from_report(message.resource_report.inventory, ram_free)
-            models = local_models_to_list(message.resource_report.models)
+            try:
+                resources = resources_from_report(message.resource_report.inventory, ram_free)
+                models = local_models_to_list(message.resource_report.models)
+            except (ValueError, TypeError) as e:
+                self._reject(node_id, kind, Rejection(f"a malformed resource report: {e}"))
+                return True
             # Store writes run beside the message loop: a slow store must not hold up the
             # node's heartbeats (nor its jobs' tokens) behind them; a failure is logged and
             # never costs the node its control stream.
@@ -284,12 +334,41 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 self._cleanups.spawn(self._command(self.app.report_node_error, node_id, fault))
             else:
                 log.warning("node %s reports: %s", node_id, message.runtime_fault.message)
+        elif kind == "goodbye":
+            log.info("node %s says goodbye: %s", node_id, message.goodbye.reason or "stopping")
+            return False
         elif kind == "hello":
-            log.warning("node %s sent a second Hello; ignored", node_id)
+            self._reject(node_id, kind, Rejection("a second Hello on one stream"))
+        elif kind is None:
+            why = "an empty message, or one of a kind this controller does not know"
+            self._reject(node_id, "", Rejection(why))
         elif self.uplink is not None:
-            await self.uplink.on_agent_message(node_id, message)
+            rejection = await self.uplink.on_agent_message(node_id, message)
+            if rejection is not None:
+                self._reject(node_id, kind, rejection)
         else:
             log.warning("node %s sent %s but no job manager is running", node_id, kind)
+        return True
+
+    def _reject(self, node_id: str, kind: str, rejection: Rejection) -> None:
+        """Refuses one message: the agent hears why (``MessageRejected``) and its stream goes
+        on; /metrics counts it; NODE_MESSAGE_REJECTED records it (at most one per node every
+        10 s, see :class:`RejectionAudit`)."""
+        log.warning(
+            "node %s: %s refused (job %s): %s",
+            node_id,
+            kind or "message",
+            rejection.job_id or "-",
+            rejection.reason,
+        )
+        self.rejected[kind or "unknown"] += 1
+        refused = pb.MessageRejected(kind=kind, job_id=rejection.job_id, reason=rejection.reason)
+        self.connections.send(node_id, pb.ControllerMessage(message_rejected=refused))
+        suppressed = self._rejections.note(node_id, self.clock())
+        if suppressed is not None:
+            record = self.app.reject_message
+            args = (node_id, kind, rejection.job_id, rejection.reason, suppressed)
+            self._cleanups.spawn(self._command(record, *args))
 
     async def _command(self, fn: Callable[..., object], *args: Any) -> None:
         try:
@@ -297,8 +376,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         except DomainError as e:
             log.info("command %s refused: %s", getattr(fn, "__name__", fn), e)
 
-    async def _on_stream_closed(self, node_id: str) -> None:
-        """The stream is gone: each step runs even when an earlier one failed."""
+    async def _on_stream_closed(self, node_id: str, said_goodbye: bool) -> None:
+        """The stream is gone: each step runs even when an earlier one failed. An agent that
+        said goodbye is offline now; a broken stream leaves the node's jobs waiting for it
+        to reconnect (the health sweep takes it offline if it stays silent)."""
         try:
             self.live.mark_connected(node_id, False, self.clock())
         except Exception:
@@ -306,8 +387,16 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if self.uplink is not None:
             try:
                 await self.uplink.on_node_disconnected(node_id)
+                if said_goodbye:
+                    await self.uplink.on_node_gone(node_id)
             except Exception:
                 log.exception("job clean-up after node %s disconnected failed", node_id)
+        if not said_goodbye:
+            log.warning(
+                "the control stream of node %s broke; its jobs wait for it to reconnect",
+                node_id,
+            )
+            return
         try:
             await self._command(self.app.mark_offline, node_id, "control stream closed")
         except Exception:

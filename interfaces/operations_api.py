@@ -28,6 +28,7 @@ from infrastructure.metrics import (
     PrometheusMetrics,
 )
 from interfaces.event_feed import EventFeed
+from interfaces.grpc_server import ControlPlaneServicer
 from interfaces.http_errors import ApiError
 from interfaces.services import Services
 
@@ -62,7 +63,9 @@ def install_operations(
     return metrics, feed
 
 
-def cluster_collector(services: Services, jobs: JobManager, feed: EventFeed) -> ClusterCollector:
+def cluster_collector(
+    services: Services, jobs: JobManager, feed: EventFeed, servicer: ControlPlaneServicer
+) -> ClusterCollector:
     return ClusterCollector(
         ClusterSources(
             nodes=services.read_model.list_nodes,
@@ -77,6 +80,7 @@ def cluster_collector(services: Services, jobs: JobManager, feed: EventFeed) -> 
             live_local_only=services.live.local_only,
             projection_failing=lambda: bool(services.follower.error),
             projection_skipped=lambda: len(services.follower.skipped),
+            agent_messages_rejected=lambda: dict(servicer.rejected),
         )
     )
 

@@ -15,9 +15,19 @@ PROTOCOL_VERSION = "dacp.control.v1"
 SLOTS_LABEL = "dacp.slots"
 MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
 
-# The largest message either end of the control channel accepts (gRPC's default receive limit,
-# left as it is on both ends). A plan carries the whole prompt, so a request whose plan would
-# exceed it is refused before it is sent: an oversized message would break the node's stream.
+# The largest message either end of the control channel accepts (gRPC's default receive limit).
+# A plan carries the whole prompt, so a request whose plan would exceed it is refused before it
+# is sent: an oversized message would break the node's stream.
 MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
+# What the controller's gRPC server lets in: larger than the limit, so that an agent message
+# between the two is refused alone (MessageRejected) and its stream goes on; only a message
+# beyond this one breaks the stream (gRPC's RESOURCE_EXHAUSTED).
+CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
 
-__all__ = ["MAX_CONTROL_MESSAGE_BYTES", "MEMORY_LIMIT_LABEL", "PROTOCOL_VERSION", "SLOTS_LABEL"]
+__all__ = [
+    "CONTROLLER_RECEIVE_BYTES",
+    "MAX_CONTROL_MESSAGE_BYTES",
+    "MEMORY_LIMIT_LABEL",
+    "PROTOCOL_VERSION",
+    "SLOTS_LABEL",
+]

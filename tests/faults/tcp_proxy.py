@@ -2,8 +2,9 @@
 
 ``cut()`` closes every open connection (a crashed peer, a reset link). ``black_hole()`` stops
 forwarding on every open connection but keeps the sockets open (a pulled cable, a NAT that
-forgot the flow): neither end hears anything, not even a close. New connections are always
-forwarded, so a peer that notices and reconnects gets through.
+forgot the flow): neither end hears anything, not even a close. New connections are
+forwarded, so a peer that notices and reconnects gets through, unless an ``outage`` is on:
+then they are refused (a cut link) or swallowed (a black hole) until it ends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class TcpProxy:
         self.links: list[_Link] = []
         self.accepted = 0
         self._server: asyncio.Server | None = None
+        #: While set: new connections are refused ("cut") or swallowed ("black hole").
+        self.down: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> TcpProxy:
@@ -40,12 +43,17 @@ class TcpProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        if self.down == "cut":
+            writer.close()
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
             return
         link = _Link(writer, up_writer)
+        if self.down == "black hole":
+            link.holes.set()
         self.links.append(link)
         for source, sink in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.ensure_future(self._pump(source, sink, link))
@@ -80,6 +88,14 @@ class TcpProxy:
                 with contextlib.suppress(Exception):
                     writer.close()
         self.links.clear()
+
+    async def outage(self, kind: str, seconds: float) -> None:
+        """The link fails (``"cut"`` or ``"black hole"``) for ``seconds``, new connections
+        included; then it works again."""
+        self.down = kind
+        self.cut() if kind == "cut" else self.black_hole()
+        await asyncio.sleep(seconds)
+        self.down = None
 
     async def close(self) -> None:
         if self._server is not None:

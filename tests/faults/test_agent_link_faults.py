@@ -2,6 +2,8 @@
 without enrolling again, and the controller notices too, so it neither keeps a dead stream
 nor waits for TCP's retransmissions (minutes). A black hole is noticed only through gRPC
 keepalive, which both ends now run (``proto/keepalive.py``; 1 s here, 20 s by default).
+A link down for 3 s in the middle of a stream costs the client nothing: the job completes
+with exactly its text, as the agent re-sends what the controller missed.
 
 The real agent session (``AgentSession``, no llama.cpp) talks to the real controller through
 a TCP proxy that cuts or silences its connections.
@@ -10,6 +12,7 @@ a TCP proxy that cuts or silences its connections.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,10 +23,13 @@ import pytest
 from agent.agent_config import AgentConfig
 from agent.control_client import AgentSession, AgentState
 from agent.control_handler import NullHandler
+from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
+from tests.faults.streams import SlowWords, events, recorded_seqs, stream_completion
 from tests.faults.tcp_proxy import TcpProxy
 from tests.faults.waiting import until
+from tests.unit.test_agent_model_store import write_tiny_gguf
 
 KEEPALIVE = 1.0  # interval and timeout, both ends
 #: A dead link must be noticed within the keepalive interval + timeout, plus slack.
@@ -76,6 +82,68 @@ async def session(
     yield agent
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture
+async def streaming(
+    ctl: RunningController, proxy: TcpProxy, tmp_path: Path
+) -> AsyncIterator[tuple[AgentSession, SlowWords]]:
+    """An agent holding model ``m`` whose jobs stream 160 words 25 ms apart (4 s)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_tiny_gguf(models / "m.gguf")
+    sha = hashlib.sha256((models / "m.gguf").read_bytes()).hexdigest()
+    ctl.services.app.register_model("m", sha, "m.gguf", 2048)
+    token = ctl.services.enrollment.mint(
+        ttl_seconds=60, single_use=True, node_name=None, now=time.time()
+    ).token
+    config = AgentConfig(
+        data_dir=tmp_path / "agent",
+        models_dir=models,
+        node_name="streams",
+        controller_url=proxy.address,
+        enrollment_token=token,
+        heartbeat_interval=0.2,
+        backoff_initial=0.1,
+        backoff_max=0.5,
+        keepalive_interval=KEEPALIVE,
+        keepalive_timeout=KEEPALIVE,
+    )
+    handler = SlowWords(words=160, delay=0.025)
+    agent = AgentSession(config, handler)
+    task = asyncio.create_task(agent.run())
+    await agent.wait_for_state(AgentState.READY, timeout=15)
+    await until(lambda: len(ctl.services.read_model.eligibility()) == 1, 10)
+    yield agent, handler
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("fault", ["cut", "black hole"])
+async def test_a_link_down_for_3_s_mid_stream_costs_the_client_nothing(
+    ctl: RunningController,
+    proxy: TcpProxy,
+    streaming: tuple[AgentSession, SlowWords],
+    fault: str,
+) -> None:
+    agent, handler = streaming
+    client = asyncio.create_task(stream_completion(f"http://127.0.0.1:{ctl.http_port}"))
+    await until(lambda: handler.sent >= 20, 15)
+    connections, failures, accepted = agent.connections, agent.failed_attempts, proxy.accepted
+    await proxy.outage(fault, 3.0)
+    back = await until(lambda: agent.connections > connections, NOTICED_WITHIN + 2.0)
+    # Every retry really connected (the first failure is the stream that broke, the last
+    # connection the one that worked): none was refused by gRPC's own reconnect backoff.
+    assert proxy.accepted - accepted >= agent.failed_attempts - failures >= 1
+    result = await asyncio.wait_for(client, 30)
+    assert result["error"] is None, result
+    assert result["text"] == handler.text() and result["finish_reason"] == "stop"
+    [job] = handler.jobs
+    assert code_of(events(ctl, job)[-1]) == "JOB_COMPLETED"
+    assert recorded_seqs(ctl, job) == list(range(handler.words))
+    node_codes = [code_of(e) for e in events(ctl, str(agent.node_id))]
+    assert "NODE_OFFLINE" not in node_codes and node_codes.count("NODE_ENROLLED") == 1
+    print(f"{fault} for 3 s: the agent was back {back:.2f}s after the link was; text whole")
 
 
 @pytest.mark.parametrize("fault", ["cut", "black hole"])

@@ -26,36 +26,18 @@ import pytest
 
 from agent.agent_config import AgentConfig
 from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler, Send
 from application.controller import Controller
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
-from proto import control_pb2 as pb
 from tests.conftest import TEST_DATABASE_URL, TEST_REDIS_URL
 from tests.faults.services import free_port
+from tests.faults.streams import SlowWords
 from tests.faults.waiting import until
 from tests.unit.test_agent_model_store import write_tiny_gguf
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 AI = {"Authorization": "Bearer test-ai-key"}
 REPO = Path(__file__).resolve().parents[2]
-
-
-class SlowWords(NullHandler):
-    """Runs a plan by streaming words 50 ms apart (no llama.cpp)."""
-
-    def __init__(self) -> None:
-        self.jobs: list[str] = []
-
-    async def on_plan(self, plan: pb.ExecutionPlan, send: Send) -> None:
-        self.jobs.append(plan.job_id)
-        ok = pb.SetupResult(job_id=plan.job_id, ok=True, role="primary")
-        await send(pb.AgentMessage(setup_result=ok))
-        for seq in range(200):
-            await asyncio.sleep(0.05)
-            delta = pb.Delta(seq=seq, text=f" w{seq}", tokens=1)
-            chunk = pb.TokenChunk(job_id=plan.job_id, deltas=[delta])
-            await send(pb.AgentMessage(token_chunk=chunk))
 
 
 class ControllerProcess:

@@ -9,17 +9,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
-from uuid import UUID
 
 import httpx
-import orjson
 import pytest
 
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
+from tests.faults.streams import events, recorded_seqs, stream_completion
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -69,40 +67,14 @@ async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
         await agent.stop()
 
 
-async def _stream(ctl: RunningController) -> dict[str, Any]:
-    """One streamed completion: its job id, text, and error (if the stream ended in one)."""
-    out: dict[str, Any] = {"text": "", "error": None, "job_id": None, "status": None}
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    async with (
-        httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=60) as client,
-        client.stream("POST", "/v1/chat/completions", headers=AI, json=body) as r,
-    ):
-        out["status"] = r.status_code
-        if r.status_code != 200:
-            out["error"] = orjson.loads(await r.aread())["error"]
-            return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if "error" in chunk:
-                out["error"] = chunk["error"]
-                continue
-            out["job_id"] = str(UUID(chunk["id"].removeprefix("chatcmpl-")))
-            for choice in chunk.get("choices", []):
-                out["text"] += choice["delta"].get("content") or ""
-    return out
-
-
-def _events(ctl: RunningController, ident: str) -> list[Any]:
-    return list(ctl.services.app.repository.event_store.get(UUID(ident)))
-
-
 @pytest.mark.parametrize("outage", ["restart", "down until the streams end"])
 async def test_postgres_restarted_during_20_streams(
     ctl: RunningController, fleet: list[FakeAgent], own_postgres: OwnPostgres, outage: str
 ) -> None:
-    clients = [asyncio.ensure_future(_stream(ctl)) for _ in range(STREAMS)]
+    clients = [
+        asyncio.ensure_future(stream_completion(f"http://127.0.0.1:{ctl.http_port}"))
+        for _ in range(STREAMS)
+    ]
     deadline = time.monotonic() + 20
     while sum(len(a.plans) for a in fleet) < STREAMS:  # every stream running
         assert time.monotonic() < deadline, [len(a.plans) for a in fleet]
@@ -125,11 +97,11 @@ async def test_postgres_restarted_during_20_streams(
     job_ids = [str(p.job_id) for a in fleet for p in a.plans]
 
     def settled() -> bool:
-        return all(code_of(_events(ctl, j)[-1]) in TERMINAL for j in job_ids)
+        return all(code_of(events(ctl, j)[-1]) in TERMINAL for j in job_ids)
 
     while not settled():
         assert time.monotonic() - back_at < SETTLED_WITHIN, [
-            code_of(_events(ctl, j)[-1]) for j in job_ids
+            code_of(events(ctl, j)[-1]) for j in job_ids
         ]
         await asyncio.sleep(0.2)
     settled_after = time.monotonic() - back_at
@@ -137,15 +109,10 @@ async def test_postgres_restarted_during_20_streams(
         node = ctl.services.app.get_node(agent.node_id)
         assert node.jobs == [] and str(node.state) == "READY", (node.state, node.jobs)
     for ident in [*job_ids, *(a.node_id for a in fleet)]:
-        versions = [e.originator_version for e in _events(ctl, ident)]
+        versions = [e.originator_version for e in events(ctl, ident)]
         assert versions == list(range(1, len(versions) + 1)), versions
     for job_id in job_ids:
-        seqs = [
-            int(d["seq"])
-            for e in _events(ctl, job_id)
-            if code_of(e) == "TOKEN_STREAM_CHUNK"
-            for d in e.deltas
-        ]
+        seqs = recorded_seqs(ctl, job_id)
         assert seqs == list(range(len(seqs))), seqs  # no gap, no duplicate
     whole = sum(1 for r in results if r["error"] is None)
     print(f"{outage}: {whole}/{STREAMS} whole texts; all terminal {settled_after:.2f}s after")

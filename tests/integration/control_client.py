@@ -122,8 +122,18 @@ class RawSession:
             self._beat = None
 
     async def close(self) -> None:
+        """Ends the stream as an agent that stops does: goodbye, then the call."""
         self.stop_heartbeats()
+        await self.outbox.put(pb.AgentMessage(goodbye=pb.Goodbye(reason="test session closed")))
         await self.outbox.put(None)
+        if self.call is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.call.code(), 5)
+        await self.drop()
+
+    async def drop(self) -> None:
+        """Breaks the stream without a goodbye (a crashed agent, a reset link)."""
+        self.stop_heartbeats()
         if self.call is not None:
             self.call.cancel()
         if self._read is not None:

@@ -16,8 +16,9 @@ import pytest
 from domain.catalog import code_of
 from domain.enrollment_token import mint_token
 from interfaces.controller_main import RunningController, controller
+from proto import control_pb2 as pb
 from tests.conftest import controller_settings
-from tests.integration.control_client import RawSession, enroll
+from tests.integration.control_client import RawSession, enroll, inventory
 from tests.plans import one_node_plan
 
 SECRET = "test-enrollment-secret"
@@ -202,6 +203,21 @@ async def test_closed_stream_is_offline_at_once_and_reconnect_recovers(
     await again.close()
 
 
+async def test_a_broken_stream_leaves_the_node_to_the_heartbeat_thresholds(
+    ctl: RunningController,
+) -> None:
+    """No goodbye: the node may be back in a moment (its jobs wait for it), so it is not
+    taken offline at once; the health sweep decides, as for any silent node."""
+    node_id, session = await connected_node(ctl)
+    read = ctl.services.read_model
+    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    await session.drop()
+    await wait_for(lambda: read.get_node(node_id)["state"] == "OFFLINE")  # type: ignore[index]
+    assert codes(ctl, node_id)[-3:] == ["NODE_READY", "HEARTBEAT_TIMEOUT", "NODE_OFFLINE"]
+    offline: Any = list(ctl.services.app.repository.event_store.get(UUID(node_id)))[-1]
+    assert offline.reason.startswith("no heartbeat for")
+
+
 async def test_resource_report_recorded_once_per_meaningful_change(
     ctl: RunningController,
 ) -> None:
@@ -365,4 +381,55 @@ async def test_a_live_state_error_does_not_cost_the_node_its_stream(
     assert session.error is None
     assert ctl.services.connections.is_connected(node_id)
     assert "NODE_OFFLINE" not in codes(ctl, node_id)
+    await session.close()
+
+
+async def test_bad_messages_are_refused_alone_and_the_stream_goes_on(
+    ctl: RunningController,
+) -> None:
+    """Malformed, oversized or out-of-order messages each get a MessageRejected; the first
+    is recorded (NODE_MESSAGE_REJECTED, the rest within 10 s only counted); the node keeps
+    its stream and its state."""
+    node_id, session = await connected_node(ctl)
+    read = ctl.services.read_model
+    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    huge = pb.Delta(seq=0, text="x" * (5 << 20), tokens=1)  # over the 4 MiB message limit
+    bad_model = pb.LocalModel(file_name="m.gguf", sha256="not-a-digest")
+    bad = [
+        pb.AgentMessage(),  # nothing set (or a kind this controller does not know)
+        pb.AgentMessage(hello=pb.Hello(agent_version="test", node_id=node_id)),
+        pb.AgentMessage(token_chunk=pb.TokenChunk(job_id="j", deltas=[huge])),
+        pb.AgentMessage(token_chunk=pb.TokenChunk(job_id="j")),
+        pb.AgentMessage(
+            resource_report=pb.ResourceReport(inventory=inventory(), models=[bad_model])
+        ),
+        pb.AgentMessage(job_result=pb.JobResult(ok=True)),
+    ]
+    for message in bad:
+        await session.send(message)
+
+    def refused() -> list[pb.MessageRejected]:
+        return [m.message_rejected for m in session.received if m.HasField("message_rejected")]
+
+    await wait_for(lambda: len(refused()) == len(bad))
+    assert [r.kind for r in refused()] == [
+        "",
+        "hello",
+        "token_chunk",
+        "token_chunk",
+        "resource_report",
+        "job_result",
+    ]
+    assert "bytes" in refused()[2].reason and "sha256" in refused()[4].reason
+    await wait_for(lambda: "NODE_MESSAGE_REJECTED" in codes(ctl, node_id))
+    assert codes(ctl, node_id).count("NODE_MESSAGE_REJECTED") == 1  # the others within 10 s
+    # The stream lives: heartbeats still count, the node is still READY and connected.
+    seen = ctl.services.live.get(node_id)
+    assert seen is not None
+    await wait_for(lambda: ctl.services.live.get(node_id).last_seen > seen.last_seen)  # type: ignore[union-attr]
+    assert session.error is None and ctl.services.connections.is_connected(node_id)
+    assert read.get_node(node_id)["state"] == "READY"  # type: ignore[index]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as client:
+        metrics = (await client.get("/metrics")).text
+    assert 'dacp_agent_messages_rejected_total{kind="token_chunk"} 2.0' in metrics
     await session.close()

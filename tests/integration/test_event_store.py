@@ -278,6 +278,12 @@ def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
     assert follower.catch_up() == 2  # skips 2 after the last failure, then applies 3
     assert follower.skipped == [2]
     assert follower.position == 3
+    [skip] = storage.read_model.list_skips([str(node_id)])
+    assert (skip["notification_id"], skip["event"]) == (2, "Node.BecameReady")
+    assert skip["error"] == "RuntimeError: a bug in a projection"
+    assert storage.read_model.list_skips(["someone-else"]) == []
+    # Recorded in the store: a follower started later still counts it.
+    assert ProjectionFollower(app, storage.read_model).skipped == [2]
     row = storage.read_model.get_node(str(node_id))
     assert row is not None and row["security_violations"] == 1
     assert storage.read_model.max_tracking_id(storage.read_model.view_name) == 3

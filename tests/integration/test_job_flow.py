@@ -15,7 +15,9 @@ import pytest
 
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
+from proto import control_pb2 as pb
 from tests.conftest import controller_settings
+from tests.integration.control_client import RawSession
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -374,3 +376,51 @@ async def test_a_5_mb_prompt_fails_alone_and_the_node_keeps_its_stream(
     codes = [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(a.node_id))]
     assert "NODE_OFFLINE" not in codes
     await a.stop()
+
+
+async def test_a_primary_whose_stream_breaks_resumes_its_job_when_back(
+    ctl: RunningController,
+) -> None:
+    """The stream breaks mid-generation (no goodbye): the job waits; the agent's new stream is
+    told where the job's tokens resume, and what it re-sends twice is relayed once."""
+    (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
+    a.unresponsive = True  # this test answers for it
+    old = a.session
+    assert old is not None
+
+    def delta(job: str, seq: int, text: str) -> pb.AgentMessage:
+        d = pb.Delta(seq=seq, text=text, tokens=1)
+        return pb.AgentMessage(token_chunk=pb.TokenChunk(job_id=job, deltas=[d]))
+
+    async with http(ctl) as client:
+        await register(ctl, client)
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        answer = asyncio.create_task(client.post("/v1/chat/completions", headers=AI, json=body))
+        deadline = time.monotonic() + 10
+        while not any(m.WhichOneof("payload") == "execution_plan" for m in old.received):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        [job] = [m.execution_plan.job_id for m in old.received if m.HasField("execution_plan")]
+        ok = pb.SetupResult(job_id=job, ok=True, role="primary")
+        await old.send(pb.AgentMessage(setup_result=ok))
+        await old.send(delta(job, 0, "a"))
+        await old.send(delta(job, 1, " b"))
+        jobs = ctl.services.extras["jobs"]
+        while jobs.runs[job].next_seq < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await old.drop()
+        again = RawSession(old.target, a.node_id, old.credential)
+        welcome = (await again.open()).welcome
+        assert [(r.job_id, r.next_seq) for r in welcome.resumed_jobs] == [(job, 2)]
+        await again.send(delta(job, 1, " b"))  # in flight when the stream broke: again
+        await again.send(delta(job, 2, " c"))
+        done = pb.JobResult(job_id=job, ok=True, finish_reason="stop", completion_tokens=3)
+        await again.send(pb.AgentMessage(job_result=done))
+        r = await asyncio.wait_for(answer, 20)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "a b c"
+    assert job_codes(ctl, job)[-1] == "JOB_COMPLETED"
+    node_events = ctl.services.app.repository.event_store.get(UUID(a.node_id))
+    assert "NODE_OFFLINE" not in [code_of(e) for e in node_events]
+    await again.close()

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from eventsourcing.persistence import Tracking
 
 from application.diagnosis import CONTROLLER_UNREACHABLE, PUBLIC_PEER, RPC_WORKER_LOST
 from application.timeline import job_timeline, parse_time, timeline
@@ -136,6 +137,30 @@ def test_replay_at_version_and_time(
     assert job["tokens_streamed"] == 0 and job["failure_phase"] is None
     assert job["as_of"]["time"] == validated_at
     assert job["as_of"]["position"] == job_events[3]["position"]
+
+
+def test_diagnose_names_the_events_the_read_model_skipped(
+    storage: Storage, incident: Incident, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = str(incident.node_b)
+    skip = {
+        "notification_id": 10_000,
+        "originator_id": node,
+        "originator_version": 3,
+        "event": "Node.ResourcesReported",
+        "error": "KeyError: 'gpus'",
+        "skipped_at": "2026-12-03T12:00:00+00:00",
+    }
+    tracking = Tracking(storage.read_model.view_name, 10_000)
+    storage.read_model.record_skip(tracking, skip)
+    code, out, err = dacp(capsys, storage, "diagnose", node)
+    assert (code, err) == (0, "")
+    assert "read model: skipped events" in out
+    assert "#10000 Node.ResourcesReported" in out and "KeyError: 'gpus'" in out
+    code, out, _ = dacp(capsys, storage, "diagnose", node, "--json")
+    assert json.loads(out)["read_model_skips"] == [skip]
+    code, out, _ = dacp(capsys, storage, "diagnose", "node-a")
+    assert "read model" not in out  # another node's skip is not this one's
 
 
 def test_diagnose_reports_phase_and_hint(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, _Connection
+from agent.control_client import AgentSession
 from agent.control_handler import NullHandler
 from agent.job_messages import (
     INVALID_PLAN,
@@ -25,6 +25,7 @@ from agent.job_messages import (
     generation_stats,
     parse_messages,
 )
+from agent.job_traffic import Connection
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_handler import LlamaHandler
 from proto import control_pb2 as pb
@@ -75,7 +76,7 @@ async def test_pieces_queued_behind_a_pending_write_go_out_as_one_chunk(tmp_path
     """DeltaSender -> AgentSession.send -> the session's write loop, as in production."""
     session = AgentSession(AgentConfig(data_dir=tmp_path, node_name="n"), NullHandler())
     call = GatedCall()
-    conn = _Connection(call)  # type: ignore[arg-type]
+    conn = Connection(call)  # type: ignore[arg-type]
     session._conn = conn
     writer = asyncio.create_task(session._write_loop(conn))
     try:

@@ -32,6 +32,7 @@ def test_agent_message_oneof_members() -> None:
         "token_chunk",
         "job_result",
         "runtime_fault",
+        "goodbye",
     ]
 
 
@@ -45,6 +46,7 @@ def test_controller_message_oneof_members() -> None:
         "cancel_job",
         "drain",
         "resume",
+        "message_rejected",
     ]
 
 

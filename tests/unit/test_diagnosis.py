@@ -10,6 +10,7 @@ from uuid import UUID
 import pytest
 
 from application.diagnosis import (
+    AGENT_PROTOCOL,
     CONTROLLER_UNREACHABLE,
     NO_HINT_CHECK,
     OUT_OF_MEMORY,
@@ -204,6 +205,16 @@ def test_phase_label() -> None:
             "control stream closed; lost jobs 01234567",
         ),
         (
+            "NODE_MESSAGE_REJECTED",
+            {"kind": "token_chunk", "job_id": "0123456789ab", "reason": "r", "suppressed": 4},
+            "token_chunk rejected (job 01234567): r; 4 more not recorded",
+        ),
+        (
+            "NODE_MESSAGE_REJECTED",
+            {"kind": "hello", "job_id": "", "reason": "a second Hello", "suppressed": 0},
+            "hello rejected: a second Hello",
+        ),
+        (
             "JOB_PLANNED",
             {
                 "plan": {
@@ -247,3 +258,10 @@ def test_json_safe_and_times() -> None:
     assert parse_time("2025-01-02T01:04:05") == datetime(2025, 1, 2, 1, 4, 5, tzinfo=UTC)
     with pytest.raises(ValueError):
         parse_time("yesterday")
+
+
+def test_a_rejected_agent_message_is_a_finding_with_the_protocol_hint() -> None:
+    rejected = event("NODE_MESSAGE_REJECTED", kind="hello", job_id="", reason="x", suppressed=0)
+    assert classify_node_event(rejected) == AGENT_PROTOCOL
+    [finding] = node_findings([event("NODE_READY", T0), rejected])
+    assert (finding["code"], finding["hint"]) == ("NODE_MESSAGE_REJECTED", "agent_protocol")

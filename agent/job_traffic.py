@@ -1,0 +1,154 @@
+"""The job half of :class:`agent.control_client.AgentSession`: controller messages handed to
+the :class:`ControlHandler` (each in a task of its own), job messages sent up (journalled
+first, see :mod:`agent.job_journal`), and the jobs resumed after a reconnect.
+
+Agent code: imports only the standard library, third-party packages and ``proto``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc.aio
+
+from agent.control_handler import (
+    ControlHandler,
+    job_failure,
+    role_name,
+    setup_failure,
+    worker_status,
+)
+from agent.job_journal import JobJournal
+from agent.job_messages import JOB_LOST
+from proto import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Connection:
+    """One open ``Connect`` stream and the messages waiting to go out on it."""
+
+    call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.ControllerMessage]
+    queue: asyncio.Queue[pb.AgentMessage] = field(default_factory=asyncio.Queue)
+
+
+class JobTraffic:
+    handler: ControlHandler
+    journal: JobJournal
+    _conn: Connection | None
+    _dispatch_tasks: set[asyncio.Task[None]]
+
+    def _resume_jobs(self, conn: Connection, welcome: pb.Welcome) -> None:
+        """Re-sends what the controller lacks of the jobs it still waits for; cancels the
+        jobs this node leads that it no longer waits for; reports the ones this node has
+        never heard of (the agent restarted meanwhile)."""
+        named = {job.job_id: job.next_seq for job in welcome.resumed_jobs}
+        self.journal.keep_only(named)
+        try:
+            active = set(self.handler.active_job_ids())
+        except Exception:
+            log.exception("handler.active_job_ids() failed")
+            active = set()
+        for job_id, next_seq in named.items():
+            replay = self.journal.replay(job_id, next_seq)
+            for message in replay:
+                conn.queue.put_nowait(message)
+            if replay:
+                log.info(
+                    "job %s: re-sent %d message(s) from token %d", job_id, len(replay), next_seq
+                )
+            elif job_id not in active and job_id not in self.journal:
+                log.warning("job %s: the controller waits for it, but it does not run here", job_id)
+                conn.queue.put_nowait(
+                    job_failure(job_id, "execution", JOB_LOST, "its node's agent restarted")
+                )
+        for job_id in active - named.keys():
+            log.warning("job %s: the controller no longer waits for it; cancelling it", job_id)
+            cancel = pb.ControllerMessage(
+                cancel_job=pb.CancelJob(job_id=job_id, reason="the controller gave it up")
+            )
+            self._dispatch(cancel)
+
+    async def send(self, message: pb.AgentMessage) -> None:
+        """The ``send`` given to the handler: queue ``message`` on the current stream. Never
+        blocks or raises; the write loop sends the queue in order (see
+        :func:`merge_token_chunks`). Token chunks and results are journalled first, so a
+        reconnect can re-send them (see :meth:`_resume_jobs`)."""
+        kind = message.WhichOneof("payload")
+        if kind == "token_chunk":
+            self.journal.record_chunk(message.token_chunk)
+        elif kind == "job_result":
+            self.journal.record_result(message.job_result)
+        conn = self._conn
+        if conn is None:
+            if kind not in ("token_chunk", "job_result"):
+                log.warning("not connected to the controller; dropping %s", kind)
+            return
+        conn.queue.put_nowait(message)
+
+    def _dispatch(self, message: pb.ControllerMessage) -> None:
+        kind = message.WhichOneof("payload")
+        handler = self.handler
+        send = self.send
+        coro: Coroutine[Any, Any, None]
+        if kind == "execution_plan":
+            coro = handler.on_plan(message.execution_plan, send)
+        elif kind == "start_rpc_worker":
+            coro = handler.on_start_rpc_worker(message.start_rpc_worker, send)
+        elif kind == "stop_rpc_worker":
+            coro = handler.on_stop_rpc_worker(message.stop_rpc_worker, send)
+        elif kind == "cancel_job":
+            coro = handler.on_cancel(message.cancel_job, send)
+        elif kind == "drain":
+            log.info("controller requested drain")
+            coro = handler.on_drain(send)
+        elif kind == "resume":
+            log.info("controller requested resume")
+            coro = handler.on_resume(send)
+        elif kind == "message_rejected":
+            refused = message.message_rejected
+            log.warning(
+                "the controller refused our %s (job %s): %s",
+                refused.kind or "message",
+                refused.job_id or "-",
+                refused.reason,
+            )
+            return
+        elif kind == "welcome":
+            log.debug("ignoring a repeated Welcome")
+            return
+        else:
+            log.warning("ignoring an unknown controller message (newer controller?)")
+            return
+        task = asyncio.create_task(self._run_handler(kind, message, coro))
+        self._dispatch_tasks.add(task)
+        task.add_done_callback(self._dispatch_tasks.discard)
+
+    async def _run_handler(
+        self, kind: str, message: pb.ControllerMessage, coro: Coroutine[Any, Any, None]
+    ) -> None:
+        try:
+            await coro
+        except Exception as exc:
+            log.exception("handler failed on %s", kind)
+            await self._report_handler_failure(kind, message, exc)
+
+    async def _report_handler_failure(
+        self, kind: str, message: pb.ControllerMessage, exc: Exception
+    ) -> None:
+        error = f"agent handler failed: {exc}"
+        if kind == "execution_plan":
+            plan = message.execution_plan
+            await self.send(setup_failure(plan.job_id, role_name(plan.role), error, "AGENT_ERROR"))
+        elif kind == "start_rpc_worker":
+            start = message.start_rpc_worker
+            await self.send(
+                worker_status(
+                    start.job_id, pb.RpcWorkerStatus.FAILED, start.host, start.port, error
+                )
+            )

@@ -1,0 +1,101 @@
+"""What the fault scenarios share: a streamed completion as a client sees it, a job's
+recorded token sequence numbers, and an agent handler that streams words slowly (no
+llama.cpp)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from uuid import UUID
+
+import httpx
+import orjson
+
+from agent.control_handler import NullHandler, Send
+from domain.catalog import code_of
+from interfaces.controller_main import RunningController
+from proto import control_pb2 as pb
+
+AI = {"Authorization": "Bearer test-ai-key"}
+
+
+async def stream_completion(base_url: str, timeout: float = 60) -> dict[str, Any]:
+    """One streamed completion: its job id, text, finish reason, and error (if the stream
+    ended in one)."""
+    out: dict[str, Any] = {
+        "text": "",
+        "error": None,
+        "job_id": None,
+        "status": None,
+        "finish_reason": None,
+    }
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=timeout) as client,
+        client.stream("POST", "/v1/chat/completions", headers=AI, json=body) as r,
+    ):
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = orjson.loads(await r.aread())["error"]
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            if "error" in chunk:
+                out["error"] = chunk["error"]
+                continue
+            out["job_id"] = str(UUID(chunk["id"].removeprefix("chatcmpl-")))
+            for choice in chunk.get("choices", []):
+                out["text"] += choice["delta"].get("content") or ""
+                out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+    return out
+
+
+def events(ctl: RunningController, ident: str) -> list[Any]:
+    return list(ctl.services.app.repository.event_store.get(UUID(ident)))
+
+
+def recorded_seqs(ctl: RunningController, job_id: str) -> list[int]:
+    """The sequence numbers of the job's recorded token deltas, in store order."""
+    return [
+        int(d["seq"])
+        for e in events(ctl, job_id)
+        if code_of(e) == "TOKEN_STREAM_CHUNK"
+        for d in e.deltas
+    ]
+
+
+class SlowWords(NullHandler):
+    """Runs a plan by streaming ``words`` words ``delay`` seconds apart, then a result."""
+
+    def __init__(self, words: int = 200, delay: float = 0.05) -> None:
+        self.words, self.delay = words, delay
+        self.jobs: list[str] = []
+        self.running: set[str] = set()
+        self.sent = 0  # words sent by every job so far
+
+    def text(self) -> str:
+        return "".join(f" w{i}" for i in range(self.words))
+
+    async def on_plan(self, plan: pb.ExecutionPlan, send: Send) -> None:
+        self.jobs.append(plan.job_id)
+        self.running.add(plan.job_id)
+        ok = pb.SetupResult(job_id=plan.job_id, ok=True, role="primary")
+        await send(pb.AgentMessage(setup_result=ok))
+        try:
+            for seq in range(self.words):
+                await asyncio.sleep(self.delay)
+                delta = pb.Delta(seq=seq, text=f" w{seq}", tokens=1)
+                chunk = pb.TokenChunk(job_id=plan.job_id, deltas=[delta])
+                await send(pb.AgentMessage(token_chunk=chunk))
+                self.sent += 1
+            result = pb.JobResult(
+                job_id=plan.job_id, ok=True, finish_reason="stop", completion_tokens=self.words
+            )
+            await send(pb.AgentMessage(job_result=result))
+        finally:
+            self.running.discard(plan.job_id)
+
+    def active_job_ids(self) -> list[str]:
+        return sorted(self.running)
