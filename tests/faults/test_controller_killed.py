@@ -29,6 +29,7 @@ from agent.control_client import AgentSession, AgentState
 from application.controller import Controller
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
+from interfaces.controller_main import LEASE_TTL, RECONCILE_INTERVAL
 from tests.conftest import TEST_DATABASE_URL, TEST_REDIS_URL
 from tests.faults.services import free_port
 from tests.faults.streams import SlowWords
@@ -168,9 +169,10 @@ async def test_controller_killed_mid_stream_and_restarted(
     killed_at = time.monotonic()
     ctl.start()
     await until(lambda: _up(ctl), 60)
-    back = await until(
+    await until(
         lambda: all(s.connections > c for s, c in zip(agents, connections, strict=True)), 30
     )
+    back = time.monotonic() - killed_at
     store = _store(pg_schema)
     try:
         await until(
@@ -179,6 +181,7 @@ async def test_controller_killed_mid_stream_and_restarted(
             ),
             20,
         )
+        failed_after = time.monotonic() - killed_at
         failed: Any = list(store.repository.event_store.get(UUID(job_id)))[-1]
         assert "controller restarted" in failed.reason
         assert failed.error_code == "controller_restarted"
@@ -192,4 +195,7 @@ async def test_controller_killed_mid_stream_and_restarted(
             assert codes.count("NODE_ENROLLED") == 1  # reconnected, not enrolled again
     finally:
         store.close()
-    print(f"agents back {time.monotonic() - killed_at:.2f}s after the kill ({back:.2f}s wait)")
+    print(
+        f"agents back {back:.2f}s after the kill; its job failed {failed_after:.2f}s after "
+        f"(its lease ran out: {LEASE_TTL:g} s, reconciled every {RECONCILE_INTERVAL:g} s)"
+    )
