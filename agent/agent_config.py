@@ -79,17 +79,20 @@ class ControllerTarget:
     address: str  # "host:port" as gRPC dials it ("[v6]:port" for IPv6)
     secure: bool
     url: str  # as the operator wrote it, for messages
+    host: str = ""
+    port: int = 0
 
 
-def parse_controller_url(url: str) -> ControllerTarget:
-    """Accept ``host:port``, ``grpc://host:port`` (insecure) and ``grpcs://host:port`` (TLS).
+def parse_controller_url(url: str, *, insecure: bool = False) -> ControllerTarget:
+    """Accept ``host:port`` and ``grpcs://host:port`` (TLS), and ``grpc://host:port``
+    (plaintext, only with ``insecure``); ``host:port`` is plaintext too with ``insecure``.
 
     The port defaults to 50051. Raises :class:`ConfigError` for anything else.
     """
     text = url.strip()
     if not text:
         raise ConfigError("controller URL is empty")
-    candidate = text if "://" in text else f"grpc://{text}"
+    candidate = text if "://" in text else f"{'grpc' if insecure else 'grpcs'}://{text}"
     parts = urlsplit(candidate)
     scheme = parts.scheme.lower()
     if scheme not in ("grpc", "grpcs"):
@@ -115,7 +118,16 @@ def parse_controller_url(url: str) -> ControllerTarget:
     except ValueError:
         is_v6 = False
     address = f"[{host}]:{port}" if is_v6 else f"{host}:{port}"
-    return ControllerTarget(address=address, secure=scheme == "grpcs", url=text)
+    if scheme == "grpc" and not insecure:
+        raise ConfigError(
+            f"{url!r} asks for a plaintext control channel: pass --insecure (or set "
+            "GRPC_INSECURE=true) to allow it, or drop grpc:// to use TLS"
+        )
+    if scheme == "grpcs" and insecure:
+        raise ConfigError(f"{url!r} asks for TLS, but --insecure asks for plaintext")
+    return ControllerTarget(
+        address=address, secure=scheme == "grpcs", url=text, host=host, port=port
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -137,6 +149,8 @@ class AgentConfig:
     llama_bin_dir: Path | None = None
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
     tls_ca_file: Path | None = None
+    #: A plaintext control channel (``--insecure``/GRPC_INSECURE=true); TLS otherwise.
+    insecure: bool = False
     memory_limit_bytes: int | None = None  # None: no limit is reported
     # build_handler() runs llama.cpp only when asked (the CLI does unless --no-runtime).
     llama_runtime: bool = False

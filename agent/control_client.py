@@ -281,11 +281,11 @@ class AgentSession(ControllerChannel, JobTraffic):
 
     async def _await_welcome(self, conn: Connection, identity: NodeIdentity) -> pb.Welcome:
         try:
-            async with asyncio.timeout(self.config.rpc_timeout):
+            async with asyncio.timeout(self._welcome_timeout()):
                 first = await conn.call.read()
         except TimeoutError:
             raise ConnectionLost(
-                f"no Welcome within {self.config.rpc_timeout:.0f}s", unreachable=False
+                f"no Welcome within {self._welcome_timeout():g}s", unreachable=False
             ) from None
         if first is _EOF:
             raise await _call_ended(conn.call)
@@ -296,6 +296,12 @@ class AgentSession(ControllerChannel, JobTraffic):
                 unreachable=False,
             )
         return message.welcome
+
+    def _welcome_timeout(self) -> float:
+        """How long a new stream may stay silent: as long as keepalive lets an open one (a
+        TLS handshake into a black hole has no keepalive yet), at most ``rpc_timeout``."""
+        config = self.config
+        return min(config.rpc_timeout, config.keepalive_interval + config.keepalive_timeout)
 
     async def _on_welcome(
         self, conn: Connection, identity: NodeIdentity, welcome: pb.Welcome

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, cast
 
 import grpc
@@ -22,6 +23,7 @@ from agent.agent_config import (
     MissingEnrollmentToken,
     parse_controller_url,
 )
+from agent.controller_tls import PinnedCa, fetch_pinned_ca, token_ca_fingerprint
 from agent.identity import NodeIdentity, load_identity, save_identity
 from agent.resources import Resources
 from proto import control_pb2 as pb
@@ -81,6 +83,7 @@ class ControllerChannel:
     _target: ControllerTarget | None
     _channel: grpc.aio.Channel | None
     _resources: Resources | None
+    _pinned: PinnedCa | None = None
 
     # -- channel ------------------------------------------------------------------------
 
@@ -88,12 +91,12 @@ class ControllerChannel:
         url = self.config.controller_url or (identity.controller_url if identity else "")
         if not url:
             raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
-        return parse_controller_url(url)
+        return parse_controller_url(url, insecure=self.config.insecure)
 
     def _open_channel(self) -> grpc.aio.Channel:
         target = self._target
         assert target is not None
-        options: list[tuple[str, int]] = [
+        options: list[tuple[str, int | str]] = [
             *keepalive.channel_options(
                 self.config.keepalive_interval, self.config.keepalive_timeout
             ),
@@ -104,7 +107,12 @@ class ControllerChannel:
         ]
         if target.secure:
             root: bytes | None = None
-            if self.config.tls_ca_file is not None:
+            pinned = self._pinned
+            if pinned is not None:
+                root = pinned.pem.encode()
+                # Trust rests on the pinned CA; the name is the one it issued the cert to.
+                options.append(("grpc.ssl_target_name_override", pinned.server_name))
+            elif self.config.tls_ca_file is not None:
                 try:
                     root = self.config.tls_ca_file.read_bytes()
                 except OSError as exc:
@@ -142,6 +150,8 @@ class ControllerChannel:
     async def _ensure_identity(self) -> NodeIdentity:
         stored = load_identity(self.config.data_dir)
         self._target = self._resolve_target(stored)
+        if stored is not None and stored.controller_ca_pem:
+            self._pinned = PinnedCa(stored.controller_ca_pem, stored.tls_server_name)
         if stored is not None:
             log.info(
                 "using stored identity: node %s (%s), enrolled %s",
@@ -164,9 +174,34 @@ class ControllerChannel:
                 f"no enrollment token and no stored identity in {self.config.data_dir}; "
                 "pass --enrollment-token or set DACP_ENROLLMENT_TOKEN"
             )
+        await self._pin_controller_ca(self.config.enrollment_token)
         identity = await self._enroll(self.config.enrollment_token)
         self.identity = identity
         return identity
+
+    async def _pin_controller_ca(self, token: str) -> None:
+        """Pins the CA the token names, from the chain the controller presents (retried
+        while the controller cannot be reached; a controller that presents another CA is
+        fatal: :class:`TlsPinMismatch`)."""
+        assert self._target is not None
+        fingerprint = token_ca_fingerprint(token)
+        if not self._target.secure or fingerprint is None or self.config.tls_ca_file:
+            return
+        target = self._target
+        while True:
+            try:
+                self._pinned = await asyncio.to_thread(
+                    fetch_pinned_ca, target.host, target.port, fingerprint, self.config.rpc_timeout
+                )
+            except (OSError, ssl.SSLError) as exc:
+                await self._retry_pause("TLS handshake", ConnectionLost(str(exc), unreachable=True))
+                continue
+            log.info(
+                "pinned the controller's CA (sha256 %s…), verifying it as %r",
+                fingerprint[:16],
+                self._pinned.server_name,
+            )
+            return
 
     async def _enroll(self, token: str) -> NodeIdentity:
         assert self._target is not None and self._resources is not None
@@ -195,11 +230,14 @@ class ControllerChannel:
             await self._retry_pause("enroll", failure)
         if not response.node_id or not response.node_credential:
             raise AgentError("controller answered Enroll without a node id or credential")
+        pinned = self._pinned
         identity = NodeIdentity.new(
             node_id=response.node_id,
             node_credential=response.node_credential,
             controller_url=self._target.url,
             node_name=self.config.node_name,
+            controller_ca_pem=pinned.pem if pinned else "",
+            tls_server_name=pinned.server_name if pinned else "",
         )
         path = save_identity(self.config.data_dir, identity)
         self._backoff.reset()

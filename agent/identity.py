@@ -11,6 +11,7 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 IDENTITY_FILE_NAME = "identity.json"
 _FIELDS = ("node_id", "node_credential", "controller_url", "node_name", "enrolled_at")
+_OPTIONAL_FIELDS = ("controller_ca_pem", "tls_server_name")
 
 
 class IdentityFileError(ValueError):
@@ -38,6 +40,10 @@ class NodeIdentity:
     controller_url: str
     node_name: str
     enrolled_at: str  # ISO 8601, UTC
+    #: The controller's CA pinned at enrollment (PEM) and the name its certificate is
+    #: verified under; empty for a controller reached in plaintext or through system roots.
+    controller_ca_pem: str = ""
+    tls_server_name: str = ""
 
     def __repr__(self) -> str:  # never print the credential
         return (
@@ -50,16 +56,28 @@ class NodeIdentity:
 
     @classmethod
     def new(
-        cls, node_id: str, node_credential: str, controller_url: str, node_name: str
+        cls,
+        node_id: str,
+        node_credential: str,
+        controller_url: str,
+        node_name: str,
+        controller_ca_pem: str = "",
+        tls_server_name: str = "",
     ) -> NodeIdentity:
         """An identity enrolled now."""
         enrolled_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        return cls(node_id, node_credential, controller_url, node_name, enrolled_at)
+        return cls(
+            node_id,
+            node_credential,
+            controller_url,
+            node_name,
+            enrolled_at,
+            controller_ca_pem,
+            tls_server_name,
+        )
 
     def with_controller_url(self, controller_url: str) -> NodeIdentity:
-        return NodeIdentity(
-            self.node_id, self.node_credential, controller_url, self.node_name, self.enrolled_at
-        )
+        return dataclasses.replace(self, controller_url=controller_url)
 
 
 def identity_path(data_dir: Path | str) -> Path:
@@ -74,6 +92,11 @@ def _parse(raw: Any, path: Path) -> NodeIdentity:
         value = raw.get(name)
         if not isinstance(value, str):
             raise IdentityFileError(f"{path}: field {name!r} is missing or not a string")
+        values[name] = value
+    for name in _OPTIONAL_FIELDS:
+        value = raw.get(name, "")
+        if not isinstance(value, str):
+            raise IdentityFileError(f"{path}: field {name!r} is not a string")
         values[name] = value
     if not values["node_id"] or not values["node_credential"]:
         raise IdentityFileError(f"{path}: node_id and node_credential must not be empty")

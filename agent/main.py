@@ -139,6 +139,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -328,6 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM CA bundle for grpcs:// (default: system roots); env DACP_TLS_CA_FILE",
     )
     parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env_true("GRPC_INSECURE"),
+        help=(
+            "talk to the controller in PLAINTEXT (its credential and every prompt readable on "
+            "the network); the default is TLS, pinned to the CA the enrollment token names; "
+            "env GRPC_INSECURE=true"
+        ),
+    )
+    parser.add_argument(
         "--log-level",
         type=_log_level,
         default="INFO",
@@ -355,6 +369,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         heartbeat_interval=args.heartbeat_interval,
         tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
+        insecure=args.insecure,
         memory_limit_bytes=args.memory_limit,
         llama_runtime=not args.no_runtime,
         runtime_log_dir=Path(args.runtime_log_dir).expanduser() if args.runtime_log_dir else None,
@@ -372,7 +387,12 @@ def preflight(config: AgentConfig) -> None:
     url = config.controller_url or (identity.controller_url if identity else None)
     if not url:
         raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
-    target = parse_controller_url(url)
+    target = parse_controller_url(url, insecure=config.insecure)
+    if config.insecure:
+        logging.getLogger(__name__).warning(
+            "--insecure: the control channel is PLAINTEXT; this node's credential and every "
+            "prompt and answer cross the network readable by anyone on it"
+        )
     if config.tls_ca_file is not None:
         if not target.secure:
             logging.getLogger(__name__).warning(

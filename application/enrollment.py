@@ -53,21 +53,32 @@ def enrollment_key(secret: str | None) -> bytes:
 
 
 def mint_enrollment_token(
-    key: bytes, *, ttl_seconds: float, single_use: bool, node_name: str | None, now: float
+    key: bytes,
+    *,
+    ttl_seconds: float,
+    single_use: bool,
+    node_name: str | None,
+    now: float,
+    ca_fingerprint: str | None = None,
 ) -> MintedToken:
-    """A token signed with ``key``, valid for ``ttl_seconds`` (no store needed)."""
+    """A token signed with ``key``, valid for ``ttl_seconds`` (no store needed), carrying
+    the fingerprint of the controller's CA when it serves TLS."""
     if ttl_seconds <= 0:
         raise ValueError("ttl_seconds must be positive")
     token_id = secrets.token_hex(8)
     expires_at = now + ttl_seconds
-    token = mint_token(key, token_id, expires_at, single_use, node_name or None)
+    token = mint_token(key, token_id, expires_at, single_use, node_name or None, ca_fingerprint)
     return MintedToken(token, token_id, expires_at, single_use, node_name or None)
 
 
 class EnrollmentService:
-    def __init__(self, app: Controller, secret: str | None) -> None:
+    def __init__(
+        self, app: Controller, secret: str | None, *, ca_fingerprint: str | None = None
+    ) -> None:
         self.app = app
         self._secret = secret
+        #: The controller's CA (sha256, hex) that minted tokens carry; None: plaintext.
+        self.ca_fingerprint = ca_fingerprint
 
     def _key(self) -> bytes:
         return enrollment_key(self._secret)
@@ -81,6 +92,7 @@ class EnrollmentService:
             single_use=single_use,
             node_name=node_name,
             now=now,
+            ca_fingerprint=self.ca_fingerprint,
         )
 
     def verify(self, token: str, node_name: str, now: float) -> TokenClaims:

@@ -129,6 +129,8 @@ class Controller:
             "QUEUE_MAX": "100000",
             "DACP_VAR_DIR": str(var_dir),
         }
+        #: The controller's CA: the synthetic agents verify it over TLS, as real ones do.
+        self.ca_file = var_dir / "tls" / "ca.pem"
         self.log = (var_dir / "controller.log").open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "interfaces.cli", "controller", "--log-level", "warning"],
@@ -196,6 +198,8 @@ class Agents:
                 f"127.0.0.1:{ctl.grpc_port}",
                 "--token",
                 token,
+                "--ca-file",
+                str(ctl.ca_file),
                 "--count",
                 str(count),
                 *args,
@@ -419,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         machine=f"{platform.machine()}, {psutil.cpu_count()} cores, {_cpu_model()}",
         store="PostgreSQL",
         live_state="Redis (write-behind)",
-        transport="gRPC (plaintext, loopback) / HTTP SSE",
+        transport="gRPC over TLS (the controller's own CA, pinned) on loopback / HTTP SSE",
         nodes=args.nodes,
         slots=args.slots,
         streams=args.streams,

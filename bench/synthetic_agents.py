@@ -23,12 +23,13 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 import orjson
 
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
+from proto import CONTROLLER_TLS_NAME, MEMORY_LIMIT_LABEL, SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -208,10 +209,19 @@ class Agent:
         self.totals.jobs.add(job_id)
 
 
-async def run(target: str, token: str, opts: Options) -> Totals:
+def _channel(target: str, ca_pem: bytes | None) -> grpc.aio.Channel:
+    """Plaintext without a CA; TLS verified against it otherwise (as agents that pinned it)."""
+    if ca_pem is None:
+        return grpc.aio.insecure_channel(target)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    options = [("grpc.ssl_target_name_override", CONTROLLER_TLS_NAME)]
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+async def run(target: str, token: str, opts: Options, ca_pem: bytes | None = None) -> Totals:
     totals = Totals()
     channels = [
-        grpc.aio.insecure_channel(target)
+        _channel(target, ca_pem)
         for _ in range((opts.count + AGENTS_PER_CHANNEL - 1) // AGENTS_PER_CHANNEL)
     ]
     agents = [
@@ -251,10 +261,13 @@ async def _first_failure(tasks: list[asyncio.Task[None]]) -> None:
         await done  # raises the first agent's failure
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, str, Options]:
+def parse_args(argv: list[str] | None = None) -> tuple[str, str, Options, bytes | None]:
     parser = argparse.ArgumentParser(prog="python -m bench.synthetic_agents")
     parser.add_argument("--target", required=True, help="controller gRPC host:port")
     parser.add_argument("--token", required=True, help="a multi-use enrollment token")
+    parser.add_argument(
+        "--ca-file", type=Path, default=None, help="the controller's CA (TLS); else plaintext"
+    )
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--memory", type=int, default=1024 * MIB, help="bytes each offers")
@@ -276,12 +289,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, str, Options]:
         first_token_delay=args.first_token_delay,
         name_prefix=args.name_prefix,
     )
-    return args.target, args.token, opts
+    ca_pem = args.ca_file.read_bytes() if args.ca_file is not None else None
+    return args.target, args.token, opts, ca_pem
 
 
 def main(argv: list[str] | None = None) -> int:
-    target, token, opts = parse_args(argv)
-    totals = asyncio.run(run(target, token, opts))
+    target, token, opts, ca_pem = parse_args(argv)
+    totals = asyncio.run(run(target, token, opts, ca_pem))
     summary: dict[str, Any] = {
         "messages": totals.messages,
         "tokens": totals.tokens,

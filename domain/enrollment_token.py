@@ -28,6 +28,9 @@ MAX_TOKEN_LENGTH = 4096
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]+")
 _CLAIM_KEYS = frozenset({"tid", "exp", "su", "node"})
+#: Optional: the sha256 fingerprint of the controller's CA, which the agent pins.
+_CA_KEY = "ca"
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 class TokenErrorCode(StrEnum):
@@ -74,14 +77,18 @@ class TokenClaims:
     expires_at: float
     single_use: bool
     node_name: str | None
+    ca_fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        claims: dict[str, Any] = {
             "tid": self.token_id,
             "exp": self.expires_at,
             "su": self.single_use,
             "node": self.node_name,
         }
+        if self.ca_fingerprint is not None:
+            claims[_CA_KEY] = self.ca_fingerprint
+        return claims
 
 
 def _b64encode(raw: bytes) -> str:
@@ -116,10 +123,12 @@ def mint_token(
     expires_at: float,
     single_use: bool,
     node_name: str | None,
+    ca_fingerprint: str | None = None,
 ) -> str:
     """Sign a token valid strictly before ``expires_at`` (unix seconds).
 
-    ``node_name`` binds the token to the agent that enrolls under exactly that name.
+    ``node_name`` binds the token to the agent that enrolls under exactly that name;
+    ``ca_fingerprint`` (sha256 of the controller's CA, hex) is what the agent pins.
     """
     _check_secret(secret)
     if not isinstance(token_id, str) or not token_id:
@@ -130,7 +139,9 @@ def mint_token(
         raise ValueError("expires_at must be finite")
     if node_name is not None and (not isinstance(node_name, str) or not node_name):
         raise ValueError("node_name must be None or a non-empty string")
-    claims = TokenClaims(token_id, float(expires_at), bool(single_use), node_name)
+    if ca_fingerprint is not None and not _FINGERPRINT.fullmatch(ca_fingerprint):
+        raise ValueError("ca_fingerprint must be 64 lowercase hex digits")
+    claims = TokenClaims(token_id, float(expires_at), bool(single_use), node_name, ca_fingerprint)
     payload = json.dumps(
         claims.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True
     ).encode("ascii")
@@ -147,8 +158,11 @@ def _parse_claims(payload: bytes) -> TokenClaims:
         data = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError):
         raise MalformedTokenError("enrollment token claims are not JSON") from None
-    if not isinstance(data, dict) or set(data) != _CLAIM_KEYS:
+    if not isinstance(data, dict) or set(data) - {_CA_KEY} != _CLAIM_KEYS:
         raise MalformedTokenError("enrollment token claims have the wrong fields")
+    ca = data.get(_CA_KEY)
+    if ca is not None and (not isinstance(ca, str) or not _FINGERPRINT.fullmatch(ca)):
+        raise MalformedTokenError("enrollment token CA fingerprint is invalid")
     token_id, exp, single_use, node = data["tid"], data["exp"], data["su"], data["node"]
     if not isinstance(token_id, str) or not token_id:
         raise MalformedTokenError("enrollment token id is missing")
@@ -158,7 +172,7 @@ def _parse_claims(payload: bytes) -> TokenClaims:
         raise MalformedTokenError("enrollment token single-use flag is not a boolean")
     if node is not None and (not isinstance(node, str) or not node):
         raise MalformedTokenError("enrollment token node name is invalid")
-    return TokenClaims(token_id, float(exp), single_use, node)
+    return TokenClaims(token_id, float(exp), single_use, node, ca)
 
 
 def verify_token(secret: bytes, token: str, now: float, node_name: str | None) -> TokenClaims:

@@ -10,9 +10,24 @@ from eventsourcing.domain import Aggregate
 
 from domain.errors import InvalidCommand
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+#: The rules of a registration, as patterns the HTTP API also documents (JSON Schema flavour:
+#: ``$`` is the end of the text). Matched whole: Python's ``$`` also matches before a final
+#: newline, so ``re.match`` would let ``"name\n"`` through.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
+#: A plain ``*.gguf`` file name: no directory, not hidden.
+FILE_NAME_PATTERN = r"^[^./\\][^/\\]*\.gguf$"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(MODEL_NAME_PATTERN)
+_FILE_NAME = re.compile(FILE_NAME_PATTERN)
 DEFAULT_CONTEXT_SIZE = 2048
+MIN_CONTEXT_SIZE = 128
+MAX_CONTEXT_SIZE = 1_048_576
+
+
+def is_model_name(name: str) -> bool:
+    """Whether ``name`` may name a model (1-128 letters, digits or ``._:/-``)."""
+    return _NAME.fullmatch(name) is not None
 
 
 def model_id(name: str) -> UUID:
@@ -20,22 +35,19 @@ def model_id(name: str) -> UUID:
 
 
 def validate_model(name: str, sha256: str, file_name: str, context_size: int) -> None:
-    if not _NAME.match(name):
+    if not is_model_name(name):
         raise InvalidCommand(
             f"model name {name!r} must be 1-128 letters, digits or ._:/- and start with one "
             "letter or digit"
         )
-    if not _SHA256.match(sha256):
+    if not _SHA256.fullmatch(sha256):
         raise InvalidCommand("sha256 must be 64 lowercase hex digits")
-    if (
-        not file_name.endswith(".gguf")
-        or "/" in file_name
-        or "\\" in file_name
-        or file_name.startswith(".")
-    ):
+    if not _FILE_NAME.fullmatch(file_name):
         raise InvalidCommand(f"file_name {file_name!r} must be a plain *.gguf file name")
-    if not 128 <= context_size <= 1_048_576:
-        raise InvalidCommand("context_size must be between 128 and 1048576 tokens")
+    if not MIN_CONTEXT_SIZE <= context_size <= MAX_CONTEXT_SIZE:
+        raise InvalidCommand(
+            f"context_size must be between {MIN_CONTEXT_SIZE} and {MAX_CONTEXT_SIZE} tokens"
+        )
 
 
 class RegisteredModel(Aggregate):

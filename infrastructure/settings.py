@@ -58,6 +58,11 @@ def _bool(env: Mapping[str, str], key: str, default: bool) -> bool:
     raise SettingsError(f"{key} must be true or false, got {raw!r}")
 
 
+def _path(env: Mapping[str, str], key: str) -> Path | None:
+    raw = env.get(key, "").strip()
+    return Path(raw).expanduser() if raw else None
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str | None = None
@@ -88,6 +93,16 @@ class Settings:
     keepalive_interval: float = keepalive.DEFAULT_INTERVAL
     keepalive_timeout: float = keepalive.DEFAULT_TIMEOUT
     var_dir: Path = field(default_factory=lambda: Path("var"))
+    #: Plaintext gRPC and plain HTTP: only with GRPC_INSECURE=true (or ``--insecure``).
+    insecure: bool = False
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_ca_file: Path | None = None
+
+    @property
+    def tls_dir(self) -> Path:
+        """Where the controller keeps its CA and the certificate it issues itself."""
+        return self.var_dir / "tls"
 
     def deadlines(self) -> Deadlines:
         return Deadlines(self.first_token_timeout, self.stream_idle_timeout, self.request_timeout)
@@ -125,6 +140,10 @@ class Settings:
             keepalive_interval=_float(env, "GRPC_KEEPALIVE_INTERVAL", keepalive.DEFAULT_INTERVAL),
             keepalive_timeout=_float(env, "GRPC_KEEPALIVE_TIMEOUT", keepalive.DEFAULT_TIMEOUT),
             var_dir=Path(env.get("DACP_VAR_DIR", "var")),
+            insecure=_bool(env, "GRPC_INSECURE", False),
+            tls_cert_file=_path(env, "TLS_CERT_FILE"),
+            tls_key_file=_path(env, "TLS_KEY_FILE"),
+            tls_ca_file=_path(env, "TLS_CA_FILE"),
         )
         try:
             settings.deadlines()

@@ -3,22 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+from uuid import UUID
 
+import msgspec
 from litestar import Controller as Routes
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
-from litestar.params import FromPath, JSONBody
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec.enums import OpenAPIFormat
+from litestar.params import JSONBody, PathParameter
 
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
+from interfaces.http_docs import (
+    ADMIN_KEY_ERRORS,
+    ApiOperation,
+    EnrollmentToken,
+    Health,
+    NodeView,
+    NodeViews,
+    errors,
+    success,
+)
 from interfaces.http_errors import ApiError
 from interfaces.services import Services
 from proto import PROTOCOL_VERSION
 
 READ_YOUR_WRITES_TIMEOUT = 5.0
+#: Seconds a client of a degraded controller should wait before asking again.
+HEALTH_RETRY_AFTER = 2
+MAX_TOKEN_TTL = 366 * 24 * 3600
+
+#: An id as the API gives it out (a hyphenated UUID, any case).
+UUID_PATTERN = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+_UUID = re.compile(UUID_PATTERN)
+#: A node's id (a UUID); anything else names no node (404, without asking the store).
+NodeId = Annotated[str, PathParameter(format=OpenAPIFormat.UUID, description="The node's id")]
 
 
 def services(state: State) -> Services:
@@ -36,11 +59,25 @@ def node_view(svc: Services, row: dict[str, Any], now: float) -> dict[str, Any]:
     return view
 
 
-@dataclass
-class EnrollmentTokenRequest:
-    ttl_seconds: float = 3600.0
+def node_not_found(node_id: str) -> ApiError:
+    return ApiError(404, f"unknown node {node_id}", type_="not_found_error", code="node_not_found")
+
+
+def canonical_id(ident: str, error: ApiError) -> str:
+    """``ident`` as the views key it (a UUID's lowercase text), or raises ``error``.
+
+    Only the hyphenated form is an id (what the API returns and its schema calls a ``uuid``);
+    anything else never reaches the store (a NUL byte breaks a Postgres query)."""
+    if not _UUID.fullmatch(ident):
+        raise error
+    return str(UUID(ident))
+
+
+class EnrollmentTokenRequest(msgspec.Struct):
+    ttl_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_TOKEN_TTL)] = 3600.0
     single_use: bool = False
-    node_name: str | None = None
+    #: Binds the token to the agent enrolling under exactly this name (none: any name).
+    node_name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 class AdminRoutes(Routes):
@@ -49,30 +86,41 @@ class AdminRoutes(Routes):
     tags = ["admin"]
     security = [{"BearerAuth": []}]
 
-    @get("/nodes", summary="List enrolled nodes with state, resources and heartbeat age")
+    @get(
+        "/nodes",
+        summary="List enrolled nodes with state, resources and heartbeat age",
+        operation_class=ApiOperation,
+        responses={**success(NodeViews, "Every node"), **errors(*ADMIN_KEY_ERRORS, 503)},
+    )
     async def list_nodes(self, state: State) -> dict[str, Any]:
         svc = services(state)
         rows = await asyncio.to_thread(svc.read_model.list_nodes)
         now = time.time()
         return {"object": "list", "data": [node_view(svc, r, now) for r in rows]}
 
-    @get("/nodes/{node_id:str}", summary="One node")
-    async def get_node(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
+    @get(
+        "/nodes/{node_id:str}",
+        summary="One node",
+        operation_class=ApiOperation,
+        responses={
+            **success(NodeView, "The node, with its inventory"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 503),
+        },
+    )
+    async def get_node(self, state: State, node_id: NodeId) -> dict[str, Any]:
         svc = services(state)
-        row = await asyncio.to_thread(svc.read_model.get_node, node_id)
+        key = canonical_id(node_id, node_not_found(node_id))
+        row = await asyncio.to_thread(svc.read_model.get_node, key)
         if row is None:
-            raise ApiError(
-                404, f"unknown node {node_id}", type_="not_found_error", code="node_not_found"
-            )
+            raise node_not_found(node_id)
         view = node_view(svc, row, time.time())
         view["inventory"] = row.get("inventory")
         return view
 
-    async def _steer(self, svc: Services, node_id: str, command: str, who: str) -> dict[str, Any]:
+    async def _steer(self, svc: Services, ident: str, command: str, who: str) -> dict[str, Any]:
+        node_id = canonical_id(ident, node_not_found(ident))
         if await asyncio.to_thread(svc.read_model.get_node, node_id) is None:
-            raise ApiError(
-                404, f"unknown node {node_id}", type_="not_found_error", code="node_not_found"
-            )
+            raise node_not_found(ident)
         fn = svc.app.request_drain if command == "drain" else svc.app.resume
         position = await asyncio.to_thread(fn, node_id, who)
         await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
@@ -92,22 +140,47 @@ class AdminRoutes(Routes):
         "/nodes/{node_id:str}/drain",
         status_code=202,
         summary="Stop assigning work; NODE_DRAINED once its jobs end",
+        operation_class=ApiOperation,
+        responses={
+            **success(NodeView, "The node, drain requested", 202),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
+        },
     )
-    async def drain(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
+    async def drain(self, state: State, node_id: NodeId) -> dict[str, Any]:
         return await self._steer(services(state), node_id, "drain", "admin-api")
 
-    @post("/nodes/{node_id:str}/resume", status_code=200, summary="Accept work again")
-    async def resume(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
+    @post(
+        "/nodes/{node_id:str}/resume",
+        status_code=200,
+        summary="Accept work again",
+        operation_class=ApiOperation,
+        responses={
+            **success(NodeView, "The node, accepting work"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
+        },
+    )
+    async def resume(self, state: State, node_id: NodeId) -> dict[str, Any]:
         return await self._steer(services(state), node_id, "resume", "admin-api")
 
-    @post("/enrollment-tokens", status_code=201, summary="Mint an enrollment token")
+    @post(
+        "/enrollment-tokens",
+        status_code=201,
+        summary="Mint an enrollment token",
+        operation_class=ApiOperation,
+        responses={
+            **success(EnrollmentToken, "The token; it is not stored anywhere", 201),
+            **errors(
+                400,
+                *ADMIN_KEY_ERRORS,
+                (409, "Enrollment is disabled (no `NODE_ENROLLMENT_SECRET`)"),
+            ),
+        },
+    )
     async def mint_token(
         self, state: State, data: JSONBody[EnrollmentTokenRequest | None] = None
     ) -> dict[str, Any]:
         svc = services(state)
         req = data or EnrollmentTokenRequest()
-        if not 0 < req.ttl_seconds <= 366 * 24 * 3600:
-            raise ApiError(400, "ttl_seconds must be between 0 and one year", param="ttl_seconds")
         if not svc.settings.node_enrollment_secret:
             raise ApiError(
                 409,
@@ -134,6 +207,15 @@ class AdminRoutes(Routes):
     "/health",
     summary="Controller health (503 when the store or live state is down)",
     tags=["health"],
+    operation_class=ApiOperation,
+    responses={
+        **success(Health, "Healthy"),
+        503: ResponseSpec(
+            data_container=Health,
+            description="Degraded: the store or live state is unreachable, or the views fail",
+            generate_examples=False,
+        ),
+    },
 )
 async def health(state: State, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     svc = services(state)
@@ -166,4 +248,5 @@ async def health(state: State, request: Request[Any, Any, Any]) -> Response[dict
             "connected_nodes": len(svc.connections.connected()),
         },
         status_code=200 if healthy else 503,
+        headers=None if healthy else {"Retry-After": str(HEALTH_RETRY_AFTER)},
     )

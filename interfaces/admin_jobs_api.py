@@ -9,20 +9,48 @@ from __future__ import annotations
 
 import asyncio
 from typing import Annotated, Any
+from uuid import UUID
 
 from litestar import Controller as Routes
 from litestar import get
 from litestar.datastructures import State
-from litestar.params import FromPath, QueryParameter
+from litestar.openapi.spec.enums import OpenAPIFormat
+from litestar.params import PathParameter, QueryParameter
 
-from application.timeline import as_uuid, job_timeline, parse_time, timeline, timeline_kind
+from application.timeline import job_timeline, parse_time, timeline, timeline_kind
+from domain.model import MODEL_NAME_PATTERN, is_model_name
 from domain.states import JobState
+from interfaces.admin_api import UUID_PATTERN, NodeId, canonical_id
 from interfaces.http_auth import admin_guard
+from interfaces.http_docs import (
+    ADMIN_KEY_ERRORS,
+    ApiOperation,
+    JobTimeline,
+    JobView,
+    JobViews,
+    NodeTimeline,
+    errors,
+    success,
+)
 from interfaces.http_errors import ApiError
 from interfaces.services import Services
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
+#: Deeper pages than this are refused (the store's OFFSET is a 64-bit integer).
+MAX_OFFSET = 1_000_000_000
+#: The filters as documented: an empty value filters nothing. A state in any ASCII case,
+#: e.g. ``FAILED`` or ``failed``; a model's name; a node's id.
+STATE_PATTERN = "^(?:{})?$".format(
+    "|".join(
+        "".join(f"[{c}{c.lower()}]" if c.isalpha() else c for c in name)
+        for name in JobState.__members__
+    )
+)
+MODEL_FILTER_PATTERN = f"^(?:{MODEL_NAME_PATTERN.removeprefix('^').removesuffix('$')})?$"
+NODE_FILTER_PATTERN = f"^(?:{UUID_PATTERN})?$"
+
+JobId = Annotated[str, PathParameter(format=OpenAPIFormat.UUID, description="The job's id")]
 
 
 def _services(state: State) -> Services:
@@ -75,42 +103,78 @@ def _not_found(kind: str, ident: str) -> ApiError:
     )
 
 
+def _bad_filter(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _job_state(given: str) -> str:
+    wanted = given.upper() if given.isascii() else ""
+    if wanted not in JobState.__members__:
+        raise ApiError(
+            400,
+            f"state must be one of {', '.join(JobState.__members__)}",
+            param="state",
+            code="invalid_state",
+        )
+    return wanted
+
+
 class AdminJobRoutes(Routes):
     path = "/api/admin"
     guards = [admin_guard]
     tags = ["admin"]
     security = [{"BearerAuth": []}]
 
-    @get("/jobs", summary="Recent and active jobs, newest first")
+    @get(
+        "/jobs",
+        summary="Recent and active jobs, newest first",
+        operation_class=ApiOperation,
+        responses={
+            **success(JobViews, "One page of jobs (without their generated text)"),
+            **errors(400, *ADMIN_KEY_ERRORS, 503),
+        },
+    )
     async def list_jobs(
         self,
         state: State,
         job_state: Annotated[
-            str | None, QueryParameter(name="state", description="e.g. RUNNING, FAILED")
+            str | None,
+            QueryParameter(
+                name="state",
+                description=f"One of {', '.join(JobState.__members__)} (any case)",
+                schema_extra={"pattern": STATE_PATTERN},
+            ),
         ] = None,
-        model: Annotated[str | None, QueryParameter(description="model API name")] = None,
+        model: Annotated[
+            str | None,
+            QueryParameter(
+                description="model API name", schema_extra={"pattern": MODEL_FILTER_PATTERN}
+            ),
+        ] = None,
         node_id: Annotated[
-            str | None, QueryParameter(description="jobs that ran on this node")
+            str | None,
+            QueryParameter(
+                description="jobs that ran on this node",
+                schema_extra={"pattern": NODE_FILTER_PATTERN},
+            ),
         ] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
-        offset: Annotated[int, QueryParameter(ge=0)] = 0,
+        offset: Annotated[int, QueryParameter(ge=0, le=MAX_OFFSET)] = 0,
     ) -> dict[str, Any]:
-        wanted = None
-        if job_state:
-            wanted = job_state.strip().upper()
-            if wanted not in JobState.__members__:
-                raise ApiError(
-                    400,
-                    f"state must be one of {', '.join(JobState.__members__)}",
-                    param="state",
-                    code="invalid_state",
-                )
+        # The filters' patterns are documented only (schema_extra): they are checked here,
+        # whole, before anything reaches the store, and an error names the query parameter.
+        wanted = _job_state(job_state) if job_state else None
+        if model and not is_model_name(model):
+            raise _bad_filter("model", f"{model!r} is not a model name")
+        node = None
+        if node_id:
+            node = canonical_id(node_id, _bad_filter("node_id", "node_id must be a node's id"))
         svc = _services(state)
         rows = await asyncio.to_thread(
             svc.read_model.list_jobs,
             state=wanted,
             model=model or None,
-            node_id=node_id or None,
+            node_id=node,
             limit=limit + 1,
             offset=offset,
         )
@@ -122,16 +186,25 @@ class AdminJobRoutes(Routes):
             "has_more": len(rows) > limit,
         }
 
-    @get("/jobs/{job_id:str}", summary="One job: plan, nodes, timings, failure")
-    async def get_job(self, state: State, job_id: FromPath[str]) -> dict[str, Any]:
-        row = await asyncio.to_thread(_services(state).read_model.get_job, job_id)
+    @get(
+        "/jobs/{job_id:str}",
+        summary="One job: plan, nodes, timings, failure",
+        operation_class=ApiOperation,
+        responses={
+            **success(JobView, "The job, with its generated text"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown job"), 503),
+        },
+    )
+    async def get_job(self, state: State, job_id: JobId) -> dict[str, Any]:
+        key = canonical_id(job_id, _not_found("job", job_id))
+        row = await asyncio.to_thread(_services(state).read_model.get_job, key)
         if row is None:
             raise _not_found("job", job_id)
         return job_view(row, full=True)
 
     async def _timeline(self, svc: Services, kind: str, ident: str) -> dict[str, Any]:
-        uid = as_uuid(ident)
-        if uid is None or await asyncio.to_thread(timeline_kind, svc.app, uid) != kind:
+        uid = UUID(canonical_id(ident, _not_found(kind, ident)))
+        if await asyncio.to_thread(timeline_kind, svc.app, uid) != kind:
             raise _not_found(kind, ident)
         story = job_timeline if kind == "job" else timeline
         entries = await asyncio.to_thread(story, svc.app, uid)
@@ -140,10 +213,23 @@ class AdminJobRoutes(Routes):
     @get(
         "/jobs/{job_id:str}/events",
         summary="A job's events and the node events about it (RPC workers, slots), in order",
+        operation_class=ApiOperation,
+        responses={
+            **success(JobTimeline, "The job's timeline"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown job"), 503),
+        },
     )
-    async def job_events(self, state: State, job_id: FromPath[str]) -> dict[str, Any]:
+    async def job_events(self, state: State, job_id: JobId) -> dict[str, Any]:
         return await self._timeline(_services(state), "job", job_id)
 
-    @get("/nodes/{node_id:str}/events", summary="A node's events, oldest first")
-    async def node_events(self, state: State, node_id: FromPath[str]) -> dict[str, Any]:
+    @get(
+        "/nodes/{node_id:str}/events",
+        summary="A node's events, oldest first",
+        operation_class=ApiOperation,
+        responses={
+            **success(NodeTimeline, "The node's timeline"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 503),
+        },
+    )
+    async def node_events(self, state: State, node_id: NodeId) -> dict[str, Any]:
         return await self._timeline(_services(state), "node", node_id)

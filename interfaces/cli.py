@@ -6,6 +6,7 @@ Errors end with exit code 2 and one line on stderr; nothing half-done is recorde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -38,6 +39,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = Settings.from_env()
+    if args.insecure:
+        settings = dataclasses.replace(settings, insecure=True)
     try:
         event_loop.run(serve_forever(settings))
     except KeyboardInterrupt:
@@ -47,8 +50,34 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def _controller_ca(settings: Settings) -> bytes | None:
+    """The CA the controller serves TLS with (created now if it has never started); None with
+    GRPC_INSECURE=true."""
+    from infrastructure.tls import TlsError, pinned_ca
+
+    if settings.insecure:
+        return None
+    try:
+        return pinned_ca(
+            settings.tls_dir, cert_file=settings.tls_cert_file, ca_file=settings.tls_ca_file
+        )
+    except TlsError as e:
+        raise CliError(str(e)) from e
+
+
+def _cmd_ca_export(args: argparse.Namespace) -> int:
+    ca = _controller_ca(Settings.from_env())
+    if ca is None:
+        raise CliError("GRPC_INSECURE=true: the controller serves no TLS, so it has no CA")
+    sys.stdout.write(ca.decode())
+    return 0
+
+
 def _cmd_token_create(args: argparse.Namespace) -> int:
+    from infrastructure.tls import fingerprint_of
+
     settings = Settings.from_env()
+    ca = _controller_ca(settings)
     try:
         minted = mint_enrollment_token(
             enrollment_key(settings.node_enrollment_secret),
@@ -56,6 +85,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
             single_use=args.single_use,
             node_name=args.node_name,
             now=time.time(),
+            ca_fingerprint=fingerprint_of(ca) if ca is not None else None,
         )
     except EnrollmentNotConfigured as e:
         raise CliError(str(e)) from e
@@ -100,7 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ctl = sub.add_parser("controller", help="run the controller (HTTP + gRPC) in the foreground")
     ctl.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "warning"))
+    ctl.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC and plain HTTP (as GRPC_INSECURE=true): only on a trusted network",
+    )
     ctl.set_defaults(func=_cmd_controller)
+
+    ca = sub.add_parser("ca", help="the controller's certificate authority")
+    ca_sub = ca.add_subparsers(dest="ca_command", required=True)
+    export = ca_sub.add_parser(
+        "export",
+        help="print the CA certificate (PEM) that OpenAI clients trust (SSL_CERT_FILE) and "
+        "agents pin",
+    )
+    export.set_defaults(func=_cmd_ca_export)
 
     token = sub.add_parser("token", help="enrollment tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)

@@ -26,6 +26,7 @@ from infrastructure.live_state import live_state_for
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
+from infrastructure.tls import ServerTls, is_loopback, load_or_create
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
 from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
 from interfaces.http_app import create_app
@@ -61,7 +62,27 @@ class RunningController:
     tasks: list[asyncio.Task[Any]]
 
 
+INSECURE_WARNING = (
+    "GRPC_INSECURE=true: the control channel is PLAINTEXT and the HTTP API plain HTTP; "
+    "node credentials, API keys, prompts and answers cross the network readable by anyone "
+    "on it. Use it only on a network you trust completely."
+)
+
+
+def controller_tls(settings: Settings) -> ServerTls | None:
+    """The controller's TLS material, or None when plaintext was asked for."""
+    if settings.insecure:
+        return None
+    return load_or_create(
+        settings.tls_dir,
+        cert_file=settings.tls_cert_file,
+        key_file=settings.tls_key_file,
+        ca_file=settings.tls_ca_file,
+    )
+
+
 def build_services(settings: Settings) -> tuple[Services, Storage]:
+    tls = controller_tls(settings)
     storage = storage_from_url(
         settings.database_url,
         var_dir=settings.var_dir,
@@ -75,7 +96,12 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
         follower=storage.follower,
         live=live_state_for(settings.redis_url, settings.redis_key_prefix),
         connections=AgentConnections(),
-        enrollment=EnrollmentService(storage.app, settings.node_enrollment_secret),
+        enrollment=EnrollmentService(
+            storage.app,
+            settings.node_enrollment_secret,
+            ca_fingerprint=tls.fingerprint if tls is not None else None,
+        ),
+        tls=tls,
     )
     return services, storage
 
@@ -168,15 +194,28 @@ async def start_controller(settings: Settings) -> RunningController:
         ]
     )
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
-    grpc_port = grpc_server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+    address = f"{settings.grpc_host}:{settings.grpc_port}"
+    if services.tls is not None:
+        credentials = grpc.ssl_server_credentials([(services.tls.key_pem, services.tls.chain_pem)])
+        grpc_port = grpc_server.add_secure_port(address, credentials)
+    else:
+        log.warning(INSECURE_WARNING)
+        grpc_port = grpc_server.add_insecure_port(address)
     if grpc_port == 0:
         storage.close()
         raise OSError(f"cannot bind the gRPC port {settings.grpc_host}:{settings.grpc_port}")
     await grpc_server.start()
 
     http_app = create_app(services)
+    https = https_files(settings, services.tls)
     config = uvicorn.Config(
-        http_app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+        http_app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="on",
+        ssl_certfile=https[0] if https else None,
+        ssl_keyfile=https[1] if https else None,
     )
     http_server = uvicorn.Server(config)
     monitor = HealthMonitor(
@@ -272,19 +311,32 @@ async def controller(settings: Settings) -> AsyncIterator[RunningController]:
         await stop_controller(running)
 
 
+def https_files(settings: Settings, tls: ServerTls | None) -> tuple[str, str] | None:
+    """The certificate chain and key files the HTTP API is served with: HTTPS whenever it
+    listens beyond loopback (and TLS is on); plain HTTP on loopback, where the traffic never
+    leaves the machine."""
+    if tls is None or is_loopback(settings.host):
+        return None
+    return str(tls.chain_file), str(tls.key_file)
+
+
 async def serve_forever(settings: Settings) -> None:
     if not settings.ai_api_key:
         log.warning("AI_API_KEY is not set: /v1 (the inference API) is open to anyone")
     if not settings.admin_api_key:
         log.warning("ADMIN_API_KEY is not set: the admin API and dashboard are disabled")
     async with controller(settings) as running:
+        tls = running.services.tls
         log.warning(
-            "controller %s: HTTP on http://%s:%d, gRPC on %s:%d, store %s",
-            "up",
+            "controller up: HTTP on %s://%s:%d, gRPC%s on %s:%d, store %s",
+            "https" if https_files(settings, tls) else "http",
             settings.host,
             running.http_port,
+            f" over TLS (CA sha256 {tls.fingerprint})" if tls else " in PLAINTEXT",
             settings.grpc_host,
             running.grpc_port,
             "postgres" if running.services.follower.uses_subscription else "sqlite",
         )
+        if tls is None:
+            log.warning(INSECURE_WARNING)
         await running.tasks[0]

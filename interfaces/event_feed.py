@@ -39,7 +39,8 @@ from litestar.response import Stream
 
 from application.timeline import aggregate_kind, entry_of
 from interfaces.http_auth import bearer, check_admin_key
-from interfaces.http_errors import ApiError
+from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
+from interfaces.http_errors import not_running
 from interfaces.services import Services
 
 KEEPALIVE_SECONDS = 15.0
@@ -245,7 +246,7 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
     svc: Services = state.services
     feed = svc.extras.get("feed")
     if not isinstance(feed, EventFeed):
-        raise ApiError(503, "the event feed is not running", type_="server_error")
+        raise not_running("the event feed is not running")
     return svc, feed
 
 
@@ -264,6 +265,8 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
         " be sent (browsers' EventSource)."
     ),
     media_type="text/event-stream",
+    operation_class=ApiOperation,
+    responses=errors(400, *ADMIN_KEY_ERRORS, 503),
 )
 async def event_stream(
     state: State,

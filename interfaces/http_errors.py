@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eventsourcing.persistence import PersistenceError
+from eventsourcing.persistence import DataError, PersistenceError
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
@@ -31,6 +31,20 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+
+
+#: ``Retry-After`` (seconds) from a part of the controller that is not running (yet): it
+#: starts or stops. Every 503 says when to retry (see interfaces/http_docs.py).
+NOT_RUNNING_RETRY_AFTER = 2
+
+
+def not_running(message: str) -> ApiError:
+    return ApiError(
+        503,
+        message,
+        type_="server_error",
+        headers={"Retry-After": str(NOT_RUNNING_RETRY_AFTER)},
+    )
 
 
 def error_body(
@@ -101,6 +115,9 @@ def _internal(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, A
     )
 
 
+#: Litestar picks the handler of the closest class in the exception's MRO: a ``DataError`` (the
+#: store refused a value, e.g. a NUL byte in a Postgres text) is our bug, not a busy store, and
+#: retrying would not help, so it is a logged 500 rather than a 503 with ``Retry-After``.
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     ApiError: _api_error,
     NotFound: _not_found,
@@ -111,6 +128,7 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     TimeoutError: _unavailable,
     ConcurrencyExhausted: _unavailable,
     PersistenceError: _unavailable,
+    DataError: _internal,
     StoreUnavailable: _unavailable,
     Exception: _internal,
 }

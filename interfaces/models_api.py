@@ -3,25 +3,44 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from litestar import Controller as Routes
 from litestar import get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from domain.model import DEFAULT_CONTEXT_SIZE
+from domain.model import (
+    DEFAULT_CONTEXT_SIZE,
+    FILE_NAME_PATTERN,
+    MAX_CONTEXT_SIZE,
+    MIN_CONTEXT_SIZE,
+    MODEL_NAME_PATTERN,
+    SHA256_PATTERN,
+)
 from interfaces.admin_api import READ_YOUR_WRITES_TIMEOUT, services
 from interfaces.http_auth import admin_guard
+from interfaces.http_docs import (
+    ADMIN_KEY_ERRORS,
+    ApiOperation,
+    RegisteredModelRow,
+    RegisteredModels,
+    errors,
+    success,
+)
 
 
-@dataclass
-class ModelRegistration:
-    name: str
-    sha256: str
-    file_name: str
-    context_size: int = DEFAULT_CONTEXT_SIZE
+class ModelRegistration(msgspec.Struct):
+    """The domain's rules (:func:`domain.model.validate_model`), documented and checked as
+    the body is read; the domain checks them again."""
+
+    name: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
+    sha256: Annotated[str, msgspec.Meta(pattern=SHA256_PATTERN)]
+    file_name: Annotated[str, msgspec.Meta(pattern=FILE_NAME_PATTERN)]
+    context_size: Annotated[int, msgspec.Meta(ge=MIN_CONTEXT_SIZE, le=MAX_CONTEXT_SIZE)] = (
+        DEFAULT_CONTEXT_SIZE
+    )
 
 
 class AdminModelRoutes(Routes):
@@ -30,7 +49,16 @@ class AdminModelRoutes(Routes):
     tags = ["admin"]
     security = [{"BearerAuth": []}]
 
-    @post("/", status_code=201, summary="Register a model (API name → GGUF file by sha256)")
+    @post(
+        "/",
+        status_code=201,
+        summary="Register a model (API name → GGUF file by sha256)",
+        operation_class=ApiOperation,
+        responses={
+            **success(RegisteredModelRow, "The model as registered", 201),
+            **errors(400, *ADMIN_KEY_ERRORS, 503),
+        },
+    )
     async def register(self, state: State, data: JSONBody[ModelRegistration]) -> dict[str, Any]:
         svc = services(state)
         result = await asyncio.to_thread(
@@ -41,7 +69,15 @@ class AdminModelRoutes(Routes):
         assert row is not None
         return row
 
-    @get("/", summary="Registered models")
+    @get(
+        "/",
+        summary="Registered models",
+        operation_class=ApiOperation,
+        responses={
+            **success(RegisteredModels, "Every registered model, by name"),
+            **errors(*ADMIN_KEY_ERRORS, 503),
+        },
+    )
     async def list_models(self, state: State) -> dict[str, Any]:
         rows = await asyncio.to_thread(services(state).read_model.list_models)
         return {"object": "list", "data": rows}

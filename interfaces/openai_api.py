@@ -19,8 +19,17 @@ from application.commands import Submission
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
+from domain.model import is_model_name
 from interfaces.http_auth import inference_guard
-from interfaces.http_errors import ApiError, error_body
+from interfaces.http_docs import (
+    ApiOperation,
+    ChatCompletion,
+    ChatCompletionOperation,
+    ModelCards,
+    errors,
+    success,
+)
+from interfaces.http_errors import ApiError, error_body, not_running
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
 from proto import MAX_CONTROL_MESSAGE_BYTES
@@ -41,7 +50,7 @@ def _services(state: State) -> Services:
 def _jobs(svc: Services) -> JobManager:
     jobs = svc.extras.get("jobs")
     if jobs is None:
-        raise ApiError(503, "the job manager is not running", type_="server_error")
+        raise not_running("the job manager is not running")
     return jobs  # type: ignore[no-any-return]
 
 
@@ -55,7 +64,14 @@ def _spawn(coro: Any) -> None:
     task.add_done_callback(_background.discard)
 
 
-@get("/v1/models", guards=[inference_guard], tags=["openai"], summary="List registered models")
+@get(
+    "/v1/models",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="List registered models",
+    operation_class=ApiOperation,
+    responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
+)
 async def list_models(state: State) -> dict[str, Any]:
     svc = _services(state)
     rows = await asyncio.to_thread(svc.read_model.list_models)
@@ -85,6 +101,19 @@ def _epoch(iso: str) -> float:
     tags=["openai"],
     summary="Create a chat completion, optionally streamed as server-sent events",
     status_code=200,
+    operation_class=ChatCompletionOperation,
+    responses={
+        **success(ChatCompletion, "The completion (JSON), or with `stream: true` its chunks"),
+        **errors(
+            400,
+            401,
+            (404, "Unknown model (`model_not_found`)"),
+            (413, "The request does not fit in one execution plan (`request_too_large`)"),
+            502,
+            503,
+            504,
+        ),
+    },
 )
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     svc = _services(state)
@@ -102,7 +131,10 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
     submission = parse_chat_request(body)
-    model = await asyncio.to_thread(svc.read_model.get_model, submission.model)
+    # A name no model can have is not looked up (a NUL byte would break a Postgres query).
+    model = None
+    if is_model_name(submission.model):
+        model = await asyncio.to_thread(svc.read_model.get_model, submission.model)
     if model is None:
         raise ApiError(
             404,

@@ -13,6 +13,11 @@ from interfaces.http_errors import ApiError
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4
+#: The largest ``max_tokens`` accepted (a context no model here reaches).
+MAX_CONTEXT = 1 << 20
+#: ``seed`` travels to the node as a protobuf int64.
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 63) - 1
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -27,7 +32,10 @@ def _text_content(content: Any, index: int) -> str:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise _bad("only text content parts are supported", f"messages[{index}].content")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad("a text part's text must be a string", f"messages[{index}].content")
+            parts.append(text)
         return "".join(parts)
     if content is None:
         return ""
@@ -45,7 +53,29 @@ def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | 
     return float(value)
 
 
-def parse_chat_request(body: Any, max_context: int = 1 << 20) -> Submission:
+def _integer(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
+    """``body[key]`` as an int in ``low..high`` (``None`` when absent or null). JSON's ``2.0``
+    is the integer 2, as JSON Schema's ``integer`` says; ``2.5`` and ``true`` are not."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{key} must be an integer", key)
+    if not low <= value <= high:
+        raise _bad(f"{key} must be between {low} and {high}", key)
+    return value
+
+
+def _flag(body: dict[str, Any], key: str, param: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"{param} must be a boolean", param)
+    return bool(value)
+
+
+def parse_chat_request(body: Any, max_context: int = MAX_CONTEXT) -> Submission:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -73,14 +103,13 @@ def parse_chat_request(body: Any, max_context: int = 1 << 20) -> Submission:
             raise _bad(f"role must be one of {sorted(ROLES)}", f"messages[{i}].role")
         messages.append({"role": role, "content": _text_content(m.get("content"), i)})
     n = body.get("n", 1)
-    if n not in (None, 1):
+    if isinstance(n, bool) or n not in (None, 1):
         raise _bad("only n=1 is supported", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise _bad("max_tokens must be an integer", "max_tokens")
-        if not 1 <= max_tokens <= max_context:
-            raise _bad(f"max_tokens must be between 1 and {max_context}", "max_tokens")
+    # Both are checked; the newer name wins when both are given.
+    legacy = _integer(body, "max_tokens", 1, max_context)
+    max_tokens = _integer(body, "max_completion_tokens", 1, max_context)
+    if max_tokens is None:
+        max_tokens = legacy
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     stop = body.get("stop")
@@ -92,9 +121,7 @@ def parse_chat_request(body: Any, max_context: int = 1 << 20) -> Submission:
         or not all(isinstance(s, str) and s for s in stop)
     ):
         raise _bad(f"stop must be a string or up to {MAX_STOP} non-empty strings", "stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("seed must be an integer", "seed")
+    seed = _integer(body, "seed", SEED_MIN, SEED_MAX)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be a boolean", "stream")
@@ -103,7 +130,7 @@ def parse_chat_request(body: Any, max_context: int = 1 << 20) -> Submission:
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("stream_options must be an object", "stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,

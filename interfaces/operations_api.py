@@ -29,11 +29,11 @@ from infrastructure.metrics import (
 )
 from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import ControlPlaneServicer
-from interfaces.http_errors import ApiError
+from interfaces.http_docs import ApiOperation, errors
+from interfaces.http_errors import not_running
 from interfaces.services import Services
 
 STATIC_DIR = Path(__file__).with_name("static")
-
 #: Same origin only: the page talks to nothing but this controller.
 DASHBOARD_HEADERS = {
     "Content-Security-Policy": (
@@ -91,12 +91,14 @@ def cluster_collector(
     summary="Prometheus metrics (text exposition format 0.0.4); no key needed",
     media_type=CONTENT_TYPE,
     security=[],
+    operation_class=ApiOperation,
+    responses=errors(503),
 )
 async def metrics(state: State) -> Response[bytes]:
     svc: Services = state.services
     registry = svc.extras.get("metrics")
     if not isinstance(registry, PrometheusMetrics):
-        raise ApiError(503, "metrics are not enabled on this controller", type_="server_error")
+        raise not_running("metrics are not enabled on this controller")
     body = await asyncio.to_thread(registry.exposition)
     return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 

@@ -11,6 +11,7 @@ from application.ports import LiveState
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore
 from infrastructure.settings import Settings
+from infrastructure.tls import ServerTls
 from interfaces.grpc_server import AgentConnections
 
 
@@ -23,4 +24,6 @@ class Services:
     live: LiveState
     connections: AgentConnections
     enrollment: EnrollmentService
+    #: The controller's TLS material; None with GRPC_INSECURE=true.
+    tls: ServerTls | None = None
     extras: dict[str, Any] = field(default_factory=dict)

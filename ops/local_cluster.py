@@ -260,14 +260,19 @@ class LocalCluster:
             lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200,
             60,
         )
-        token = subprocess.run(
-            [sys.executable, "-m", "interfaces.cli", "token", "create", "--ttl", "600"],
-            env=controller_env,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
         for spec in cfg.agents:
+            # One single-use token per agent; it names the controller's CA, which the agent
+            # pins: the control channel runs over TLS here too.
+            token = subprocess.run(
+                [
+                    *(sys.executable, "-m", "interfaces.cli", "token", "create"),
+                    *("--ttl", "600", "--single-use", "--node-name", spec.name),
+                ],
+                env=controller_env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             self.start_agent(spec, token)
 
         def nodes_ready() -> bool:

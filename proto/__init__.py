@@ -24,8 +24,13 @@ MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
 # beyond this one breaks the stream (gRPC's RESOURCE_EXHAUSTED).
 CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
 
+# The name in every certificate the controller issues itself: an agent that pinned the
+# controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
+CONTROLLER_TLS_NAME = "dacp-controller"
+
 __all__ = [
     "CONTROLLER_RECEIVE_BYTES",
+    "CONTROLLER_TLS_NAME",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
     "PROTOCOL_VERSION",

@@ -19,6 +19,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
+from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
 from tests.integration.test_job_flow import AI, SHA, register
@@ -70,7 +71,7 @@ async def test_dashboard_shows_the_cluster_live(ctl: RunningController, browser:
     expect.set_options(timeout=WAIT_MS)
     base = f"http://127.0.0.1:{ctl.http_port}"
     agent = await FakeAgent(
-        f"127.0.0.1:{ctl.grpc_port}", token(), "alpha", holds=SHA, memory=4 << 30
+        control_target(ctl), token(), "alpha", holds=SHA, memory=4 << 30
     ).start()
     assert agent.session is not None
     read = ctl.services.read_model
@@ -152,7 +153,7 @@ async def test_dashboard_shows_a_queued_job_and_its_place(
     expect.set_options(timeout=WAIT_MS)
     base = f"http://127.0.0.1:{ctl.http_port}"
     agent = await FakeAgent(
-        f"127.0.0.1:{ctl.grpc_port}",
+        control_target(ctl),
         token(),
         "solo",
         holds=SHA,

@@ -24,6 +24,7 @@ from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
 from tests.faults.waiting import until
+from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -55,7 +56,7 @@ async def ctl(
 
 @pytest.fixture
 async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
-    target = f"127.0.0.1:{ctl.grpc_port}"
+    target = control_target(ctl)
     started = await FakeAgent(target, token(), "a", holds=SHA, memory=4 << 30).start()
     await until(lambda: _state(ctl, started) == "READY")
     async with _http(ctl) as client:

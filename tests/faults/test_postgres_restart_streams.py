@@ -18,6 +18,7 @@ from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
 from tests.faults.streams import events, recorded_seqs, stream_completion
+from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -44,7 +45,7 @@ async def ctl(
 
 @pytest.fixture
 async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
-    target = f"127.0.0.1:{ctl.grpc_port}"
+    target = control_target(ctl)
     agents = [
         await FakeAgent(target, token(), f"n{i}", holds=SHA, memory=4 << 30, slots=4).start()
         for i in range(STREAMS // 4)

@@ -22,6 +22,7 @@ from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnRedis
 from tests.faults.waiting import until
+from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -43,7 +44,7 @@ async def ctl(
 
 @pytest.fixture
 async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
-    target = f"127.0.0.1:{ctl.grpc_port}"
+    target = control_target(ctl)
     agents = [await FakeAgent(target, token(), f"n{i}").start() for i in range(3)]
     await until(lambda: all(_state(ctl, a) == "READY" for a in agents))
     yield agents

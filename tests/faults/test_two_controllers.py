@@ -20,6 +20,7 @@ from domain.catalog import code_of
 from interfaces.controller_main import RECONCILE_INTERVAL, RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.waiting import until
+from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -38,7 +39,7 @@ async def test_a_second_controller_leaves_the_first_ones_jobs_alone(
 ) -> None:
     async with controller(controller_settings(pg_schema, tmp_path / "a")) as first:
         agent = await FakeAgent(
-            f"127.0.0.1:{first.grpc_port}", token(), "a", holds=SHA, memory=4 << 30
+            control_target(first), token(), "a", holds=SHA, memory=4 << 30
         ).start()
         agent.words, agent.word_delay = WORDS, 0.05
         base = f"http://127.0.0.1:{first.http_port}"

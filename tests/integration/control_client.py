@@ -1,4 +1,7 @@
-"""A minimal raw control-channel client for tests (speaks the real gRPC protocol)."""
+"""A minimal raw control-channel client for tests (speaks the real gRPC protocol), and the
+one way tests reach a controller's control channel: :class:`ControlTarget` (TLS with the
+controller's CA, as agents do after pinning it; plaintext only for the agent tests' fake
+controller)."""
 
 from __future__ import annotations
 
@@ -6,12 +9,48 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from interfaces.controller_main import RunningController
+from proto import CONTROLLER_TLS_NAME
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class ControlTarget:
+    """Where a controller's control channel is, and the CA to verify it with."""
+
+    address: str
+    ca_pem: bytes | None = None  # None: plaintext (only the agent tests' fake controller)
+    server_name: str = CONTROLLER_TLS_NAME
+
+    def channel(self) -> grpc.aio.Channel:
+        if self.ca_pem is None:
+            return grpc.aio.insecure_channel(self.address)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+        options = [("grpc.ssl_target_name_override", self.server_name)]
+        return grpc.aio.secure_channel(self.address, credentials, options=options)
+
+
+def control_target(ctl: RunningController, address: str | None = None) -> ControlTarget:
+    """The controller's control channel (at ``address`` instead, e.g. through a proxy)."""
+    tls = ctl.services.tls
+    return ControlTarget(
+        address or f"127.0.0.1:{ctl.grpc_port}",
+        tls.ca_pem if tls is not None else None,
+        tls.server_name if tls is not None else CONTROLLER_TLS_NAME,
+    )
+
+
+Target = ControlTarget | str  # a plain address: plaintext
+
+
+def as_target(target: Target) -> ControlTarget:
+    return target if isinstance(target, ControlTarget) else ControlTarget(target)
 
 
 def inventory(address: str = "127.0.0.1", ram: int = 8 << 30) -> pb.Inventory:
@@ -31,9 +70,9 @@ def inventory(address: str = "127.0.0.1", ram: int = 8 << 30) -> pb.Inventory:
 
 
 async def enroll(
-    target: str, token: str, name: str, address: str = "127.0.0.1"
+    target: Target, token: str, name: str, address: str = "127.0.0.1"
 ) -> pb.EnrollResponse:
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with as_target(target).channel() as channel:
         stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
         response: pb.EnrollResponse = await stub.Enroll(
             pb.EnrollRequest(
@@ -49,8 +88,8 @@ async def enroll(
 class RawSession:
     """An open Connect stream: send messages up, read what comes down."""
 
-    def __init__(self, target: str, node_id: str, credential: str, hello_id: str | None = None):
-        self.target = target
+    def __init__(self, target: Target, node_id: str, credential: str, hello_id: str | None = None):
+        self.target = as_target(target)
         self.node_id = node_id
         self.credential = credential
         self.hello_id = node_id if hello_id is None else hello_id
@@ -72,7 +111,7 @@ class RawSession:
             yield item
 
     async def open(self) -> pb.ControllerMessage:
-        self.channel = grpc.aio.insecure_channel(self.target)
+        self.channel = self.target.channel()
         stub = pb_grpc.ControlPlaneStub(self.channel)  # type: ignore[no-untyped-call]
         metadata = (("x-node-id", self.node_id), ("x-node-credential", self.credential))
         self.call = stub.Connect(self._requests(), metadata=metadata)

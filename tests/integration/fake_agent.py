@@ -10,13 +10,13 @@ from typing import Any
 
 from proto import SLOTS_LABEL
 from proto import control_pb2 as pb
-from tests.integration.control_client import RawSession, enroll, inventory
+from tests.integration.control_client import RawSession, Target, as_target, enroll, inventory
 
 
 class FakeAgent:
     def __init__(
         self,
-        target: str,
+        target: Target,
         token: str,
         name: str,
         *,
@@ -46,11 +46,10 @@ class FakeAgent:
         inv = inventory(self.address)
         inv.labels["dacp.memory_limit_bytes"] = str(self.memory)
         inv.labels[SLOTS_LABEL] = str(self.slots)
-        import grpc
 
         from proto import control_pb2_grpc as pb_grpc
 
-        async with grpc.aio.insecure_channel(self.target) as channel:
+        async with as_target(self.target).channel() as channel:
             stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
             enrolled = await stub.Enroll(
                 pb.EnrollRequest(

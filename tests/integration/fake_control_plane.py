@@ -198,6 +198,7 @@ def make_config(tmp_path: Path, url: str | None, **overrides: Any) -> AgentConfi
         "slots": 2,
         "heartbeat_interval": 0.1,
         "backoff_initial": 0.05,
+        "insecure": True,  # the fake controller speaks plaintext
         "backoff_max": 0.2,
         "rpc_timeout": 3.0,
     }

@@ -1,4 +1,6 @@
-"""``/api/admin/jobs…`` and ``/api/admin/nodes/{id}/events`` over real Postgres and SQLite."""
+"""``/api/admin/jobs…`` and ``/api/admin/nodes/{id}/events`` over real Postgres and SQLite, and
+what the HTTP API must check before anything reaches the store (found by fuzzing the schema,
+tests/integration/test_api_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -112,6 +114,13 @@ def test_pagination(client: TestClient[Any]) -> None:
         ("offset=-1", "offset"),
         ("limit=abc", "limit"),
         ("state=BOGUS", "state"),
+        # These reached Postgres, which refused them: a "503 store busy, retry" (its error
+        # text included) for a request that can never succeed.
+        ("model=%00", "model"),
+        ("node_id=%00", "node_id"),
+        ("offset=99999999999999999999", "offset"),
+        ("node_id=not-a-uuid", "node_id"),
+        ("model=-not-a-model-name", "model"),
     ],
 )
 def test_bad_queries_are_400(client: TestClient[Any], query: str, param: str) -> None:
@@ -119,6 +128,12 @@ def test_bad_queries_are_400(client: TestClient[Any], query: str, param: str) ->
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_empty_filters_filter_nothing(client: TestClient[Any]) -> None:
+    everything = ids(client.get("/api/admin/jobs", headers=ADMIN).json())
+    empty = client.get("/api/admin/jobs?state=&model=&node_id=", headers=ADMIN)
+    assert empty.status_code == 200 and ids(empty.json()) == everything
 
 
 def test_one_job_with_plan_timings_and_failure(client: TestClient[Any], incident: Incident) -> None:
@@ -179,6 +194,98 @@ def test_unknown_ids_are_404(
     error = response.json()["error"]
     assert error["type"] == "not_found_error" and error["code"] == code
     assert error["message"].startswith("unknown ")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "code"),
+    [
+        ("GET", "/api/admin/nodes/%00", "node_not_found"),
+        ("GET", "/api/admin/nodes/not-a-uuid", "node_not_found"),
+        ("POST", "/api/admin/nodes/%00/drain", "node_not_found"),
+        ("POST", "/api/admin/nodes/x%00y/resume", "node_not_found"),
+        ("GET", "/api/admin/nodes/%00/events", "node_not_found"),
+        ("GET", "/api/admin/jobs/%00", "job_not_found"),
+        ("GET", "/api/admin/jobs/%00/events", "job_not_found"),
+    ],
+)
+def test_ids_that_are_no_uuid_never_reach_the_store(
+    client: TestClient[Any], method: str, path: str, code: str
+) -> None:
+    """A NUL byte in an id used to reach Postgres: 503 "store busy", with its error text."""
+    response = client.request(method, path, headers=ADMIN)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == code
+    assert "retry-after" not in response.headers
+
+
+def test_an_id_in_capitals_names_the_same_job(client: TestClient[Any], incident: Incident) -> None:
+    job = str(incident.completed_job).upper()
+    one = client.get(f"/api/admin/jobs/{job}", headers=ADMIN)
+    assert one.status_code == 200 and one.json()["job_id"] == str(incident.completed_job)
+
+
+@pytest.mark.parametrize(
+    ("registration", "param"),
+    [
+        # Python's "$" matches before a final newline: these were registered.
+        ({"name": "m\n", "sha256": "ab" * 32}, None),
+        ({"name": "m", "sha256": "ab" * 32 + "\n"}, None),
+        ({"name": "m", "sha256": "ab" * 31}, "sha256"),
+        ({"name": "m", "sha256": "ab" * 32, "context_size": 64}, "context_size"),
+    ],
+)
+def test_model_registrations_are_checked_whole(
+    client: TestClient[Any], registration: dict[str, Any], param: str | None
+) -> None:
+    response = client.post(
+        "/api/admin/models", headers=ADMIN, json={"file_name": "m.gguf", **registration}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert client.get("/api/admin/models", headers=ADMIN).json()["data"] == []
+
+
+def test_a_token_bound_to_an_empty_name_is_refused(client: TestClient[Any]) -> None:
+    """``node_name: ""`` used to mint a token any agent could use."""
+    response = client.post("/api/admin/enrollment-tokens", headers=ADMIN, json={"node_name": ""})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "node_name"
+
+
+def test_a_model_name_no_model_can_have_is_not_looked_up(client: TestClient[Any]) -> None:
+    """A NUL byte in a chat request's model reached Postgres: 503 instead of 404."""
+    response = client.post(
+        "/v1/chat/completions",
+        json={"model": "m\x00", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+class DownLiveState(InProcessLiveState):
+    def ping(self) -> bool:
+        return False
+
+
+def test_every_503_says_when_to_retry(storage: Storage) -> None:
+    """Parts not running (job manager, metrics, feed) and a degraded /health answer 503
+    with Retry-After, as the schema documents for every 503."""
+    storage.app.register_model("m", "ab" * 32, "m.gguf", 2048)
+    storage.follower.wait(storage.app.position(), timeout=5)
+    services = services_for(storage)
+    services.live = DownLiveState()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(admin_app(services)) as c:
+        answers = {
+            "chat": c.post("/v1/chat/completions", json=chat),
+            "metrics": c.get("/metrics"),
+            "feed": c.get("/api/admin/events/stream", headers=ADMIN),
+            "health": c.get("/health"),
+        }
+    for name, response in answers.items():
+        assert response.status_code == 503, (name, response.text)
+        assert int(response.headers["retry-after"]) > 0, name
+    assert answers["health"].json()["status"] == "degraded"
 
 
 @pytest.mark.parametrize(

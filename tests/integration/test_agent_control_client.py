@@ -340,17 +340,18 @@ async def test_stop_before_ready_is_clean(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "address", "secure"),
+    ("url", "insecure", "address", "secure"),
     [
-        ("10.0.0.5:50051", "10.0.0.5:50051", False),
-        ("controller.lan", "controller.lan:50051", False),
-        ("grpc://controller.lan:6000", "controller.lan:6000", False),
-        ("grpcs://controller.lan:443/", "controller.lan:443", True),
-        ("GRPCS://[fd00::1]:50051", "[fd00::1]:50051", True),
+        ("10.0.0.5:50051", False, "10.0.0.5:50051", True),  # TLS unless asked otherwise
+        ("10.0.0.5:50051", True, "10.0.0.5:50051", False),
+        ("controller.lan", False, "controller.lan:50051", True),
+        ("grpc://controller.lan:6000", True, "controller.lan:6000", False),
+        ("grpcs://controller.lan:443/", False, "controller.lan:443", True),
+        ("GRPCS://[fd00::1]:50051", False, "[fd00::1]:50051", True),
     ],
 )
-def test_parse_controller_url(url: str, address: str, secure: bool) -> None:
-    target = parse_controller_url(url)
+def test_parse_controller_url(url: str, insecure: bool, address: str, secure: bool) -> None:
+    target = parse_controller_url(url, insecure=insecure)
     assert (target.address, target.secure, target.url) == (address, secure, url)
 
 
@@ -359,7 +360,14 @@ def test_parse_controller_url(url: str, address: str, secure: bool) -> None:
 )
 def test_parse_controller_url_rejects(url: str) -> None:
     with pytest.raises(ConfigError):
-        parse_controller_url(url)
+        parse_controller_url(url, insecure=True)
+
+
+def test_plaintext_needs_an_explicit_insecure() -> None:
+    with pytest.raises(ConfigError, match="--insecure"):
+        parse_controller_url("grpc://c:1")
+    with pytest.raises(ConfigError, match="TLS"):
+        parse_controller_url("grpcs://c:1", insecure=True)
 
 
 def test_backoff_full_jitter_is_capped() -> None:
@@ -434,6 +442,7 @@ async def test_cli_refused_token_exits_2(
         "--foreground",
         "--controller-url",
         f"grpc://{controller_url}",
+        "--insecure",
         "--enrollment-token",
         "wrong",
         "--data-dir",
@@ -465,6 +474,7 @@ async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(
         "agent.main",
         "--controller-url",
         controller_url,
+        "--insecure",  # the fake controller speaks plaintext
         "--data-dir",
         str(data_dir),
         "--node-name",
@@ -541,13 +551,14 @@ async def test_grpcs_with_ca_file_connects_and_without_it_is_refused(
     try:
         # System roots do not trust the self-signed certificate: a failed attempt with the hint.
         caplog.set_level(logging.WARNING, logger="agent")
-        untrusted = AgentSession(make_config(tmp_path / "a", url), NullHandler())
+        untrusted = AgentSession(make_config(tmp_path / "a", url, insecure=False), NullHandler())
         async with running(untrusted):
             await eventually(lambda: untrusted.failed_attempts >= 1)
         assert CONNECTION_HINT in caplog.text and fake.enroll_requests == []
 
         ca_file = tmp_path / "cert.pem"
-        trusted = AgentSession(make_config(tmp_path / "b", url, tls_ca_file=ca_file), NullHandler())
+        config = make_config(tmp_path / "b", url, tls_ca_file=ca_file, insecure=False)
+        trusted = AgentSession(config, NullHandler())
         async with running(trusted):
             await trusted.wait_for_state(AgentState.READY, timeout=10)
         assert len(fake.enroll_requests) == 1 and len(fake.streams) == 1

@@ -111,8 +111,11 @@ async def test_agent_restart_recovers_without_enrolling_again(
 async def test_agent_backs_off_until_the_controller_appears(pg_schema: str, tmp_path: Path) -> None:
     port = free_port()
     settings = controller_settings(pg_schema, tmp_path, grpc_port=port)
-    # The token must be signed with the controller's secret; mint it before it runs.
+    # The token must be signed with the controller's secret and name its CA; mint it before
+    # the controller runs, as `dacp token create` does (which makes the CA the controller
+    # then serves with).
     from application.enrollment import enrollment_key, mint_enrollment_token
+    from infrastructure.tls import fingerprint_of, pinned_ca
 
     token = mint_enrollment_token(
         enrollment_key(settings.node_enrollment_secret),
@@ -120,6 +123,7 @@ async def test_agent_backs_off_until_the_controller_appears(pg_schema: str, tmp_
         single_use=False,
         node_name=None,
         now=time.time(),
+        ca_fingerprint=fingerprint_of(pinned_ca(settings.tls_dir)),
     ).token
     session = AgentSession(agent_config(tmp_path / "agent", port, token), RecordingHandler())
     task = await run_session(session)

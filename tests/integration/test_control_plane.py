@@ -18,7 +18,13 @@ from domain.enrollment_token import mint_token
 from interfaces.controller_main import RunningController, controller
 from proto import control_pb2 as pb
 from tests.conftest import controller_settings
-from tests.integration.control_client import RawSession, enroll, inventory
+from tests.integration.control_client import (
+    ControlTarget,
+    RawSession,
+    control_target,
+    enroll,
+    inventory,
+)
 from tests.plans import one_node_plan
 
 SECRET = "test-enrollment-secret"
@@ -40,8 +46,8 @@ async def quiet_ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningCont
         yield running
 
 
-def target(ctl: RunningController) -> str:
-    return f"127.0.0.1:{ctl.grpc_port}"
+def target(ctl: RunningController) -> ControlTarget:
+    return control_target(ctl)
 
 
 def http(ctl: RunningController) -> httpx.AsyncClient:

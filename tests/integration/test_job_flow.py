@@ -17,7 +17,7 @@ from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from proto import control_pb2 as pb
 from tests.conftest import controller_settings
-from tests.integration.control_client import RawSession
+from tests.integration.control_client import RawSession, control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
@@ -34,7 +34,7 @@ async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController
 
 
 async def agents(ctl: RunningController, *specs: dict[str, Any]) -> list[FakeAgent]:
-    target = f"127.0.0.1:{ctl.grpc_port}"
+    target = control_target(ctl)
     started = [await FakeAgent(target, token(), **spec).start() for spec in specs]
     deadline = time.monotonic() + 10
     while True:

@@ -41,7 +41,15 @@ def test_round_trip_and_file_contents(tmp_path: Path) -> None:
     assert path == tmp_path / "data" / IDENTITY_FILE_NAME == identity_path(tmp_path / "data")
     assert load_identity(tmp_path / "data") == ident
     raw = json.loads(path.read_text(encoding="utf-8"))
-    assert set(raw) == {"node_id", "node_credential", "controller_url", "node_name", "enrolled_at"}
+    assert set(raw) == {
+        "node_id",
+        "node_credential",
+        "controller_url",
+        "node_name",
+        "enrolled_at",
+        "controller_ca_pem",
+        "tls_server_name",
+    }
     assert raw["node_credential"] == "s3cret-credential"
     assert raw["enrolled_at"].endswith("+00:00")  # ISO 8601 UTC
 

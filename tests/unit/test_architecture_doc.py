@@ -30,7 +30,7 @@ ENV_READ_PATTERNS = (
     re.compile(r"\bos\.getenv\(\s*" + _NAME),
     re.compile(r"\b(?:env|environ|environment)\.get\(\s*" + _NAME),
     re.compile(r"\b(?:env|environ|environment)\[\s*" + _NAME + r"\s*\]"),
-    re.compile(r"\b_(?:int|float|bool|str)\(\s*env\s*,\s*" + _NAME),
+    re.compile(r"\b_(?:int|float|bool|str|path)\(\s*env\s*,\s*" + _NAME),
 )
 #: Process-environment reads whose variable name the scan above could not see.
 UNSCANNABLE_ENV_READ = re.compile(r"""\bos\.(?:environ\.get\(|environ\[|getenv\()\s*(?!["'])""")

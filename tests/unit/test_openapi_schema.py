@@ -100,3 +100,59 @@ def test_the_dashboard_is_served_with_a_strict_policy(app: Litestar) -> None:
         assert 'src="/dashboard/static/dashboard.js"' in page.text
         for asset in ("dashboard.js", "dashboard.css"):
             assert client.get(f"/dashboard/static/{asset}").status_code == 200
+
+
+def operations(schema: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (method, path, operation)
+        for path, methods in schema["paths"].items()
+        for method, operation in methods.items()
+    ]
+
+
+def test_errors_are_documented_in_openai_shape(schema: dict[str, Any]) -> None:
+    """They were undocumented (401, 403, 404, 503...) or documented in Litestar's own shape
+    (400 ``{status_code, detail, extra}``), so no client could rely on the schema."""
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    detail = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(detail["required"]) == {"message", "type", "param", "code"}
+    for method, path, operation in operations(schema):
+        responses = operation["responses"]
+        if path not in PUBLIC:
+            assert "401" in responses, (method, path)
+            if path.startswith("/api/admin"):
+                assert "403" in responses, (method, path)
+        for status, response in responses.items():
+            if int(status) < 400 or path == "/health":
+                continue
+            assert response["content"]["application/json"]["schema"] == error, (path, status)
+
+
+def test_every_503_says_when_to_retry(schema: dict[str, Any]) -> None:
+    busy = [(p, o["responses"]["503"]) for _, p, o in operations(schema) if "503" in o["responses"]]
+    assert len(busy) >= 12
+    for path, response in busy:
+        header = response["headers"]["Retry-After"]
+        assert header["required"] is True and header["schema"]["type"] == "integer", path
+
+
+def test_the_chat_completion_documents_its_body_and_stream(schema: dict[str, Any]) -> None:
+    operation = schema["paths"]["/v1/chat/completions"]["post"]
+    body = operation["requestBody"]["content"]["application/json"]["schema"]
+    assert operation["requestBody"]["required"] is True
+    assert set(body["required"]) == {"model", "messages"}
+    assert body["properties"]["messages"]["minItems"] == 1
+    assert body["properties"]["seed"]["maximum"] == (1 << 63) - 1
+    assert set(operation["responses"]["200"]["content"]) == {
+        "application/json",
+        "text/event-stream",
+    }
+    for status in ("400", "404", "413", "503"):
+        assert status in operation["responses"]
+
+
+def test_ids_are_documented_as_uuids(schema: dict[str, Any]) -> None:
+    for _, path, operation in operations(schema):
+        for parameter in operation.get("parameters", []):
+            if parameter["in"] == "path":
+                assert parameter["schema"]["format"] == "uuid", (path, parameter["name"])

@@ -1,0 +1,282 @@
+"""The controller's TLS material: its own certificate authority, created on first start and
+kept in ``<DACP_VAR_DIR>/tls/``, and a server certificate it issues itself at every start
+(for every name and address it may be reached by, and :data:`SERVER_NAME`). The gRPC control
+channel and the HTTPS API both use it.
+
+Agents pin the CA: every enrollment token carries its sha256 fingerprint
+(:attr:`ServerTls.fingerprint`), the agent takes the certificate whose fingerprint matches
+from the chain the controller presents, and from then on verifies the controller against it
+alone. An operator's own certificate (``TLS_CERT_FILE`` + ``TLS_KEY_FILE``, its chain up to the
+CA in the file or in ``TLS_CA_FILE``) replaces the generated one; its CA is then the one pinned.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from proto import CONTROLLER_TLS_NAME
+
+log = logging.getLogger(__name__)
+
+#: The name every certificate the controller issues itself carries (see proto).
+SERVER_NAME = CONTROLLER_TLS_NAME
+CA_VALIDITY = dt.timedelta(days=3650)
+SERVER_VALIDITY = dt.timedelta(days=825)
+
+
+class TlsError(ValueError):
+    """TLS material that cannot be used; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """What the servers present and what clients pin."""
+
+    ca_pem: bytes
+    #: The server certificate followed by the rest of its chain (PEM).
+    chain_pem: bytes
+    key_pem: bytes
+    #: Files holding ``chain_pem`` and ``key_pem`` (uvicorn reads files).
+    chain_file: Path
+    key_file: Path
+    ca_file: Path
+    #: The name to verify the server under (:data:`SERVER_NAME` for generated certificates).
+    server_name: str
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the CA certificate (DER), lowercase hex: what tokens carry."""
+        return fingerprint_of(self.ca_pem)
+
+
+def fingerprint_of(pem: bytes) -> str:
+    cert = x509.load_pem_x509_certificate(pem)
+    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    tmp.replace(path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _new_ca() -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Distributed AI Compute Platform"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"dacp controller CA {uuid.uuid4().hex[:8]}"),
+        ]
+    )
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + CA_VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def local_names() -> tuple[list[str], list[str]]:
+    """DNS names and IP addresses this machine may be reached by."""
+    names = {SERVER_NAME, "localhost", socket.gethostname()}
+    with_fqdn = socket.getfqdn()
+    if with_fqdn:
+        names.add(with_fqdn)
+    addresses = {"127.0.0.1", "::1"}
+    try:
+        for entries in psutil.net_if_addrs().values():
+            for entry in entries:
+                if entry.family in (socket.AF_INET, socket.AF_INET6):
+                    addresses.add(entry.address.split("%", 1)[0])
+    except OSError as e:  # some sandboxes hide the interfaces
+        log.debug("cannot list network interfaces: %s", e)
+    return sorted(names), sorted(addresses)
+
+
+def issue_server_cert(
+    ca_pem: bytes, ca_key_pem: bytes, dns_names: list[str], ip_addresses: list[str]
+) -> tuple[bytes, bytes]:
+    """A server certificate for the names and addresses, signed by the CA (PEM cert, key)."""
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TlsError("the controller's CA key is not an EC key")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    for address in ip_addresses:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(address)))
+        except ValueError:
+            continue
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + SERVER_VALIDITY, ca.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def load_or_create(
+    tls_dir: Path,
+    *,
+    cert_file: Path | None = None,
+    key_file: Path | None = None,
+    ca_file: Path | None = None,
+) -> ServerTls:
+    """The controller's TLS material: the operator's files when given, else its own CA (made
+    on first use, kept in ``tls_dir``) and a server certificate issued now."""
+    if (cert_file is None) != (key_file is None):
+        raise TlsError("TLS_CERT_FILE and TLS_KEY_FILE go together: set both or neither")
+    if cert_file is not None and key_file is not None:
+        return _operator_files(cert_file, key_file, ca_file)
+    ca_pem, ca_key_pem = _ensure_ca(tls_dir)
+    ca_path = tls_dir / "ca.pem"
+    names, addresses = local_names()
+    cert_pem, key_pem = issue_server_cert(ca_pem, ca_key_pem, names, addresses)
+    chain_file, server_key = tls_dir / "server.pem", tls_dir / "server.key"
+    _write_private(chain_file, cert_pem + ca_pem)
+    _write_private(server_key, key_pem)
+    return ServerTls(
+        ca_pem=ca_pem,
+        chain_pem=cert_pem + ca_pem,
+        key_pem=key_pem,
+        chain_file=chain_file,
+        key_file=server_key,
+        ca_file=ca_path,
+        server_name=SERVER_NAME,
+    )
+
+
+def _ensure_ca(tls_dir: Path) -> tuple[bytes, bytes]:
+    """The controller's own CA (PEM certificate, key), created on first use."""
+    ca_path, ca_key_path = tls_dir / "ca.pem", tls_dir / "ca.key"
+    if ca_path.exists() and ca_key_path.exists():
+        return ca_path.read_bytes(), ca_key_path.read_bytes()
+    ca_pem, ca_key_pem = _new_ca()
+    _write_private(ca_key_path, ca_key_pem)
+    _write_private(ca_path, ca_pem)
+    log.info("created the controller's certificate authority in %s", tls_dir)
+    return ca_pem, ca_key_pem
+
+
+def pinned_ca(
+    tls_dir: Path, *, cert_file: Path | None = None, ca_file: Path | None = None
+) -> bytes:
+    """The CA certificate (PEM) agents pin and clients trust: the operator's (``TLS_CA_FILE``,
+    else the last certificate of ``TLS_CERT_FILE``), or the controller's own, created now if
+    the controller has not started yet."""
+    try:
+        if ca_file is not None:
+            return ca_file.read_bytes()
+        if cert_file is not None:
+            last = x509.load_pem_x509_certificates(cert_file.read_bytes())[-1]
+            return last.public_bytes(serialization.Encoding.PEM)
+    except (OSError, ValueError) as e:
+        raise TlsError(f"cannot read the CA certificate: {e}") from e
+    return _ensure_ca(tls_dir)[0]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen address) is reachable from this machine only."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _operator_files(cert_file: Path, key_file: Path, ca_file: Path | None) -> ServerTls:
+    try:
+        chain_pem, key_pem = cert_file.read_bytes(), key_file.read_bytes()
+        certs = x509.load_pem_x509_certificates(chain_pem)
+        ca_pem = (
+            ca_file.read_bytes()
+            if ca_file is not None
+            else certs[-1].public_bytes(serialization.Encoding.PEM)
+        )
+        x509.load_pem_x509_certificate(ca_pem)
+        serialization.load_pem_private_key(key_pem, password=None)
+    except (OSError, ValueError, TypeError) as e:
+        raise TlsError(f"cannot use TLS_CERT_FILE/TLS_KEY_FILE/TLS_CA_FILE: {e}") from e
+    leaf = certs[0]
+    try:
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = san.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        dns = []
+    common = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    name = dns[0] if dns else (str(common[0].value) if common else SERVER_NAME)
+    return ServerTls(
+        ca_pem=ca_pem,
+        chain_pem=chain_pem,
+        key_pem=key_pem,
+        chain_file=cert_file,
+        key_file=key_file,
+        ca_file=ca_file or cert_file,
+        server_name=name,
+    )

@@ -1,0 +1,51 @@
+"""Network namespaces the security tests create for themselves: a namespace joined to this
+one by a veth pair, with private addresses that exist only inside the test (so a server can
+listen beyond loopback without touching any real network)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from dataclasses import dataclass
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@dataclass
+class Namespace:
+    """``name`` holds ``inside`` (on its end of the veth); this namespace holds ``outside``."""
+
+    name: str
+    inside: str
+    outside: str
+    _host_link: str
+
+    @classmethod
+    def create(cls, subnet: int = 77) -> Namespace:
+        tag = uuid.uuid4().hex[:6]
+        name, host_link, ns_link = f"dacp-{tag}", f"dh{tag}", f"dn{tag}"
+        inside, outside = f"10.{subnet}.{int(tag[:2], 16)}.2", f"10.{subnet}.{int(tag[:2], 16)}.1"
+        _ip("netns", "add", name)
+        try:
+            _ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+            _ip("link", "set", ns_link, "netns", name)
+            _ip("addr", "add", f"{outside}/30", "dev", host_link)
+            _ip("link", "set", host_link, "up")
+            _ip("-n", name, "addr", "add", f"{inside}/30", "dev", ns_link)
+            _ip("-n", name, "link", "set", ns_link, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            subprocess.run(["ip", "link", "del", host_link], capture_output=True, check=False)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            raise
+        return cls(name, inside, outside, host_link)
+
+    def command(self, *argv: str) -> list[str]:
+        """``argv`` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "link", "del", self._host_link], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
