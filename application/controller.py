@@ -276,6 +276,13 @@ class Controller(Application[UUID]):
 
         return self._run(command)
 
+    def revoke_node(self, node_id: UUID | str, reason: str, revoked_by: str) -> int:
+        """NODE_REVOKED: the credential is void and the node's executing jobs fail with it,
+        in one transaction. Controllers react to the event (stream closed, clients told)."""
+        return self._node_lost(
+            node_id, lambda n: n.revoke(reason, revoked_by), f"revoked ({reason})"
+        )
+
     def mark_recovered(self, node_id: UUID | str, agent_version: str = "") -> int:
         return self._node_command(node_id, lambda n: n.recover(agent_version))
 

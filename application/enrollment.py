@@ -139,6 +139,8 @@ class EnrollmentService:
             node = self.app.get_node(node_id)
         except NotFound:
             raise Unauthenticated(f"unknown node {node_id}") from None
+        if node.revoked:
+            raise Unauthenticated(f"node {node_id} was revoked; enroll it again with a new token")
         if not hmac.compare_digest(node.credential_sha256, credential_sha256(credential)):
             raise Unauthenticated(f"wrong credential for node {node_id}")
         return node

@@ -66,12 +66,14 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
     if isinstance(event, Node.ResourcesReported):
         new["resources"] = event.resources
         new["local_models"] = event.local_models
-    elif isinstance(event, Node.WentOffline | Node.ErrorReported):
+    elif isinstance(event, Node.WentOffline | Node.ErrorReported | Node.Revoked):
         new["current_jobs"] = []
         new["rpc_workers"] = {}
         new["runtime"] = None
         if isinstance(event, Node.ErrorReported):
             new["error"] = event.message
+        if isinstance(event, Node.Revoked):
+            new["revoked"] = True
     elif isinstance(event, Node.Recovered):
         new["error"] = None
         new["runtime"] = None

@@ -202,6 +202,9 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "NODE_DRAINED": lambda p: "drained: no job left",
     "NODE_RESUMED": lambda p: f"resumed by {p.get('requested_by')}",
     "NODE_ERROR": lambda p: f"{p.get('message')}{_lost(p.get('lost_jobs') or [])}",
+    "NODE_REVOKED": lambda p: (
+        f"revoked by {p.get('revoked_by')}: {p.get('reason')}{_lost(p.get('lost_jobs') or [])}"
+    ),
     "RPC_WORKER_STARTED": lambda p: (
         f"job {short(p.get('job_id'))} worker at {p.get('host')}:{p.get('port')}"
     ),

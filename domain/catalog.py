@@ -25,6 +25,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.RpcWorkerStopped,
     Node.SecurityViolation,
     Node.MessageRejected,
+    Node.Revoked,
     Node.JobAssigned,
     Node.JobReleased,
 )

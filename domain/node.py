@@ -27,6 +27,9 @@ _CAN_WORK = _IN_SERVICE | {NodeState.DEGRADED}
 class Node(Aggregate):
     """An enrolled machine. Its identity is the id given at enrollment."""
 
+    #: Set by NODE_REVOKED, for good (a class default, so snapshots older than it load).
+    revoked: bool = False
+
     class Event(Aggregate.Event):
         """A node event; ``state`` is the node's state once the event has happened."""
 
@@ -152,6 +155,21 @@ class Node(Aggregate):
 
         def evolve(self, node: Node) -> None:
             node.security_violations += 1
+
+    class Revoked(Event):
+        """An administrator revoked the node: its credential is void, its jobs are lost, and
+        it may never connect again (it must enroll anew, as another node)."""
+
+        code: ClassVar[str] = "NODE_REVOKED"
+        reason: str
+        revoked_by: str
+        lost_jobs: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.revoked = True
+            node.credential_sha256 = ""
+            node.jobs = []
+            node.rpc_workers = {}
 
     class MessageRejected(Event):
         """The node's agent sent a message the controller could not take (malformed, too
@@ -283,7 +301,7 @@ class Node(Aggregate):
         )
 
     def become_ready(self) -> None:
-        if self.state != NodeState.REGISTERING:
+        if self.revoked or self.state != NodeState.REGISTERING:
             raise self._refuse("become ready", "only a registering node becomes ready")
         self.trigger_event(self.BecameReady, state=self.settled_state())
 
@@ -315,7 +333,20 @@ class Node(Aggregate):
             self.WentOffline, state=NodeState.OFFLINE, reason=reason, lost_jobs=list(self.jobs)
         )
 
+    def revoke(self, reason: str, revoked_by: str) -> None:
+        if self.revoked:
+            raise self._refuse("revoke", "already revoked")
+        self.trigger_event(
+            self.Revoked,
+            state=NodeState.OFFLINE,
+            reason=reason,
+            revoked_by=revoked_by,
+            lost_jobs=list(self.jobs),
+        )
+
     def recover(self, agent_version: str = "") -> None:
+        if self.revoked:
+            raise self._refuse("recover", "the node was revoked")
         if self.state not in _RECOVERABLE:
             raise self._refuse("recover", "only a degraded, offline or failed node recovers")
         self.trigger_event(

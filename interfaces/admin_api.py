@@ -80,6 +80,13 @@ class EnrollmentTokenRequest(msgspec.Struct):
     node_name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
+class RevokeRequest(msgspec.Struct):
+    #: Why, for the record (NODE_REVOKED's ``reason``).
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] = (
+        "revoked by an administrator"
+    )
+
+
 class AdminRoutes(Routes):
     path = "/api/admin"
     guards = [admin_guard]
@@ -161,6 +168,30 @@ class AdminRoutes(Routes):
     )
     async def resume(self, state: State, node_id: NodeId) -> dict[str, Any]:
         return await self._steer(services(state), node_id, "resume", "admin-api")
+
+    @post(
+        "/nodes/{node_id:str}/revoke",
+        status_code=200,
+        summary="Revoke a node: its credential is void, its stream closed, its jobs fail",
+        operation_class=ApiOperation,
+        responses={
+            **success(NodeView, "The node, revoked (OFFLINE for good)"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), (409, "Already revoked"), 503),
+        },
+    )
+    async def revoke(
+        self, state: State, node_id: NodeId, data: JSONBody[RevokeRequest | None] = None
+    ) -> dict[str, Any]:
+        svc = services(state)
+        key = canonical_id(node_id, node_not_found(node_id))
+        if await asyncio.to_thread(svc.read_model.get_node, key) is None:
+            raise node_not_found(node_id)
+        reason = (data or RevokeRequest()).reason
+        position = await asyncio.to_thread(svc.app.revoke_node, key, reason, "admin-api")
+        await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
+        row = await asyncio.to_thread(svc.read_model.get_node, key)
+        assert row is not None
+        return node_view(svc, row, time.time())
 
     @post(
         "/enrollment-tokens",

@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
     reg.set_defaults(func=_cmd_models_register)
 
-    from interfaces import events_cli  # events, replay, diagnose, projections
+    from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
 
     events_cli.register(sub)
+    nodes_cli.register(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -16,11 +16,13 @@ import grpc
 import uvicorn
 
 from application.admission import AdmissionQueue
+from application.background import BackgroundTasks
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
+from domain.node import Node
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
@@ -182,6 +184,7 @@ async def start_controller(settings: Settings) -> RunningController:
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
     servicer.uplink = JobUplink(jobs)
+    services.follower.add_event_listener(_revocations(services, jobs, loop))
     services.app.owner = str(uuid.uuid4())
     await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
     orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, services))
@@ -243,6 +246,26 @@ async def start_controller(settings: Settings) -> RunningController:
     return RunningController(
         services, storage, grpc_server, http_server, grpc_port, http_port, tasks
     )
+
+
+def _revocations(
+    services: Services, jobs: JobManager, loop: asyncio.AbstractEventLoop
+) -> Callable[[int, object], None]:
+    """A follower listener: whoever recorded NODE_REVOKED (this controller's admin API,
+    another controller, `dacp nodes revoke`), the node's stream here is closed and the
+    clients of its jobs are told."""
+    background = BackgroundTasks("handling a revoked node")
+
+    def revoked(node_id: str) -> None:
+        if services.connections.disconnect(node_id):
+            log.warning("node %s was revoked: its control stream is closed", node_id)
+        background.spawn(jobs.node_gone(node_id))
+
+    def listener(_position: int, event: object) -> None:
+        if isinstance(event, Node.Revoked):
+            loop.call_soon_threadsafe(revoked, str(event.originator_id))
+
+    return listener
 
 
 def _orphaned_jobs(services: Services) -> list[str]:

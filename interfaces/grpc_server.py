@@ -99,6 +99,14 @@ class AgentConnections:
             return True
         return False
 
+    def disconnect(self, node_id: str) -> bool:
+        """Ends the node's stream from this side (the node was revoked); True if it had one."""
+        queue = self._queues.get(node_id)
+        if queue is None:
+            return False
+        queue.put_nowait(_CLOSE)
+        return True
+
     def is_connected(self, node_id: str) -> bool:
         return node_id in self._queues
 
