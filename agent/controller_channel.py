@@ -26,9 +26,9 @@ from agent.agent_config import (
 from agent.controller_tls import PinnedCa, fetch_pinned_ca, token_ca_fingerprint
 from agent.identity import NodeIdentity, load_identity, save_identity
 from agent.resources import Resources
+from proto import AGENT_RECEIVE_BYTES, MAX_CONTROL_MESSAGE_BYTES, keepalive
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
-from proto import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class ControllerChannel:
             # and a new channel inherits the old one's reconnect backoff (up to 2 minutes),
             # failing each attempt at once without trying; the session has its own backoff.
             ("grpc.use_local_subchannel_pool", 1),
+            # A plan carries the whole request (up to the controller's MAX_REQUEST_BYTES).
+            ("grpc.max_receive_message_length", AGENT_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", MAX_CONTROL_MESSAGE_BYTES),
         ]
         if target.secure:
             root: bytes | None = None

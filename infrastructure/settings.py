@@ -14,7 +14,11 @@ from application.deadlines import (
     Deadlines,
 )
 from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
-from proto import keepalive
+from proto import AGENT_RECEIVE_BYTES, PLAN_OVERHEAD_BYTES, keepalive
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: A request travels to its primary in one plan message, which the agent must let in.
+MAX_REQUEST_BYTES_LIMIT = AGENT_RECEIVE_BYTES - PLAN_OVERHEAD_BYTES
 
 
 class SettingsError(ValueError):
@@ -98,6 +102,8 @@ class Settings:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_ca_file: Path | None = None
+    #: The largest HTTP request body (413 `request_too_large` beyond).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     @property
     def tls_dir(self) -> Path:
@@ -144,6 +150,7 @@ class Settings:
             tls_cert_file=_path(env, "TLS_CERT_FILE"),
             tls_key_file=_path(env, "TLS_KEY_FILE"),
             tls_ca_file=_path(env, "TLS_CA_FILE"),
+            max_request_bytes=_int(env, "MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
         )
         try:
             settings.deadlines()
@@ -155,6 +162,11 @@ class Settings:
         if settings.token_record_interval <= 0:
             raise SettingsError(
                 f"TOKEN_RECORD_INTERVAL must be positive, got {settings.token_record_interval}"
+            )
+        if not 1024 <= settings.max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
+            raise SettingsError(
+                f"MAX_REQUEST_BYTES must be between 1024 and {MAX_REQUEST_BYTES_LIMIT} (what one "
+                f"message to an agent carries), got {settings.max_request_bytes}"
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")

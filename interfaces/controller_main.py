@@ -34,7 +34,7 @@ from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
 from interfaces.http_app import create_app
 from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
-from proto import CONTROLLER_RECEIVE_BYTES, keepalive
+from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
 from proto import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,7 @@ async def start_controller(settings: Settings) -> RunningController:
         options=[
             *keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout),
             ("grpc.max_receive_message_length", CONTROLLER_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", AGENT_RECEIVE_BYTES),
         ]
     )
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]

@@ -45,6 +45,8 @@ def create_app(services: Services, extra_handlers: list[Any] | None = None) -> L
             ),
         ),
         debug=False,
+        # Larger bodies are refused before they are read: 413 in OpenAI's error shape.
+        request_max_body_size=services.settings.max_request_bytes,
     )
     app.state.services = services
     return app

@@ -88,7 +88,16 @@ def _validation(_: Request[Any, Any, Any], exc: ValidationException) -> Response
     return error_response(ApiError(400, message, param=param, code="invalid_request"))
 
 
-def _http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+    if exc.status_code == 413:  # Litestar's body limit (MAX_REQUEST_BYTES)
+        limit = request.app.request_max_body_size
+        return error_response(
+            ApiError(
+                413,
+                f"the request body is larger than {limit:,} bytes (MAX_REQUEST_BYTES)",
+                code="request_too_large",
+            )
+        )
     type_ = "not_found_error" if isinstance(exc, NotFoundException) else "invalid_request_error"
     return error_response(ApiError(exc.status_code, str(exc.detail), type_=type_))
 

@@ -32,13 +32,9 @@ from interfaces.http_docs import (
 from interfaces.http_errors import ApiError, error_body, not_running
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
-from proto import MAX_CONTROL_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
-#: A chat request travels to its primary inside one control message, with room to spare for
-#: the plan's other fields: a larger one is refused here, alone, with 413.
-MAX_CHAT_REQUEST_BYTES = MAX_CONTROL_MESSAGE_BYTES - 256 * 1024
 
 _background: set[asyncio.Task[Any]] = set()
 
@@ -108,7 +104,7 @@ def _epoch(iso: str) -> float:
             400,
             401,
             (404, "Unknown model (`model_not_found`)"),
-            (413, "The request does not fit in one execution plan (`request_too_large`)"),
+            (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
             502,
             503,
             504,
@@ -117,15 +113,7 @@ def _epoch(iso: str) -> float:
 )
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     svc = _services(state)
-    raw = await request.body()
-    if len(raw) > MAX_CHAT_REQUEST_BYTES:
-        raise ApiError(
-            413,
-            f"the request is {len(raw):,} bytes; at most {MAX_CHAT_REQUEST_BYTES:,} bytes fit "
-            "in one execution plan to a node",
-            param="messages",
-            code="request_too_large",
-        )
+    raw = await request.body()  # at most MAX_REQUEST_BYTES: Litestar refuses more (413)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -15,24 +15,29 @@ PROTOCOL_VERSION = "dacp.control.v1"
 SLOTS_LABEL = "dacp.slots"
 MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
 
-# The largest message either end of the control channel accepts (gRPC's default receive limit).
-# A plan carries the whole prompt, so a request whose plan would exceed it is refused before it
-# is sent: an oversized message would break the node's stream.
+# The largest message an agent may send (token chunks, results and reports are far smaller).
 MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
 # What the controller's gRPC server lets in: larger than the limit, so that an agent message
 # between the two is refused alone (MessageRejected) and its stream goes on; only a message
 # beyond this one breaks the stream (gRPC's RESOURCE_EXHAUSTED).
 CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
+# What an agent lets in, and so the largest message the controller sends: an execution plan
+# carries the whole request, so the HTTP body limit (MAX_REQUEST_BYTES) stays below this by
+# PLAN_OVERHEAD_BYTES, and no request can break a node's stream.
+AGENT_RECEIVE_BYTES = 64 * 1024 * 1024
+PLAN_OVERHEAD_BYTES = 1024 * 1024
 
 # The name in every certificate the controller issues itself: an agent that pinned the
 # controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
 CONTROLLER_TLS_NAME = "dacp-controller"
 
 __all__ = [
+    "AGENT_RECEIVE_BYTES",
     "CONTROLLER_RECEIVE_BYTES",
     "CONTROLLER_TLS_NAME",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
+    "PLAN_OVERHEAD_BYTES",
     "PROTOCOL_VERSION",
     "SLOTS_LABEL",
 ]

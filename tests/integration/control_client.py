@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from interfaces.controller_main import RunningController
-from proto import CONTROLLER_TLS_NAME
+from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, CONTROLLER_TLS_NAME
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -29,10 +29,15 @@ class ControlTarget:
     server_name: str = CONTROLLER_TLS_NAME
 
     def channel(self) -> grpc.aio.Channel:
+        """A channel with the limits a real agent sets (a plan may be as large as a request)."""
+        limits: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", AGENT_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", 2 * CONTROLLER_RECEIVE_BYTES),  # oversize tests
+        ]
         if self.ca_pem is None:
-            return grpc.aio.insecure_channel(self.address)
+            return grpc.aio.insecure_channel(self.address, options=limits)
         credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
-        options = [("grpc.ssl_target_name_override", self.server_name)]
+        options = [*limits, ("grpc.ssl_target_name_override", self.server_name)]
         return grpc.aio.secure_channel(self.address, credentials, options=options)
 
 

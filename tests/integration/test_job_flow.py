@@ -367,12 +367,16 @@ async def test_a_5_mb_prompt_fails_alone_and_the_node_keeps_its_stream(
         r = await client.post("/v1/chat/completions", headers=AI, json=huge)
         assert r.status_code == 413, r.text
         error = r.json()["error"]
-        assert (error["code"], error["param"]) == ("request_too_large", "messages")
+        assert error["code"] == "request_too_large" and "MAX_REQUEST_BYTES" in error["message"]
         assert a.plans == []  # nothing went down the node's stream
         assert ctl.services.connections.is_connected(a.node_id)
-        small = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-        r = await client.post("/v1/chat/completions", headers=AI, json=small)
+        # A request just under the limit (4 MiB) goes all the way: its plan reaches the node.
+        limit = ctl.services.settings.max_request_bytes
+        content = "x" * (limit - 1024)
+        almost = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        r = await client.post("/v1/chat/completions", headers=AI, json=almost)
         assert r.status_code == 200, r.text
+        assert len(a.plans) == 1 and content in a.plans[0].generation.messages_json
     codes = [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(a.node_id))]
     assert "NODE_OFFLINE" not in codes
     await a.stop()
