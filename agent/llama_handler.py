@@ -83,7 +83,8 @@ from agent.plan_model import PlanModels
 from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
-from agent.runtime_errors import LlamaRuntimeError, RuntimeCrashedError
+from agent.runtime_errors import ContextTooLong, LlamaRuntimeError, RuntimeCrashedError
+from proto import CONTEXT_LENGTH_EXCEEDED
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -407,6 +408,8 @@ class LlamaHandler:
                 timings = delta.timings or timings
         except RuntimeCrashedError as exc:
             failure = (RUNTIME_CRASHED, str(exc))
+        except ContextTooLong as exc:
+            failure = (CONTEXT_LENGTH_EXCEEDED, str(exc))
         except LlamaRuntimeError as exc:
             failure = (GENERATION_FAILED, str(exc))
         finally:

@@ -20,6 +20,7 @@ from agent.endpoints import free_loopback_port, parse_endpoint, port_is_free
 from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
 from agent.runtime_errors import (
+    ContextTooLong,
     GenerationError,
     LlamaRuntimeError,
     PortInUseError,
@@ -291,7 +292,8 @@ class LlamaServer(ManagedChild):
             async with http.stream("POST", url, json=request.payload(), timeout=timeout) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", errors="replace")
-                    raise GenerationError(
+                    error = ContextTooLong if _exceeds_context(body) else GenerationError
+                    raise error(
                         f"llama-server returned {resp.status_code}: {_error_message(body)}",
                         status_code=resp.status_code,
                     )
@@ -378,6 +380,17 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
     if not text and finish_reason is None and usage is None and timings is None:
         return None
     return ChatDelta(text=text, finish_reason=finish_reason, usage=usage, timings=timings)
+
+
+def _exceeds_context(body: str) -> bool:
+    """Whether llama-server refused the request because its prompt does not fit the slot's
+    context (``exceed_context_size_error``)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    error = data.get("error") if isinstance(data, dict) else None
+    return isinstance(error, dict) and error.get("type") == "exceed_context_size_error"
 
 
 def _error_message(body: str | Mapping[str, Any]) -> str:

@@ -71,3 +71,7 @@ class GenerationError(LlamaRuntimeError):
     def __init__(self, message: str, *, status_code: int | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class ContextTooLong(GenerationError):
+    """The prompt does not fit the context llama-server gives a slot (the request's fault)."""

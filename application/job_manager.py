@@ -64,6 +64,13 @@ MAX_PLACEMENT_RACES = 16
 ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
 
 
+def capped(params: dict[str, Any], context_size: int) -> dict[str, Any]:
+    """The generation parameters with ``max_tokens`` at most the context (a slot's tokens):
+    none asked for is the context, more cannot be generated anyway."""
+    asked = int(params.get("max_tokens") or 0)
+    return {**params, "max_tokens": min(asked, context_size) if asked > 0 else context_size}
+
+
 class JobManager:
     def __init__(
         self,
@@ -429,7 +436,7 @@ class JobManager:
             else (),
             tensor_split=plan.tensor_split if multi else (),
             messages=run.submission.messages,
-            params=run.submission.params,
+            params=capped(run.submission.params, plan.context_size),
         )
         run.setup_future = loop.create_future()
         if not self.gateway.assign_primary(run.primary, assignment):

@@ -32,6 +32,7 @@ from interfaces.http_docs import (
 from interfaces.http_errors import ApiError, error_body, not_running
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
+from proto import CONTEXT_LENGTH_EXCEEDED
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,21 @@ def _epoch(iso: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(iso).timestamp()
+
+
+def job_error(message: str, code: str) -> ApiError:
+    """A failed job as an OpenAI error: a prompt longer than the context is the request's
+    fault (400 ``context_length_exceeded``, param ``messages``); a missed deadline is 504; any
+    other failure of generation is 502."""
+    if code == CONTEXT_LENGTH_EXCEEDED:
+        return ApiError(
+            400,
+            f"the messages do not fit the model's context: {message}",
+            param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    status = 504 if code in DEADLINE_CODES else 502
+    return ApiError(status, message, type_="server_error", code=code)
 
 
 @post(
@@ -157,10 +173,8 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
             code=e.code,
             headers={"Retry-After": str(e.retry_after)},
         ) from e
-    if first.kind == "error":
-        # Nothing was sent yet, so the failure keeps its real status.
-        status = 504 if first.error_code in DEADLINE_CODES else 502
-        raise ApiError(status, first.error, type_="server_error", code=first.error_code)
+    if first.kind == "error":  # nothing was sent yet: the failure keeps its real status
+        raise job_error(first.error, first.error_code)
     completion_id = "chatcmpl-" + run.job_id.replace("-", "")
     created = int(time.time())
     if submission.stream:
@@ -301,7 +315,7 @@ async def _collect(
                 continue
             finished = True
             if item.kind == "error":
-                raise ApiError(502, item.error, type_="server_error", code=item.error_code)
+                raise job_error(item.error, item.error_code)
             assert item.outcome is not None
             return Response(
                 {

@@ -27,12 +27,17 @@ CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
 AGENT_RECEIVE_BYTES = 64 * 1024 * 1024
 PLAN_OVERHEAD_BYTES = 1024 * 1024
 
+# JobResult.error_code of a request whose prompt does not fit the model's context: the client's
+# error (HTTP 400, OpenAI's code), not the node's.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
 # The name in every certificate the controller issues itself: an agent that pinned the
 # controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
 CONTROLLER_TLS_NAME = "dacp-controller"
 
 __all__ = [
     "AGENT_RECEIVE_BYTES",
+    "CONTEXT_LENGTH_EXCEEDED",
     "CONTROLLER_RECEIVE_BYTES",
     "CONTROLLER_TLS_NAME",
     "MAX_CONTROL_MESSAGE_BYTES",

@@ -149,6 +149,27 @@ def test_non_streaming(cluster: LocalCluster, store: Controller) -> None:
     assert store.get_job(job_id_of(completion.id)).state == "COMPLETED"
 
 
+def test_a_prompt_longer_than_the_context_is_a_400_context_length_exceeded(
+    cluster: LocalCluster, store: Controller
+) -> None:
+    """llama-server refuses it (`exceed_context_size_error`); the client gets OpenAI's 400,
+    streamed or not (nothing was sent before the refusal), and the node serves on."""
+    long: list[Any] = [{"role": "user", "content": "tell me about llamas " * 2000}]  # > 2,048
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(cluster).chat.completions.create(
+                model=MODEL_NAME,
+                messages=long,
+                max_tokens=8,
+                stream=stream,  # type: ignore[call-overload]
+            )
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "messages")
+    completion = client(cluster).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=8, seed=3, temperature=0
+    )
+    assert store.get_job(job_id_of(completion.id)).state == "COMPLETED"
+
+
 def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: Controller) -> None:
     """Eight OpenAI SDK streams at once, no client retries: none is refused. One llama-server
     split over agent-a and agent-b runs with four slots, so four run at once on it and the

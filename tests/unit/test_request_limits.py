@@ -1,0 +1,33 @@
+"""The request's limits: max_tokens capped by the context, and a failed job's HTTP error (a
+prompt longer than the context is the client's 400, not a 502)."""
+
+from __future__ import annotations
+
+from agent.llama_server import _exceeds_context
+from application.deadlines import STREAM_IDLE_TIMEOUT
+from application.job_manager import capped
+from interfaces.openai_api import job_error
+
+
+def test_max_tokens_is_capped_by_the_context() -> None:
+    assert capped({"max_tokens": 100}, 2048)["max_tokens"] == 100
+    assert capped({"max_tokens": 99_999}, 2048)["max_tokens"] == 2048
+    assert capped({"temperature": 0.5}, 2048) == {"temperature": 0.5, "max_tokens": 2048}
+
+
+def test_a_prompt_over_the_context_is_the_requests_fault() -> None:
+    error = job_error("request (4476 tokens) exceeds the context (2048)", "context_length_exceeded")
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    assert job_error("stalled", STREAM_IDLE_TIMEOUT).status == 504
+    assert job_error("crashed", "RUNTIME_CRASHED").status == 502
+
+
+def test_llama_servers_context_refusal_is_recognised() -> None:
+    body = (
+        '{"error":{"code":400,"message":"request (4476 tokens) exceeds the available context '
+        'size (2048 tokens)","type":"exceed_context_size_error","n_prompt_tokens":4476,'
+        '"n_ctx":2048}}'
+    )
+    assert _exceeds_context(body)
+    assert not _exceeds_context('{"error":{"code":400,"message":"bad","type":"invalid_request"}}')
+    assert not _exceeds_context("not json")
