@@ -52,6 +52,11 @@ def enrollment_key(secret: str | None) -> bytes:
     return secret.encode("utf-8")
 
 
+#: A token lives an hour unless asked otherwise, and a week at most.
+DEFAULT_TOKEN_TTL = 3600.0
+MAX_TOKEN_TTL = 7 * 24 * 3600.0
+
+
 def mint_enrollment_token(
     key: bytes,
     *,
@@ -63,8 +68,8 @@ def mint_enrollment_token(
 ) -> MintedToken:
     """A token signed with ``key``, valid for ``ttl_seconds`` (no store needed), carrying
     the fingerprint of the controller's CA when it serves TLS."""
-    if ttl_seconds <= 0:
-        raise ValueError("ttl_seconds must be positive")
+    if not 0 < ttl_seconds <= MAX_TOKEN_TTL:
+        raise ValueError(f"a token lives more than 0 s and at most {MAX_TOKEN_TTL:.0f} s (7 days)")
     token_id = secrets.token_hex(8)
     expires_at = now + ttl_seconds
     token = mint_token(key, token_id, expires_at, single_use, node_name or None, ca_fingerprint)

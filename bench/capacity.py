@@ -161,7 +161,7 @@ class Controller:
 
     def token(self) -> str:
         return subprocess.run(
-            [sys.executable, "-m", "interfaces.cli", "token", "create", "--ttl", "3600"],
+            [sys.executable, "-m", "interfaces.cli", "token", "create", "--multi-use"],
             env=self.env,
             check=True,
             capture_output=True,

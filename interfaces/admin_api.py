@@ -16,6 +16,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, PathParameter
 
+from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
@@ -35,7 +36,6 @@ from proto import PROTOCOL_VERSION
 READ_YOUR_WRITES_TIMEOUT = 5.0
 #: Seconds a client of a degraded controller should wait before asking again.
 HEALTH_RETRY_AFTER = 2
-MAX_TOKEN_TTL = 366 * 24 * 3600
 
 #: An id as the API gives it out (a hyphenated UUID, any case).
 UUID_PATTERN = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
@@ -74,8 +74,9 @@ def canonical_id(ident: str, error: ApiError) -> str:
 
 
 class EnrollmentTokenRequest(msgspec.Struct):
-    ttl_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_TOKEN_TTL)] = 3600.0
-    single_use: bool = False
+    ttl_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_TOKEN_TTL)] = DEFAULT_TOKEN_TTL
+    #: One enrollment only, unless multi-use is asked for explicitly (``false``).
+    single_use: bool = True
     #: Binds the token to the agent enrolling under exactly this name (none: any name).
     node_name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from application.enrollment import (
+    DEFAULT_TOKEN_TTL,
     EnrollmentNotConfigured,
     enrollment_key,
     mint_enrollment_token,
@@ -149,8 +150,26 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="enrollment tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="mint a token signed with NODE_ENROLLMENT_SECRET")
-    create.add_argument("--ttl", type=float, default=3600.0, help="seconds until it expires")
-    create.add_argument("--single-use", action="store_true", help="valid for one enrollment")
+    create.add_argument(
+        "--ttl",
+        type=float,
+        default=DEFAULT_TOKEN_TTL,
+        help="seconds until it expires (default 1 h, at most 7 days)",
+    )
+    uses = create.add_mutually_exclusive_group()
+    uses.add_argument(
+        "--single-use",
+        dest="single_use",
+        action="store_true",
+        default=True,
+        help="valid for one enrollment (the default)",
+    )
+    uses.add_argument(
+        "--multi-use",
+        dest="single_use",
+        action="store_false",
+        help="valid for any number of enrollments until it expires (e.g. many synthetic nodes)",
+    )
     create.add_argument("--node-name", default=None, help="bind the token to this node name")
     create.add_argument("--json", action="store_true", help="print token details as JSON")
     create.set_defaults(func=_cmd_token_create)

@@ -9,6 +9,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from application.version import CONTROLLER_VERSION
+from infrastructure.settings import DEFAULT_MAX_REQUEST_BYTES
 from interfaces.admin_api import AdminRoutes, health
 from interfaces.admin_jobs_api import AdminJobRoutes
 from interfaces.event_feed import event_stream
@@ -21,7 +22,14 @@ from interfaces.services import Services
 BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
 
 
-def create_app(services: Services, extra_handlers: list[Any] | None = None) -> Litestar:
+def _body_limit(services: Services | None) -> int:
+    """MAX_REQUEST_BYTES (the default for an app built without services: the schema)."""
+    return (
+        services.settings.max_request_bytes if services is not None else DEFAULT_MAX_REQUEST_BYTES
+    )
+
+
+def create_app(services: Services | None, extra_handlers: list[Any] | None = None) -> Litestar:
     app = Litestar(
         route_handlers=[
             health,
@@ -46,7 +54,7 @@ def create_app(services: Services, extra_handlers: list[Any] | None = None) -> L
         ),
         debug=False,
         # Larger bodies are refused before they are read: 413 in OpenAI's error shape.
-        request_max_body_size=services.settings.max_request_bytes,
+        request_max_body_size=_body_limit(services),
     )
     app.state.services = services
     return app

@@ -35,7 +35,7 @@ NOT_API = ("/dashboard", "/schema")
 
 @pytest.fixture(scope="module")
 def app() -> Litestar:
-    return create_app(services=None)  # type: ignore[arg-type]  # the schema needs no services
+    return create_app(services=None)  # the schema needs no services
 
 
 @pytest.fixture(scope="module")
