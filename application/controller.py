@@ -26,6 +26,7 @@ from eventsourcing.persistence import RecordConflictError, Recording
 from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
 from application.store_guard import StoreGuard
+from domain.access_refusal import AccessRefusal
 from domain.errors import IllegalTransition, SlotTaken
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
@@ -305,6 +306,29 @@ class Controller(Application[UUID]):
 
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
         return self._node_command(node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
+
+    def refuse_access(
+        self,
+        *,
+        kind: str,
+        source: str,
+        reason: str,
+        node_name: str = "",
+        node_id: str = "",
+        security_violation: bool = False,
+        suppressed: int = 0,
+    ) -> int:
+        """Records a refused enrollment or control stream (ACCESS_REFUSED)."""
+        refusal = AccessRefusal.record(
+            kind=kind,
+            source=source,
+            reason=reason,
+            node_name=node_name,
+            node_id=node_id,
+            security_violation=security_violation,
+            suppressed=suppressed,
+        )
+        return self._run(lambda: [refusal])
 
     def security_violation(
         self, node_id: UUID | str, address: str, reason: str, job_id: str = ""

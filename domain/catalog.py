@@ -5,6 +5,7 @@ Each code is documented in docs/architecture.md, 'Event catalogue'.
 
 from __future__ import annotations
 
+from domain.access_refusal import AccessRefusal
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
@@ -44,6 +45,7 @@ JOB_EVENTS: tuple[type[Job.Event] | type[Job.Submitted], ...] = (
 )
 
 OTHER_EVENTS: tuple[type, ...] = (
+    AccessRefusal.Refused,
     RegisteredModel.Registered,
     RegisteredModel.Updated,
     TokenRedemption.Redeemed,

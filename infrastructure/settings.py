@@ -102,6 +102,8 @@ class Settings:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_ca_file: Path | None = None
+    #: Enrollment accepts an advertised address other than the connection's source (NAT).
+    enroll_allow_nat: bool = False
     #: The largest HTTP request body (413 `request_too_large` beyond).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
@@ -151,6 +153,7 @@ class Settings:
             tls_key_file=_path(env, "TLS_KEY_FILE"),
             tls_ca_file=_path(env, "TLS_CA_FILE"),
             max_request_bytes=_int(env, "MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
+            enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
         )
         try:
             settings.deadlines()

@@ -154,6 +154,8 @@ async def start_controller(settings: Settings) -> RunningController:
         live=services.live,
         connections=services.connections,
         heartbeat_interval=settings.heartbeat_interval,
+        allowed_cidrs=settings.allowed_peer_cidrs,
+        allow_nat=settings.enroll_allow_nat,
     )
     services.extras["servicer"] = servicer
     metrics, feed = install_operations(services, loop)

@@ -13,11 +13,12 @@ what was lost), until the health sweep finds it silent for ``OFFLINE_AFTER``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -29,6 +30,7 @@ from application.errors import TokenAlreadyUsed
 from application.ports import LiveState
 from application.rejections import RejectionAudit
 from application.version import CONTROLLER_VERSION
+from domain.access_refusal import CONNECT, ENROLL
 from domain.enrollment_token import (
     BadSignatureError,
     ExpiredTokenError,
@@ -36,6 +38,7 @@ from domain.enrollment_token import (
     NodeMismatchError,
 )
 from domain.errors import DomainError
+from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS, address_allowed
 from domain.states import NodeState
 from interfaces.grpc_convert import (
     heartbeat_to_dict,
@@ -153,7 +156,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         heartbeat_interval: float,
         uplink: UplinkHandler | None = None,
         clock: Callable[[], float] = time.time,
+        allowed_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS,
+        allow_nat: bool = False,
     ) -> None:
+        self.allowed_cidrs = allowed_cidrs
+        self.allow_nat = allow_nat
+        #: At most one ACCESS_REFUSED per source address every 10 s.
+        self._refusals = RejectionAudit()
         self.app = app
         self.enrollment = enrollment
         self.live = live
@@ -172,10 +181,28 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.EnrollRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.EnrollResponse:
         name = request.node_name.strip()
+        source = peer_host(context.peer() or "")
         if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_name must not be empty")
+            await self._refuse(
+                context,
+                ENROLL,
+                source,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "node_name must not be empty",
+            )
         inv = request.inventory
-        address = inv.advertised_address or peer_host(context.peer() or "")
+        address = inv.advertised_address or source
+        violation = self._address_violation(address, source)
+        if violation is not None:
+            await self._refuse(
+                context,
+                ENROLL,
+                source,
+                grpc.StatusCode.PERMISSION_DENIED,
+                violation,
+                node_name=name,
+                security_violation=True,
+            )
         try:
             enrolled = await asyncio.to_thread(
                 self.enrollment.enroll,
@@ -189,18 +216,23 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 slots=_int_label(inv.labels, SLOTS_LABEL, 1),
                 now=self.clock(),
             )
-        except (BadSignatureError, ExpiredTokenError) as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-        except NodeMismatchError as e:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        except InvalidTokenError as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except (BadSignatureError, ExpiredTokenError, InvalidTokenError) as e:
+            code = (
+                grpc.StatusCode.PERMISSION_DENIED
+                if isinstance(e, NodeMismatchError)
+                else grpc.StatusCode.UNAUTHENTICATED
+            )
+            await self._refuse(context, ENROLL, source, code, str(e), node_name=name)
         except TokenAlreadyUsed as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            await self._refuse(
+                context, ENROLL, source, grpc.StatusCode.ALREADY_EXISTS, str(e), node_name=name
+            )
         except EnrollmentNotConfigured as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (DomainError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(
+                context, ENROLL, source, grpc.StatusCode.INVALID_ARGUMENT, str(e), node_name=name
+            )
         log.info("node %s enrolled as %s", name, enrolled.node_id)
         return pb.EnrollResponse(
             node_id=str(enrolled.node_id),
@@ -223,7 +255,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 self.enrollment.authenticate, node_id, metadata.get("x-node-credential", "")
             )
         except Unauthenticated as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            source = peer_host(context.peer() or "")
+            await self._refuse(
+                context, CONNECT, source, grpc.StatusCode.UNAUTHENTICATED, str(e), node_id=node_id
+            )
         node_id = str(node.id)
         iterator = request_iterator.__aiter__()
         try:
@@ -233,9 +268,14 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if first.WhichOneof("payload") != "hello":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
         if first.hello.node_id and first.hello.node_id != node_id:
-            await context.abort(
+            await self._refuse(
+                context,
+                CONNECT,
+                peer_host(context.peer() or ""),
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"credential of node {node_id} cannot speak for node {first.hello.node_id}",
+                node_id=first.hello.node_id,
+                security_violation=True,
             )
         queue = self.connections.open(node_id)
         reader: asyncio.Task[bool] | None = None
@@ -275,6 +315,53 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             heartbeat_interval_seconds=self.heartbeat_interval,
             resumed_jobs=[pb.ResumedJob(job_id=j, next_seq=seq) for j, seq in resumed],
         )
+
+    def _address_violation(self, address: str, source: str) -> str | None:
+        """Why an enrolling agent's advertised address is refused, if it is: outside
+        ALLOWED_PEER_CIDRS, or (unless ENROLL_ALLOW_NAT) not the address it connects from."""
+        if not address_allowed(address, self.allowed_cidrs):
+            return (
+                f"security violation: advertised address {address!r} is outside "
+                f"ALLOWED_PEER_CIDRS ({', '.join(self.allowed_cidrs)})"
+            )
+        if not self.allow_nat and source and address != source:
+            return (
+                f"security violation: advertised address {address} is not the address the "
+                f"agent connects from ({source}); pass --advertise-address {source}, or set "
+                "ENROLL_ALLOW_NAT=true on the controller if it sits behind NAT"
+            )
+        return None
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        kind: str,
+        source: str,
+        code: grpc.StatusCode,
+        reason: str,
+        *,
+        node_name: str = "",
+        node_id: str = "",
+        security_violation: bool = False,
+    ) -> NoReturn:
+        """Refuses the call with ``code`` and records it (ACCESS_REFUSED; at most one per
+        source address every 10 s, counting the rest)."""
+        log.warning("%s from %s refused: %s", kind, source or "?", reason)
+        suppressed = self._refusals.note(source, self.clock())
+        if suppressed is not None:
+            record = functools.partial(
+                self.app.refuse_access,
+                kind=kind,
+                source=source,
+                reason=reason,
+                node_name=node_name,
+                node_id=node_id,
+                security_violation=security_violation,
+                suppressed=suppressed,
+            )
+            self._cleanups.spawn(self._command(record))
+        await context.abort(code, reason)
+        raise AssertionError("unreachable: abort raises")
 
     def _on_hello(self, node_id: str, state: str, agent_version: str) -> None:
         try:

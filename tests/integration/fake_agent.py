@@ -25,7 +25,10 @@ class FakeAgent:
         words: tuple[str, ...] = ("Hello", " world"),
         address: str = "127.0.0.1",
         slots: int = 1,
+        enrolled: tuple[str, str] | None = None,
     ):
+        """``enrolled``: (node id, credential) of a node already in the store (no Enroll)."""
+        self.enrolled = enrolled
         self.target, self.token, self.name = target, token, name
         self.holds = holds  # sha256 of the model file it reports
         self.memory = memory
@@ -49,18 +52,22 @@ class FakeAgent:
 
         from proto import control_pb2_grpc as pb_grpc
 
-        async with as_target(self.target).channel() as channel:
-            stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
-            enrolled = await stub.Enroll(
-                pb.EnrollRequest(
-                    enrollment_token=self.token,
-                    node_name=self.name,
-                    agent_version="fake",
-                    inventory=inv,
+        if self.enrolled is not None:
+            node_id, credential = self.enrolled
+        else:
+            async with as_target(self.target).channel() as channel:
+                stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+                response = await stub.Enroll(
+                    pb.EnrollRequest(
+                        enrollment_token=self.token,
+                        node_name=self.name,
+                        agent_version="fake",
+                        inventory=inv,
+                    )
                 )
-            )
-        self.node_id = enrolled.node_id
-        self.session = RawSession(self.target, enrolled.node_id, enrolled.node_credential)
+            node_id, credential = response.node_id, response.node_credential
+        self.node_id = node_id
+        self.session = RawSession(self.target, node_id, credential)
         await self.session.open()
         models = []
         if self.holds:

@@ -66,6 +66,18 @@ def token(**kw: Any) -> str:
     return mint_token(**args)
 
 
+async def recorded_since(ctl: RunningController, position: int) -> list[Any]:
+    """The events recorded after ``position`` (waiting briefly for audits written beside)."""
+    app = ctl.services.app
+    deadline = time.monotonic() + 5
+    while app.position() == position and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)  # anything else that would follow
+    return [
+        app.mapper.to_domain_event(n) for n in app.recorder.select_notifications(position + 1, 1000)
+    ]
+
+
 def codes(ctl: RunningController, node_id: str) -> list[str]:
     return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(node_id))]
 
@@ -91,10 +103,10 @@ async def connected_node(ctl: RunningController, name: str = "n1") -> tuple[str,
 
 
 async def test_enroll_records_node_with_inventory(ctl: RunningController) -> None:
-    enrolled = await enroll(target(ctl), token(), "node-a", address="10.1.2.3")
+    enrolled = await enroll(target(ctl), token(), "node-a")  # advertises where it comes from
     assert enrolled.node_credential and enrolled.controller_version
     node = ctl.services.app.get_node(enrolled.node_id)
-    assert node.name == "node-a" and node.address == "10.1.2.3"
+    assert node.name == "node-a" and node.address == "127.0.0.1"
     assert node.inventory["ram_total_bytes"] == 8 << 30
     assert node.credential_sha256 != enrolled.node_credential  # only a hash is stored
     assert codes(ctl, enrolled.node_id) == ["NODE_ENROLLED"]
@@ -134,7 +146,10 @@ async def test_bad_tokens_refused_and_nothing_recorded(
         await enroll(target(ctl), tok, "n-bad")
     assert info.value.code() == status
     assert info.value.details()
-    assert ctl.services.app.position() == before
+    # No node, no redemption: only the audit of the refusal.
+    [refused] = await recorded_since(ctl, before)
+    assert code_of(refused) == "ACCESS_REFUSED" and refused.node_name == "n-bad"
+    assert refused.kind == "enroll" and refused.source == "127.0.0.1"
 
 
 async def test_connect_requires_own_credential(quiet_ctl: RunningController) -> None:
@@ -156,7 +171,13 @@ async def test_connect_requires_own_credential(quiet_ctl: RunningController) -> 
             await session.open()
         assert session.final_code == status, session.node_id
         await session.close()
-    assert ctl.services.app.position() == before
+    # Audited: the first refusal from this address; the rest within 10 s only counted.
+    [refused] = await recorded_since(ctl, before)
+    assert (code_of(refused), refused.kind, refused.node_id) == (
+        "ACCESS_REFUSED",
+        "connect",
+        a.node_id,
+    )
     assert codes(ctl, b.node_id) == ["NODE_ENROLLED"]
 
 
@@ -333,6 +354,23 @@ async def test_drain_busy_node_waits_for_its_job_and_survives_restart(
         assert "NODE_DRAINED" in codes(second, node_id)
         await again.close()
     del JobOutcome
+
+
+async def test_tokens_are_single_use_and_short_lived_unless_asked(ctl: RunningController) -> None:
+    async with http(ctl) as client:
+        made = await client.post("/api/admin/enrollment-tokens", headers=ADMIN, json={})
+        assert made.status_code == 201, made.text
+        body = made.json()
+        assert body["single_use"] is True
+        assert 3590 < body["expires_at"] - time.time() <= 3600
+        week = await client.post(
+            "/api/admin/enrollment-tokens", headers=ADMIN, json={"ttl_seconds": 8 * 86400}
+        )
+        assert week.status_code == 400 and week.json()["error"]["param"] == "ttl_seconds"
+        multi = await client.post(
+            "/api/admin/enrollment-tokens", headers=ADMIN, json={"single_use": False}
+        )
+        assert multi.json()["single_use"] is False
 
 
 async def test_minted_token_from_admin_api_enrolls(ctl: RunningController) -> None:

@@ -13,6 +13,8 @@ from uuid import UUID
 import httpx
 import pytest
 
+from application.commands import Enrollment
+from application.enrollment import credential_sha256
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from proto import control_pb2 as pb
@@ -249,11 +251,34 @@ async def test_primary_lost_during_execution_fails_job_and_client_sees_error(
 async def test_peer_outside_allowed_cidrs_is_excluded_and_recorded(
     ctl: RunningController,
 ) -> None:
-    """203.0.113.9 (TEST-NET-3, never contacted) lies outside ALLOWED_PEER_CIDRS."""
+    """203.0.113.9 (TEST-NET-3, never contacted) lies outside ALLOWED_PEER_CIDRS. Enrollment
+    refuses such an address now, so the node is one enrolled before the CIDRs were narrowed:
+    written to the store directly, then connecting with its credential."""
+    credential = "public-node-credential"
+    public_id = str(
+        ctl.services.app.enroll(
+            Enrollment(
+                name="public",
+                inventory={"ram_total_bytes": 8 << 30, "gpus": []},
+                agent_version="fake",
+                address="203.0.113.9",
+                rpc_port=50052,
+                labels={},
+                credential_sha256=credential_sha256(credential),
+                token_id="before-the-cidrs-changed",
+                single_use_token=False,
+            )
+        ).aggregate_id
+    )
     a, public, c = await agents(
         ctl,
         {"name": "a", "holds": SHA},
-        {"name": "public", "memory": 4 << 30, "address": "203.0.113.9"},
+        {
+            "name": "public",
+            "memory": 4 << 30,
+            "address": "203.0.113.9",
+            "enrolled": (public_id, credential),
+        },
         {"name": "c", "memory": 200 << 20},
     )
     r = await complete_once(ctl)

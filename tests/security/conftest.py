@@ -1,0 +1,79 @@
+"""Fixtures of the security suite: a network namespace of the test's own, and a controller
+process listening inside it on a private address that exists only there (embedded SQLite
+store, in-process live state, TLS with the CA it makes)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.faults.services import free_port
+from tests.security.netns import Namespace
+
+REPO = Path(__file__).resolve().parents[2]
+AI_KEY = "test-ai-key"
+ENROLLMENT_SECRET = "test-enrollment-secret"
+
+
+@pytest.fixture
+def namespace() -> Iterator[Namespace]:
+    ns = Namespace.create()
+    yield ns
+    ns.delete()
+
+
+@contextlib.contextmanager
+def controller_in(
+    namespace: Namespace, tmp_path: Path, **extra_env: str
+) -> Iterator[dict[str, str]]:
+    """A controller serving HTTPS and gRPC on the namespace's address; yields its environment
+    plus ``URL`` (HTTPS), ``GRPC`` (host:port) and ``CA`` (the CA file)."""
+    port, grpc_port = free_port(), free_port()
+    var = tmp_path / f"var-{port}"
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")},
+        "HOST": namespace.inside,
+        "PORT": str(port),
+        "GRPC_HOST": namespace.inside,
+        "GRPC_PORT": str(grpc_port),
+        "AI_API_KEY": AI_KEY,
+        "ADMIN_API_KEY": "test-admin-key",
+        "NODE_ENROLLMENT_SECRET": ENROLLMENT_SECRET,
+        "DACP_VAR_DIR": str(var),
+        **extra_env,
+    }
+    log_path = var.parent / f"controller-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            namespace.command(sys.executable, "-m", "interfaces.cli", "controller"),
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        ca = var / "tls" / "ca.pem"
+        url = f"https://{namespace.inside}:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                trust = ssl.create_default_context(cafile=ca) if ca.exists() else None
+                if trust and httpx.get(f"{url}/health", verify=trust, timeout=1).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        try:
+            yield {**env, "URL": url, "GRPC": f"{namespace.inside}:{grpc_port}", "CA": str(ca)}
+        finally:
+            proc.terminate()
+            proc.wait(30)
