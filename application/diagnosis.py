@@ -267,6 +267,7 @@ def diagnose(
     *,
     recent: int = 20,
     skips: Sequence[Mapping[str, Any]] = (),
+    refusals: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The diagnosis report of one node.
 
@@ -297,6 +298,7 @@ def diagnose(
         "findings": node_findings(events),
         "failed_jobs": reports,
         "read_model_skips": [dict(skip) for skip in skips],
+        "access_refused": [dict(refusal) for refusal in refusals],
         "recent_events": list(events[-recent:]) if recent > 0 else [],
     }
 

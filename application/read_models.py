@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
 from domain.job import Job
 from domain.model import RegisteredModel
@@ -256,3 +257,20 @@ class ReadModel(Protocol):
     def get_model(self, name: str) -> dict[str, Any] | None: ...
 
     def list_models(self) -> list[dict[str, Any]]: ...
+
+
+def project_refusal(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``refusals`` row of an ACCESS_REFUSED (each refusal is an aggregate of one event)."""
+    if not isinstance(event, AccessRefusal.Refused):
+        return row
+    return {
+        "refusal_id": str(event.originator_id),
+        "at": event.timestamp.isoformat(),
+        "kind": event.kind,
+        "source": event.source,
+        "node_name": event.node_name,
+        "node_id": event.node_id,
+        "reason": event.reason,
+        "security_violation": event.security_violation,
+        "suppressed": event.suppressed,
+    }

@@ -18,6 +18,7 @@ from eventsourcing.application import Application
 from eventsourcing.domain import Aggregate
 
 from application.read_models import project_job
+from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
 from domain.job import Job
 from domain.model import RegisteredModel
@@ -202,6 +203,13 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "NODE_DRAINED": lambda p: "drained: no job left",
     "NODE_RESUMED": lambda p: f"resumed by {p.get('requested_by')}",
     "NODE_ERROR": lambda p: f"{p.get('message')}{_lost(p.get('lost_jobs') or [])}",
+    "ACCESS_REFUSED": lambda p: (
+        f"{'enrollment' if p.get('kind') == 'enroll' else 'control stream'} from "
+        f"{p.get('source')} refused"
+        + (" (security violation)" if p.get("security_violation") else "")
+        + f": {p.get('reason')}"
+        + (f"; {p.get('suppressed')} more not recorded" if p.get("suppressed") else "")
+    ),
     "NODE_REVOKED": lambda p: (
         f"revoked by {p.get('revoked_by')}: {p.get('reason')}{_lost(p.get('lost_jobs') or [])}"
     ),
@@ -252,7 +260,10 @@ def summarize(code: str, payload: Mapping[str, Any]) -> str:
 
 
 def aggregate_kind(event: object) -> str:
-    """``node``, ``job``, ``model`` or ``other``, from an aggregate's first event."""
+    """``node``, ``job``, ``model``, ``access`` (a refused attempt to get in) or ``other``,
+    from an aggregate's first event."""
+    if isinstance(event, AccessRefusal.Refused):
+        return "access"
     if isinstance(event, Node.Enrolled | Node.Event):
         return "node"
     if isinstance(event, Job.Submitted | Job.Event):

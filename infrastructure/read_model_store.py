@@ -18,13 +18,20 @@ from eventsourcing.sqlite import SQLiteTrackingRecorder
 from eventsourcing.utils import Environment
 from psycopg.sql import SQL
 
-from application.read_models import eligibility_of, project_job, project_model, project_node
+from application.read_models import (
+    eligibility_of,
+    project_job,
+    project_model,
+    project_node,
+    project_refusal,
+)
 from application.store_guard import StoreGuard
+from domain.access_refusal import AccessRefusal
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
 
-VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models", "skips")
+VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models", "skips", "refusals")
 
 
 def _dumps(value: Any) -> str:
@@ -35,7 +42,7 @@ def _loads(raw: Any) -> Any:
     return orjson.loads(raw) if raw is not None else None
 
 
-_KEYS = {"nodes": "node_id", "models": "model_id", "jobs": "job_id"}
+_KEYS = {"nodes": "node_id", "models": "model_id", "jobs": "job_id", "refusals": "refusal_id"}
 
 
 class _Batch:
@@ -81,6 +88,8 @@ class _Batch:
         for (table, ident), row in self.after.items():
             if table == "nodes":
                 views._write_node(c, ident, row)
+            elif table == "refusals":
+                views._write_refusal(c, ident, row)
             elif table == "models":
                 views._write_model(c, ident, row)
             else:
@@ -89,6 +98,8 @@ class _Batch:
 
 
 def _table_of(event: object) -> str | None:
+    if isinstance(event, AccessRefusal.Refused):
+        return "refusals"
     if isinstance(event, Node.Event):
         return "nodes"
     if isinstance(event, RegisteredModel.Event):
@@ -98,7 +109,12 @@ def _table_of(event: object) -> str | None:
     return None
 
 
-_PROJECT = {"nodes": project_node, "models": project_model, "jobs": project_job}
+_PROJECT = {
+    "nodes": project_node,
+    "models": project_model,
+    "jobs": project_job,
+    "refusals": project_refusal,
+}
 
 
 @contextlib.contextmanager
@@ -149,6 +165,10 @@ class _ReadModelViews:
             "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
             f"CREATE TABLE IF NOT EXISTS {self._t('models')} ("
             "model_id TEXT PRIMARY KEY, name TEXT NOT NULL, data TEXT NOT NULL)",
+            # Refused enrollments and control streams (ACCESS_REFUSED), newest last.
+            f"CREATE TABLE IF NOT EXISTS {self._t('refusals')} ("
+            "refusal_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, node_name TEXT NOT NULL, "
+            "at TEXT NOT NULL, data TEXT NOT NULL)",
             # Events the views could not take (the follower skipped them), for diagnosis.
             f"CREATE TABLE IF NOT EXISTS {self._t('skips')} ("
             "notification_id BIGINT PRIMARY KEY, originator_id TEXT NOT NULL, "
@@ -219,7 +239,11 @@ class _ReadModelViews:
     def _apply(self, c: Any, event: object) -> None:
         # Each aggregate has its own view: look up only the row this event can change.
         ident = str(getattr(event, "originator_id", ""))
-        if isinstance(event, Node.Event):
+        if isinstance(event, AccessRefusal.Refused):
+            row = project_refusal(None, event)
+            if row is not None:
+                self._write_refusal(c, ident, row)
+        elif isinstance(event, Node.Event):
             self._apply_node(c, ident, event)
         elif isinstance(event, RegisteredModel.Event):
             self._apply_model(c, ident, event)
@@ -261,6 +285,33 @@ class _ReadModelViews:
                     _dumps(eligible),
                 ),
             )
+
+    def _write_refusal(self, c: Any, ident: str, refusal: dict[str, Any]) -> None:
+        c.execute(
+            self._sql(
+                f"INSERT INTO {self._t('refusals')} (refusal_id, node_id, node_name, at, data) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (refusal_id) DO NOTHING"
+            ),
+            (ident, refusal["node_id"], refusal["node_name"], refusal["at"], _dumps(refusal)),
+        )
+
+    def list_refusals(
+        self, *, node_id: str | None = None, node_name: str | None = None, limit: int = 50
+    ) -> list[dict[str, Any]]:
+        """Refused enrollments and streams, newest first (of one node id or name if given)."""
+        where, params = [], []
+        if node_id is not None:
+            where.append("node_id = ?")
+            params.append(node_id)
+        if node_name is not None:
+            where.append("node_name = ?")
+            params.append(node_name)
+        clause = f" WHERE {' OR '.join(where)}" if where else ""
+        return self._all(
+            f"SELECT data FROM {self._t('refusals')}{clause} "
+            f"ORDER BY at DESC, refusal_id LIMIT {int(limit)}",
+            tuple(params),
+        )
 
     def _apply_model(self, c: Any, ident: str, event: object) -> None:
         model = project_model(self._select_data(c, "models", "model_id", ident), event)

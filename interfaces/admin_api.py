@@ -14,13 +14,14 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec.enums import OpenAPIFormat
-from litestar.params import JSONBody, PathParameter
+from litestar.params import JSONBody, Parameter, PathParameter
 
 from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
+    AccessRefusals,
     ApiOperation,
     EnrollmentToken,
     Health,
@@ -105,6 +106,24 @@ class AdminRoutes(Routes):
         rows = await asyncio.to_thread(svc.read_model.list_nodes)
         now = time.time()
         return {"object": "list", "data": [node_view(svc, r, now) for r in rows]}
+
+    @get(
+        "/access-refusals",
+        summary="Refused enrollments and control streams, newest first (ACCESS_REFUSED)",
+        operation_class=ApiOperation,
+        responses={
+            **success(AccessRefusals, "The most recent refusals"),
+            **errors(400, *ADMIN_KEY_ERRORS, 503),
+        },
+    )
+    async def access_refusals(
+        self,
+        state: State,
+        limit: Annotated[int, Parameter(ge=1, le=500, description="How many")] = 50,
+    ) -> dict[str, Any]:
+        svc = services(state)
+        rows = await asyncio.to_thread(svc.read_model.list_refusals, limit=limit)
+        return {"object": "list", "data": rows}
 
     @get(
         "/nodes/{node_id:str}",

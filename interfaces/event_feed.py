@@ -46,7 +46,7 @@ from interfaces.services import Services
 KEEPALIVE_SECONDS = 15.0
 QUEUE_SIZE = 1000
 RETRY_MS = 3000
-FEED_KINDS = frozenset({"node", "job", "model"})
+FEED_KINDS = frozenset({"node", "job", "model", "access"})
 
 FeedMessage = dict[str, Any]
 
@@ -258,7 +258,7 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
     summary="Live event feed (server-sent events)",
     description=(
         "Every event as the read model applies it: `data: {position, time, code, aggregate_id,"
-        " kind (node|job|model), state, version, summary}`. Starts with `event: ready` (the"
+        " kind (node|job|model|access), state, version, summary}`. Starts with `event: ready` (the"
         " read-model position at connect); `event: gap` says how many messages a slow client"
         " lost (refresh from the admin API); a `: keepalive` comment every 15 s when idle."
         " Authenticate with the Bearer header, or with `?access_token=` where headers cannot"

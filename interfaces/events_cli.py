@@ -233,22 +233,48 @@ def node_job_ids(storage: Storage, node_id: UUID, events: Sequence[Mapping[str, 
 @_guarded
 def cmd_diagnose(args: argparse.Namespace) -> int:
     with opened(args) as storage:
-        uid = resolve(storage, args.ident, "node")
+        try:
+            uid = resolve(storage, args.ident, "node")
+        except Refusal:
+            # No such node; perhaps it never got in: its refused attempts say why.
+            refused = storage.read_model.list_refusals(node_id=args.ident, node_name=args.ident)
+            if refused:
+                print("\n".join(refusals_text(refused)))
+            raise
         events = timeline(storage.app, uid)
         node = state_of(storage.app.get_node(uid))
         node["node_id"] = str(uid)
         job_ids = node_job_ids(storage, uid, events)
         jobs = [row for job_id in job_ids if (row := job_row(storage.app, job_id)) is not None]
         skips = storage.read_model.list_skips([str(uid), *job_ids])
+        refused = storage.read_model.list_refusals(node_id=str(uid), node_name=node["name"])
     jobs.sort(key=lambda r: str(r.get("submitted_at") or ""), reverse=True)
     report = diagnose(
-        node, events, jobs[:DIAGNOSE_JOBS], CONTROLLER_VERSION, recent=args.recent, skips=skips
+        node,
+        events,
+        jobs[:DIAGNOSE_JOBS],
+        CONTROLLER_VERSION,
+        recent=args.recent,
+        skips=skips,
+        refusals=refused,
     )
     if args.json:
         _emit_json(report)
     else:
         print("\n".join(diagnosis_text(report)))
     return 0
+
+
+def refusals_text(refused: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Refused enrollments and streams under a node's name or id, newest first."""
+    lines = ["refused attempts (newest first):"]
+    for r in refused:
+        what = "enrollment" if r["kind"] == "enroll" else "control stream"
+        more = f" (+{r['suppressed']} more)" if r.get("suppressed") else ""
+        flag = " SECURITY VIOLATION" if r.get("security_violation") else ""
+        lines.append(f"  {table_time(str(r['at']))} {what} from {r['source']}{flag}{more}")
+        lines.append(f"    reason: {r['reason']}")
+    return lines
 
 
 def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
@@ -290,6 +316,10 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
             f"    reason: {j['reason']}" + (f" ({j['error_code']})" if j["error_code"] else "")
         )
         lines.append(f"    check:  {j['check']}")
+    refused = report.get("access_refused") or []
+    if refused:
+        lines.append("")
+        lines.extend(refusals_text(refused))
     skips = report.get("read_model_skips") or []
     if skips:
         lines.append("")

@@ -231,6 +231,23 @@ class NodeTimeline(TypedDict):
     data: list[TimelineEntry]
 
 
+class AccessRefusalRow(TypedDict):
+    refusal_id: str
+    at: str
+    kind: Literal["enroll", "connect"]
+    source: str
+    node_name: str
+    node_id: str
+    reason: str
+    security_violation: bool
+    suppressed: int
+
+
+class AccessRefusals(TypedDict):
+    object: Literal["list"]
+    data: list[AccessRefusalRow]
+
+
 class EnrollmentToken(TypedDict):
     token: str
     token_id: str

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from application.ports import LiveNode
+from domain.access_refusal import AccessRefusal
 from infrastructure.metrics import ClusterCollector, ClusterSources, PrometheusMetrics
 from interfaces.event_feed import EventFeed, FeedClosed, Gap, encode, feed_message
 from tests.unit.domain_builders import job_in, ready_node
@@ -91,6 +92,23 @@ def test_feed_message_kinds() -> None:
         "version",
         "summary",
     }
+
+
+def test_a_refused_attempt_reaches_the_dashboards_feed() -> None:
+    refusal = AccessRefusal.record(
+        kind="enroll",
+        source="10.0.0.66",
+        node_name="intruder",
+        reason="security violation: advertised address 203.0.113.9 is outside the CIDRs",
+        security_violation=True,
+    )
+    [event] = refusal.collect_events()
+    message = feed_message(3, event)
+    assert message is not None and (message["kind"], message["code"]) == (
+        "access",
+        "ACCESS_REFUSED",
+    )
+    assert message["summary"].startswith("enrollment from 10.0.0.66 refused (security violation)")
 
 
 def test_prometheus_metrics_counts_events_and_collects_state() -> None:
