@@ -172,6 +172,7 @@ class ClusterSources:
     projection_failing: Callable[[], bool] = lambda: False
     projection_skipped: Callable[[], int] = lambda: 0
     agent_messages_rejected: Callable[[], Mapping[str, int]] = dict
+    http_auth_failures: Callable[[], Mapping[tuple[str, int], int]] = dict
 
 
 class ClusterCollector(Collector):
@@ -276,6 +277,17 @@ class ClusterCollector(Collector):
             out.append(rejected)
         except Exception:
             self._failed("the rejected agent messages")
+        try:
+            refused = CounterMetricFamily(
+                "dacp_http_auth_failures",
+                "HTTP requests refused for a missing or wrong key, by API and status.",
+                labels=["api", "status"],
+            )
+            for (api, status), count in sorted(self.sources.http_auth_failures().items()):
+                refused.add_metric([api, str(status)], count)
+            out.append(refused)
+        except Exception:
+            self._failed("the refused HTTP keys")
         try:
             dropped = CounterMetricFamily(
                 "dacp_event_feed_dropped",

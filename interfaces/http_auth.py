@@ -23,6 +23,12 @@ def _services(connection: ASGIConnection[Any, Any, Any, Any]) -> Any:
     return connection.app.state.services
 
 
+def _refused(connection: ASGIConnection[Any, Any, Any, Any], api: str, error: ApiError) -> ApiError:
+    """``error``, counted in /metrics (``dacp_http_auth_failures_total``) first."""
+    _services(connection).auth_failures[(api, error.status)] += 1
+    return error
+
+
 def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str | None) -> None:
     """Raises the admin API's 403/401/403 errors unless ``given`` is the admin key."""
     expected = _services(connection).settings.admin_api_key
@@ -34,14 +40,22 @@ def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str |
             code="admin_disabled",
         )
     if given is None:
-        raise ApiError(
-            401,
-            "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
-            type_="authentication_error",
-            code="missing_api_key",
+        raise _refused(
+            connection,
+            "admin",
+            ApiError(
+                401,
+                "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
+                type_="authentication_error",
+                code="missing_api_key",
+            ),
         )
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key")
+        raise _refused(
+            connection,
+            "admin",
+            ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key"),
+        )
 
 
 def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
@@ -54,16 +68,24 @@ def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
         return  # an open cluster: no AI_API_KEY configured
     given = bearer(connection)
     if given is None:
-        raise ApiError(
-            401,
-            "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
-            type_="invalid_request_error",
-            code="missing_api_key",
+        raise _refused(
+            connection,
+            "inference",
+            ApiError(
+                401,
+                "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
+                type_="invalid_request_error",
+                code="missing_api_key",
+            ),
         )
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise ApiError(
-            401,
-            "Incorrect API key provided.",
-            type_="invalid_request_error",
-            code="invalid_api_key",
+        raise _refused(
+            connection,
+            "inference",
+            ApiError(
+                401,
+                "Incorrect API key provided.",
+                type_="invalid_request_error",
+                code="invalid_api_key",
+            ),
         )

@@ -81,6 +81,7 @@ def cluster_collector(
             projection_failing=lambda: bool(services.follower.error),
             projection_skipped=lambda: len(services.follower.skipped),
             agent_messages_rejected=lambda: dict(servicer.rejected),
+            http_auth_failures=lambda: dict(services.auth_failures),
         )
     )
 

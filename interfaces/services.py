@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,4 +27,6 @@ class Services:
     enrollment: EnrollmentService
     #: The controller's TLS material; None with GRPC_INSECURE=true.
     tls: ServerTls | None = None
+    #: Refused HTTP keys by (api, status): counted for /metrics, not recorded as events.
+    auth_failures: Counter[tuple[str, int]] = field(default_factory=Counter)
     extras: dict[str, Any] = field(default_factory=dict)

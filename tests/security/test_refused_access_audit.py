@@ -52,6 +52,13 @@ async def test_a_refused_enrollment_is_listed_and_diagnosed(
         assert "enrollment token" in str(row["reason"]) and row["security_violation"] is False
         unauthorised = await client.get("/api/admin/access-refusals")
         assert unauthorised.status_code == 401
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        # HTTP key failures are counted, not recorded: still the one refusal above.
+        metrics = (await client.get("/metrics")).text
+        assert 'dacp_http_auth_failures_total{api="admin",status="401"} 1.0' in metrics
+        assert 'dacp_http_auth_failures_total{api="inference",status="401"} 1.0' in metrics
+        assert len(await listed()) == 1
     env = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}"}
     done = await asyncio.to_thread(
         subprocess.run,
