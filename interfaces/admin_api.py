@@ -17,6 +17,7 @@ from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, Parameter, PathParameter
 
 from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
+from application.feed_tickets import issue_ticket
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
@@ -24,6 +25,7 @@ from interfaces.http_docs import (
     AccessRefusals,
     ApiOperation,
     EnrollmentToken,
+    FeedTicket,
     Health,
     NodeView,
     NodeViews,
@@ -212,6 +214,22 @@ class AdminRoutes(Routes):
         row = await asyncio.to_thread(svc.read_model.get_node, key)
         assert row is not None
         return node_view(svc, row, time.time())
+
+    @post(
+        "/feed-tickets",
+        status_code=201,
+        summary="A ticket that opens the live event feed for 60 s (?ticket=): no key in URLs",
+        operation_class=ApiOperation,
+        responses={
+            **success(FeedTicket, "The ticket and when it expires (unix seconds)", 201),
+            **errors(*ADMIN_KEY_ERRORS),
+        },
+    )
+    async def feed_ticket(self, state: State) -> dict[str, Any]:
+        key = services(state).settings.admin_api_key
+        assert key  # the admin guard let the request in
+        ticket, expires_at = issue_ticket(key, time.time())
+        return {"ticket": ticket, "expires_at": expires_at}
 
     @post(
         "/enrollment-tokens",

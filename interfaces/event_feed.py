@@ -15,15 +15,16 @@ is counted (``dacp_event_feed_dropped_total``).
     event: gap              data: {"dropped": <n>}   (then refresh from the admin API)
     : keepalive             (a comment, every 15 s without traffic)
 
-Browsers' ``EventSource`` cannot send headers, so this one route also accepts the admin key
-as ``?access_token=<ADMIN_API_KEY>``. The controller does not log request URLs (uvicorn's
-access log is off); keep it that way, or put a proxy in front that strips the query.
+Browsers' ``EventSource`` cannot send headers, so this one route also accepts a short-lived
+ticket as ``?ticket=`` (``POST /api/admin/feed-tickets``, see ``application/feed_tickets.py``):
+the admin key itself never goes in a URL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,10 +38,11 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import QueryParameter
 from litestar.response import Stream
 
+from application.feed_tickets import ticket_valid
 from application.timeline import aggregate_kind, entry_of
 from interfaces.http_auth import bearer, check_admin_key
 from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
-from interfaces.http_errors import not_running
+from interfaces.http_errors import ApiError, not_running
 from interfaces.services import Services
 
 KEEPALIVE_SECONDS = 15.0
@@ -236,10 +238,21 @@ async def sse_stream(feed: EventFeed, position: int) -> AsyncIterator[bytes]:
 
 
 def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """The admin guard, also accepting ``?access_token=`` (EventSource sends no headers)."""
-    check_admin_key(
-        connection, bearer(connection) or connection.query_params.get("access_token") or None
-    )
+    """The admin guard, also accepting a feed ticket as ``?ticket=`` (EventSource sends no
+    headers; the key itself never goes in a URL)."""
+    ticket = connection.query_params.get("ticket")
+    if ticket is not None and bearer(connection) is None:
+        key = connection.app.state.services.settings.admin_api_key
+        if key and ticket_valid(key, ticket, time.time()):
+            return
+        connection.app.state.services.auth_failures[("admin", 401)] += 1
+        raise ApiError(
+            401,
+            "the feed ticket is invalid or expired: get a new one (POST /api/admin/feed-tickets)",
+            type_="authentication_error",
+            code="invalid_ticket",
+        )
+    check_admin_key(connection, bearer(connection))
 
 
 def _feed(state: State) -> tuple[Services, EventFeed]:
@@ -261,8 +274,8 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
         " kind (node|job|model|access), state, version, summary}`. Starts with `event: ready` (the"
         " read-model position at connect); `event: gap` says how many messages a slow client"
         " lost (refresh from the admin API); a `: keepalive` comment every 15 s when idle."
-        " Authenticate with the Bearer header, or with `?access_token=` where headers cannot"
-        " be sent (browsers' EventSource)."
+        " Authenticate with the Bearer header, or, where headers cannot be sent (browsers'"
+        " EventSource), with `?ticket=` from `POST /api/admin/feed-tickets` (valid 60 s)."
     ),
     media_type="text/event-stream",
     operation_class=ApiOperation,
@@ -270,11 +283,12 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
 )
 async def event_stream(
     state: State,
-    access_token: Annotated[
+    ticket: Annotated[
         str | None,
         QueryParameter(
-            name="access_token",
-            description="The admin key, for clients that cannot send an Authorization header",
+            name="ticket",
+            description="A feed ticket (POST /api/admin/feed-tickets), for clients that cannot "
+            "send an Authorization header; never the admin key",
         ),
     ] = None,
 ) -> Stream:

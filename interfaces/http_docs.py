@@ -248,6 +248,11 @@ class AccessRefusals(TypedDict):
     data: list[AccessRefusalRow]
 
 
+class FeedTicket(TypedDict):
+    ticket: str
+    expires_at: int
+
+
 class EnrollmentToken(TypedDict):
     token: str
     token_id: str

@@ -458,11 +458,23 @@ function onFeedMessage(message) {
   if (state.selected?.id === id) debounce("timeline", 250, loadTimeline);
 }
 
-function openFeed() {
+async function openFeed() {
   closeFeed();
   setFeed("connecting");
-  // EventSource cannot send an Authorization header: this one route takes ?access_token=.
-  const source = new EventSource(`/api/admin/events/stream?access_token=${encodeURIComponent(state.key)}`);
+  // EventSource cannot send an Authorization header, and the key never goes in a URL: a
+  // ticket minted with the key in the header opens the feed (for 60 s; a reconnect after
+  // that is refused, and lands in onerror below, which mints a new one).
+  let ticket;
+  try {
+    ticket = (await api("/api/admin/feed-tickets", { method: "POST" })).ticket;
+  } catch (error) {
+    setFeed("offline");
+    if (error instanceof AuthError) failed(error);
+    else setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS);
+    return;
+  }
+  if (state.source) return; // another open won meanwhile
+  const source = new EventSource(`/api/admin/events/stream?ticket=${encodeURIComponent(ticket)}`);
   state.source = source;
   source.addEventListener("ready", () => {
     setFeed("live");

@@ -188,15 +188,20 @@ async def test_feed_delivers_a_drain_as_it_happens(ctl: RunningController) -> No
     await session.close()
 
 
-async def test_feed_accepts_a_query_token_and_keeps_idle_streams_alive(
+async def test_feed_accepts_a_ticket_and_keeps_idle_streams_alive(
     ctl: RunningController,
 ) -> None:
     live_feed = ctl.services.extras["feed"]
     assert isinstance(live_feed, EventFeed)
     live_feed.keepalive_seconds = 0.2
+    async with http(ctl) as client:
+        minted = await client.post("/api/admin/feed-tickets", headers=ADMIN)
+        assert minted.status_code == 201, minted.text
+        ticket = minted.json()["ticket"]
+        assert "test-admin-key" not in ticket  # what goes in the URL is not the key
     async with (
         http(ctl) as client,
-        feed(client, params={"access_token": "test-admin-key"}) as (response, stream),
+        feed(client, params={"ticket": ticket}) as (response, stream),
     ):
         assert response.status_code == 200
         assert (await stream.next())[0] == "ready"
@@ -217,8 +222,9 @@ async def test_feed_accepts_a_query_token_and_keeps_idle_streams_alive(
     [
         ({}, 401, "missing_api_key"),
         ({"headers": {"Authorization": "Bearer wrong"}}, 403, "invalid_api_key"),
-        ({"params": {"access_token": "wrong"}}, 403, "invalid_api_key"),
-        ({"params": {"access_token": ""}}, 401, "missing_api_key"),
+        ({"params": {"access_token": "test-admin-key"}}, 401, "missing_api_key"),  # not any more
+        ({"params": {"ticket": "wrong"}}, 401, "invalid_ticket"),
+        ({"params": {"ticket": f"{int(time.time()) - 1}.00"}}, 401, "invalid_ticket"),  # expired
     ],
 )
 async def test_feed_refuses_without_the_admin_key(
@@ -228,8 +234,9 @@ async def test_feed_refuses_without_the_admin_key(
         r = await client.get("/api/admin/events/stream", **kwargs)
         assert r.status_code == status
         assert r.json()["error"]["code"] == code
-        # the query token is for the feed only: other admin routes still want the header
-        r = await client.get("/api/admin/nodes", params={"access_token": "test-admin-key"})
+        # a ticket is for the feed only: other admin routes still want the header
+        ticket = (await client.post("/api/admin/feed-tickets", headers=ADMIN)).json()["ticket"]
+        r = await client.get("/api/admin/nodes", params={"ticket": ticket})
         assert r.status_code == 401
 
 

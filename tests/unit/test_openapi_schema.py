@@ -83,10 +83,10 @@ def test_every_non_public_operation_requires_the_bearer_key(schema: dict[str, An
                 assert security == [{"BearerAuth": []}], (method, path, security)
 
 
-def test_the_event_stream_documents_its_query_token(schema: dict[str, Any]) -> None:
+def test_the_event_stream_documents_its_ticket(schema: dict[str, Any]) -> None:
     operation = schema["paths"]["/api/admin/events/stream"]["get"]
     params = {(p["name"], p["in"]) for p in operation.get("parameters", [])}
-    assert ("access_token", "query") in params
+    assert ("ticket", "query") in params and ("access_token", "query") not in params
     assert "text/event-stream" in str(operation["responses"])
 
 
