@@ -24,10 +24,11 @@ from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import RecordConflictError, Recording
 
 from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
-from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed
+from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from domain.access_refusal import AccessRefusal
 from domain.errors import IllegalTransition, SlotTaken
+from domain.issued_token import IssuedToken, issued_token_id
 from domain.job import Job
 from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
@@ -213,6 +214,15 @@ class Controller(Application[UUID]):
 
         def command() -> list[Aggregate]:
             saved: list[Aggregate] = []
+            # A revoked token enrolls nobody (one minted outside dacp has no record: it was
+            # made by someone holding NODE_ENROLLMENT_SECRET, whom the cluster trusts anyway).
+            try:
+                issued: IssuedToken = self.repository.get(issued_token_id(enrollment.token_id))
+            except AggregateNotFoundError:
+                pass
+            else:
+                if issued.revoked:
+                    raise TokenRevoked(enrollment.token_id)
             if enrollment.single_use_token:
                 try:
                     self.repository.get(redemption_id(enrollment.token_id))
@@ -306,6 +316,39 @@ class Controller(Application[UUID]):
 
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
         return self._node_command(node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
+
+    def record_token(
+        self,
+        token_id: str,
+        *,
+        expires_at: float,
+        single_use: bool,
+        node_name: str | None,
+        minted_by: str,
+    ) -> int:
+        """ENROLLMENT_TOKEN_MINTED: the token and its terms, so it can be listed and revoked."""
+        issued = IssuedToken.mint(
+            token_id,
+            expires_at=expires_at,
+            single_use=single_use,
+            node_name=node_name,
+            minted_by=minted_by,
+        )
+        return self._run(lambda: [issued])
+
+    def revoke_token(self, token_id: str, revoked_by: str, reason: str) -> int:
+        """ENROLLMENT_TOKEN_REVOKED: no enrollment with it from now on (NotFound: never
+        minted here)."""
+
+        def command() -> list[Aggregate]:
+            try:
+                issued: IssuedToken = self.repository.get(issued_token_id(token_id))
+            except AggregateNotFoundError:
+                raise NotFound("enrollment token", token_id) from None
+            issued.revoke(revoked_by, reason)
+            return [issued]
+
+        return self._run(command)
 
     def refuse_access(
         self,

@@ -89,9 +89,16 @@ class EnrollmentService:
         return enrollment_key(self._secret)
 
     def mint(
-        self, *, ttl_seconds: float, single_use: bool, node_name: str | None, now: float
+        self,
+        *,
+        ttl_seconds: float,
+        single_use: bool,
+        node_name: str | None,
+        now: float,
+        minted_by: str = "admin-api",
     ) -> MintedToken:
-        return mint_enrollment_token(
+        """A token, recorded (ENROLLMENT_TOKEN_MINTED) so it can be listed and revoked."""
+        minted = mint_enrollment_token(
             self._key(),
             ttl_seconds=ttl_seconds,
             single_use=single_use,
@@ -99,6 +106,14 @@ class EnrollmentService:
             now=now,
             ca_fingerprint=self.ca_fingerprint,
         )
+        self.app.record_token(
+            minted.token_id,
+            expires_at=minted.expires_at,
+            single_use=minted.single_use,
+            node_name=minted.node_name,
+            minted_by=minted_by,
+        )
+        return minted
 
     def verify(self, token: str, node_name: str, now: float) -> TokenClaims:
         """Raises :class:`domain.enrollment_token.InvalidTokenError` when refused."""

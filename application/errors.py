@@ -16,6 +16,13 @@ class NotFound(ApplicationError):
         super().__init__(f"unknown {kind} {ident}")
 
 
+class TokenRevoked(ApplicationError):
+    code = "token_revoked"
+
+    def __init__(self, token_id: str) -> None:
+        super().__init__(f"enrollment token {token_id} was revoked")
+
+
 class TokenAlreadyUsed(ApplicationError):
     code = "token_reused"
 

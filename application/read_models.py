@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
+from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
@@ -274,3 +275,23 @@ def project_refusal(row: dict[str, Any] | None, event: object) -> dict[str, Any]
         "security_violation": event.security_violation,
         "suppressed": event.suppressed,
     }
+
+
+def project_token(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``tokens`` row of an enrollment token minted (and perhaps revoked) through dacp."""
+    at = event.timestamp.isoformat()  # type: ignore[attr-defined]
+    if isinstance(event, IssuedToken.Minted):
+        return {
+            "token_id": event.token_id,
+            "minted_at": at,
+            "minted_by": event.minted_by,
+            "expires_at": event.expires_at,
+            "single_use": event.single_use,
+            "node_name": event.node_name,
+            "revoked": False,
+            "revoked_at": None,
+            "revoked_by": None,
+        }
+    if isinstance(event, IssuedToken.Revoked) and row is not None:
+        return {**row, "revoked": True, "revoked_at": at, "revoked_by": event.revoked_by}
+    return row

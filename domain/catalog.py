@@ -6,6 +6,7 @@ Each code is documented in docs/architecture.md, 'Event catalogue'.
 from __future__ import annotations
 
 from domain.access_refusal import AccessRefusal
+from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
@@ -49,6 +50,8 @@ OTHER_EVENTS: tuple[type, ...] = (
     RegisteredModel.Registered,
     RegisteredModel.Updated,
     TokenRedemption.Redeemed,
+    IssuedToken.Minted,
+    IssuedToken.Revoked,
 )
 
 CATALOG: dict[str, type] = {

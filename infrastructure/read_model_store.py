@@ -24,14 +24,25 @@ from application.read_models import (
     project_model,
     project_node,
     project_refusal,
+    project_token,
 )
 from application.store_guard import StoreGuard
 from domain.access_refusal import AccessRefusal
+from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
 
-VIEW_TABLES = ("nodes", "eligibility", "jobs", "job_nodes", "models", "skips", "refusals")
+VIEW_TABLES = (
+    "nodes",
+    "eligibility",
+    "jobs",
+    "job_nodes",
+    "models",
+    "skips",
+    "refusals",
+    "tokens",
+)
 
 
 def _dumps(value: Any) -> str:
@@ -42,7 +53,13 @@ def _loads(raw: Any) -> Any:
     return orjson.loads(raw) if raw is not None else None
 
 
-_KEYS = {"nodes": "node_id", "models": "model_id", "jobs": "job_id", "refusals": "refusal_id"}
+_KEYS = {
+    "nodes": "node_id",
+    "models": "model_id",
+    "jobs": "job_id",
+    "refusals": "refusal_id",
+    "tokens": "token_uuid",
+}
 
 
 class _Batch:
@@ -90,6 +107,8 @@ class _Batch:
                 views._write_node(c, ident, row)
             elif table == "refusals":
                 views._write_refusal(c, ident, row)
+            elif table == "tokens":
+                views._write_token(c, ident, row)
             elif table == "models":
                 views._write_model(c, ident, row)
             else:
@@ -100,6 +119,8 @@ class _Batch:
 def _table_of(event: object) -> str | None:
     if isinstance(event, AccessRefusal.Refused):
         return "refusals"
+    if isinstance(event, IssuedToken.Minted | IssuedToken.Revoked):
+        return "tokens"
     if isinstance(event, Node.Event):
         return "nodes"
     if isinstance(event, RegisteredModel.Event):
@@ -114,6 +135,7 @@ _PROJECT = {
     "models": project_model,
     "jobs": project_job,
     "refusals": project_refusal,
+    "tokens": project_token,
 }
 
 
@@ -165,6 +187,9 @@ class _ReadModelViews:
             "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
             f"CREATE TABLE IF NOT EXISTS {self._t('models')} ("
             "model_id TEXT PRIMARY KEY, name TEXT NOT NULL, data TEXT NOT NULL)",
+            # Enrollment tokens minted (and perhaps revoked) through dacp.
+            f"CREATE TABLE IF NOT EXISTS {self._t('tokens')} ("
+            "token_uuid TEXT PRIMARY KEY, minted_at TEXT NOT NULL, data TEXT NOT NULL)",
             # Refused enrollments and control streams (ACCESS_REFUSED), newest last.
             f"CREATE TABLE IF NOT EXISTS {self._t('refusals')} ("
             "refusal_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, node_name TEXT NOT NULL, "
@@ -243,6 +268,10 @@ class _ReadModelViews:
             row = project_refusal(None, event)
             if row is not None:
                 self._write_refusal(c, ident, row)
+        elif isinstance(event, IssuedToken.Minted | IssuedToken.Revoked):
+            token = project_token(self._select_data(c, "tokens", "token_uuid", ident), event)
+            if token is not None:
+                self._write_token(c, ident, token)
         elif isinstance(event, Node.Event):
             self._apply_node(c, ident, event)
         elif isinstance(event, RegisteredModel.Event):
@@ -293,6 +322,22 @@ class _ReadModelViews:
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (refusal_id) DO NOTHING"
             ),
             (ident, refusal["node_id"], refusal["node_name"], refusal["at"], _dumps(refusal)),
+        )
+
+    def _write_token(self, c: Any, ident: str, token: dict[str, Any]) -> None:
+        c.execute(
+            self._sql(
+                f"INSERT INTO {self._t('tokens')} (token_uuid, minted_at, data) VALUES (?, ?, ?) "
+                "ON CONFLICT (token_uuid) DO UPDATE SET data = excluded.data"
+            ),
+            (ident, token["minted_at"], _dumps(token)),
+        )
+
+    def list_tokens(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Enrollment tokens minted through dacp, newest first."""
+        return self._all(
+            f"SELECT data FROM {self._t('tokens')} "
+            f"ORDER BY minted_at DESC, token_uuid LIMIT {int(limit)}"
         )
 
     def list_refusals(

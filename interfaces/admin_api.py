@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from typing import Annotated, Any
@@ -17,6 +18,7 @@ from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, Parameter, PathParameter
 
 from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
+from application.errors import NotFound
 from application.feed_tickets import issue_ticket
 from application.version import CONTROLLER_VERSION
 from interfaces.http_auth import admin_guard
@@ -27,6 +29,8 @@ from interfaces.http_docs import (
     EnrollmentToken,
     FeedTicket,
     Health,
+    IssuedTokenRow,
+    IssuedTokens,
     NodeView,
     NodeViews,
     errors,
@@ -82,6 +86,23 @@ class EnrollmentTokenRequest(msgspec.Struct):
     single_use: bool = True
     #: Binds the token to the agent enrolling under exactly this name (none: any name).
     node_name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+
+
+#: A token id as minted (``secrets.token_hex``); anything else names no token.
+_TOKEN_ID = re.compile(r"[0-9a-f]{1,64}")
+TokenId = Annotated[
+    str,
+    PathParameter(pattern=f"^{_TOKEN_ID.pattern}$", description="The token's id (`token_id`)"),
+]
+
+
+def token_not_found(token_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"unknown enrollment token {token_id!r}",
+        type_="not_found_error",
+        code="token_not_found",
+    )
 
 
 class RevokeRequest(msgspec.Struct):
@@ -215,6 +236,51 @@ class AdminRoutes(Routes):
         assert row is not None
         return node_view(svc, row, time.time())
 
+    @get(
+        "/enrollment-tokens",
+        summary="Enrollment tokens minted through dacp, newest first (the tokens themselves "
+        "are not kept)",
+        operation_class=ApiOperation,
+        responses={
+            **success(IssuedTokens, "The tokens' ids and terms"),
+            **errors(400, *ADMIN_KEY_ERRORS, 503),
+        },
+    )
+    async def list_tokens(
+        self,
+        state: State,
+        limit: Annotated[int, Parameter(ge=1, le=1000, description="How many")] = 100,
+    ) -> dict[str, Any]:
+        rows = await asyncio.to_thread(services(state).read_model.list_tokens, limit)
+        return {"object": "list", "data": rows}
+
+    @post(
+        "/enrollment-tokens/{token_id:str}/revoke",
+        status_code=200,
+        summary="Revoke an enrollment token: no enrollment with it from now on",
+        operation_class=ApiOperation,
+        responses={
+            **success(IssuedTokenRow, "The token, revoked"),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown token"), (409, "Already revoked"), 503),
+        },
+    )
+    async def revoke_token(self, state: State, token_id: TokenId) -> dict[str, Any]:
+        svc = services(state)
+        if not _TOKEN_ID.fullmatch(token_id):
+            raise token_not_found(token_id)
+        try:
+            position = await asyncio.to_thread(
+                svc.app.revoke_token, token_id, "admin-api", "revoked by an administrator"
+            )
+        except NotFound:
+            raise token_not_found(token_id) from None
+        await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
+        rows = await asyncio.to_thread(svc.read_model.list_tokens, 1000)
+        row = next((r for r in rows if r["token_id"] == token_id), None)
+        if row is None:
+            raise token_not_found(token_id)
+        return row
+
     @post(
         "/feed-tickets",
         status_code=201,
@@ -257,12 +323,17 @@ class AdminRoutes(Routes):
                 type_="conflict",
                 code="enrollment_disabled",
             )
-        minted = svc.enrollment.mint(
-            ttl_seconds=req.ttl_seconds,
-            single_use=req.single_use,
-            node_name=req.node_name,
-            now=time.time(),
+        minted = await asyncio.to_thread(
+            functools.partial(
+                svc.enrollment.mint,
+                ttl_seconds=req.ttl_seconds,
+                single_use=req.single_use,
+                node_name=req.node_name,
+                now=time.time(),
+            )
         )
+        # Read your writes: the token is in GET /api/admin/enrollment-tokens once this returns.
+        await asyncio.to_thread(svc.follower.wait, svc.app.position(), READ_YOUR_WRITES_TIMEOUT)
         return {
             "token": minted.token,
             "token_id": minted.token_id,

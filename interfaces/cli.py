@@ -19,8 +19,7 @@ import orjson
 from application.enrollment import (
     DEFAULT_TOKEN_TTL,
     EnrollmentNotConfigured,
-    enrollment_key,
-    mint_enrollment_token,
+    EnrollmentService,
 )
 from infrastructure import event_loop
 from infrastructure.settings import Settings, SettingsError
@@ -79,19 +78,26 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     ca = _controller_ca(settings)
+    service = EnrollmentService(
+        _open_app(args),
+        settings.node_enrollment_secret,
+        ca_fingerprint=fingerprint_of(ca) if ca is not None else None,
+    )
     try:
-        minted = mint_enrollment_token(
-            enrollment_key(settings.node_enrollment_secret),
+        # Recorded in the store (ENROLLMENT_TOKEN_MINTED): `dacp token list`/`revoke` see it.
+        minted = service.mint(
             ttl_seconds=args.ttl,
             single_use=args.single_use,
             node_name=args.node_name,
             now=time.time(),
-            ca_fingerprint=fingerprint_of(ca) if ca is not None else None,
+            minted_by="cli",
         )
     except EnrollmentNotConfigured as e:
         raise CliError(str(e)) from e
     except ValueError as e:
         raise CliError(str(e)) from e
+    finally:
+        service.app.close()
     if args.json:
         print(orjson.dumps(minted.__dict__).decode())
     else:
@@ -126,6 +132,8 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
+
     parser = argparse.ArgumentParser(prog="dacp", description="Distributed AI Compute Platform")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -173,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--node-name", default=None, help="bind the token to this node name")
     create.add_argument("--json", action="store_true", help="print token details as JSON")
     create.set_defaults(func=_cmd_token_create)
+    nodes_cli.register_token_commands(token_sub)
     models = sub.add_parser("models", help="the model registry")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     reg = models_sub.add_parser("register", help="register a model's API name and GGUF file")
@@ -182,8 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--context-size", type=int, default=2048)
     reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
     reg.set_defaults(func=_cmd_models_register)
-
-    from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
 
     events_cli.register(sub)
     nodes_cli.register(sub)

@@ -26,7 +26,7 @@ from application.agent_messages import Rejection
 from application.background import BackgroundTasks
 from application.controller import Controller
 from application.enrollment import EnrollmentNotConfigured, EnrollmentService, Unauthenticated
-from application.errors import TokenAlreadyUsed
+from application.errors import TokenAlreadyUsed, TokenRevoked
 from application.ports import LiveState
 from application.rejections import RejectionAudit
 from application.version import CONTROLLER_VERSION
@@ -226,6 +226,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         except TokenAlreadyUsed as e:
             await self._refuse(
                 context, ENROLL, source, grpc.StatusCode.ALREADY_EXISTS, str(e), node_name=name
+            )
+        except TokenRevoked as e:
+            await self._refuse(
+                context, ENROLL, source, grpc.StatusCode.PERMISSION_DENIED, str(e), node_name=name
             )
         except EnrollmentNotConfigured as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))

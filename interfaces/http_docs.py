@@ -248,6 +248,23 @@ class AccessRefusals(TypedDict):
     data: list[AccessRefusalRow]
 
 
+class IssuedTokenRow(TypedDict):
+    token_id: str
+    minted_at: str
+    minted_by: str
+    expires_at: float
+    single_use: bool
+    node_name: str | None
+    revoked: bool
+    revoked_at: str | None
+    revoked_by: str | None
+
+
+class IssuedTokens(TypedDict):
+    object: Literal["list"]
+    data: list[IssuedTokenRow]
+
+
 class FeedTicket(TypedDict):
     ticket: str
     expires_at: int

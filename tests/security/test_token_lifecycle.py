@@ -1,0 +1,106 @@
+"""Enrollment tokens can be listed and revoked (admin API and `dacp token`), and a revoked,
+expired or reused token enrolls nobody; multi-use is an explicit choice, recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import httpx
+import orjson
+import pytest
+
+from interfaces.controller_main import RunningController, controller
+from tests.conftest import TEST_DATABASE_URL, controller_settings
+from tests.integration.control_client import control_target, enroll
+
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
+    async with controller(controller_settings(pg_schema, tmp_path)) as running:
+        yield running
+
+
+async def _refused(ctl: RunningController, token: str, name: str) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await enroll(control_target(ctl), token, name)
+    return refused.value
+
+
+async def test_tokens_are_listed_and_a_revoked_one_enrolls_nobody(ctl: RunningController) -> None:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as client:
+        once = (await client.post("/api/admin/enrollment-tokens", headers=ADMIN, json={})).json()
+        many = (
+            await client.post(
+                "/api/admin/enrollment-tokens", headers=ADMIN, json={"single_use": False}
+            )
+        ).json()
+        listed = (await client.get("/api/admin/enrollment-tokens", headers=ADMIN)).json()["data"]
+        by_id = {row["token_id"]: row for row in listed}
+        assert by_id[once["token_id"]]["single_use"] is True
+        assert by_id[many["token_id"]]["single_use"] is False  # the explicit choice, recorded
+        assert "token" not in by_id[once["token_id"]]  # the token itself is not kept
+
+        revoked = await client.post(
+            f"/api/admin/enrollment-tokens/{many['token_id']}/revoke", headers=ADMIN
+        )
+        assert revoked.status_code == 200, revoked.text
+        assert revoked.json()["revoked"] is True and revoked.json()["revoked_by"] == "admin-api"
+        again = await client.post(
+            f"/api/admin/enrollment-tokens/{many['token_id']}/revoke", headers=ADMIN
+        )
+        assert again.status_code == 409
+        unknown = await client.post("/api/admin/enrollment-tokens/abc123/revoke", headers=ADMIN)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "token_not_found"
+
+    refused = await _refused(ctl, many["token"], "late")
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(
+        refused.details()
+    )
+    # The single-use one works once, then never again.
+    assert (await enroll(control_target(ctl), once["token"], "first")).node_id
+    assert (await _refused(ctl, once["token"], "second")).code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_dacp_token_create_list_and_revoke(ctl: RunningController, pg_schema: str) -> None:
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}",
+        "NODE_ENROLLMENT_SECRET": "test-enrollment-secret",
+        "DACP_VAR_DIR": str(ctl.services.settings.var_dir),  # the controller's CA
+    }
+
+    def dacp(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "interfaces.cli", *argv],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    created = await asyncio.to_thread(dacp, "token", "create", "--json")
+    assert created.returncode == 0, created.stderr
+    minted = orjson.loads(created.stdout)
+    assert minted["single_use"] is True and 3590 < minted["expires_at"] - time.time() <= 3600
+    ctl.services.follower.wait(ctl.services.app.position(), timeout=5)
+    listing = await asyncio.to_thread(dacp, "token", "list")
+    assert listing.returncode == 0, listing.stderr
+    [line] = [ln for ln in listing.stdout.splitlines() if ln.startswith(minted["token_id"])]
+    assert line.split()[-1] == "valid" and " cli " in line
+    revoked = await asyncio.to_thread(dacp, "token", "revoke", minted["token_id"])
+    assert revoked.returncode == 0, revoked.stderr
+    refused = await _refused(ctl, minted["token"], "too-late")
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    missing = await asyncio.to_thread(dacp, "token", "revoke", "0123abcd")
+    assert missing.returncode == 2 and "unknown enrollment token" in missing.stderr
