@@ -5,13 +5,18 @@ llama.cpp)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 import httpx
 import orjson
 
-from agent.control_handler import NullHandler, Send
+from agent.agent_config import AgentConfig
+from agent.control_client import AgentSession
+from agent.control_handler import ControlHandler, NullHandler, Send
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController
 from proto import control_pb2 as pb
@@ -99,3 +104,42 @@ class SlowWords(NullHandler):
 
     def active_job_ids(self) -> list[str]:
         return sorted(self.running)
+
+
+def agent_holding_model(
+    ctl: RunningController,
+    tmp_path: Path,
+    handler: ControlHandler,
+    *,
+    name: str,
+    controller_url: str | None = None,
+    **config: Any,
+) -> AgentSession:
+    """A real agent session (``handler`` instead of llama.cpp) enrolling with a fresh token,
+    holding a tiny GGUF registered as model ``m``, reaching the controller at
+    ``controller_url`` (its gRPC port by default; a fault proxy, say)."""
+    from tests.unit.test_agent_model_store import write_tiny_gguf
+
+    models = tmp_path / "models"
+    models.mkdir(exist_ok=True)
+    write_tiny_gguf(models / "m.gguf")
+    sha = hashlib.sha256((models / "m.gguf").read_bytes()).hexdigest()
+    ctl.services.app.register_model("m", sha, "m.gguf", 2048)
+    token = ctl.services.enrollment.mint(
+        ttl_seconds=60, single_use=True, node_name=None, now=time.time()
+    ).token
+    settings: dict[str, Any] = {
+        "heartbeat_interval": 0.2,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.5,
+        **config,
+    }
+    agent_config = AgentConfig(
+        data_dir=tmp_path / "agent",
+        models_dir=models,
+        node_name=name,
+        controller_url=controller_url or f"127.0.0.1:{ctl.grpc_port}",
+        enrollment_token=token,
+        **settings,
+    )
+    return AgentSession(agent_config, handler)

@@ -12,7 +12,6 @@ a TCP proxy that cuts or silences its connections.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,10 +25,15 @@ from agent.control_handler import NullHandler
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
-from tests.faults.streams import SlowWords, events, recorded_seqs, stream_completion
+from tests.faults.streams import (
+    SlowWords,
+    agent_holding_model,
+    events,
+    recorded_seqs,
+    stream_completion,
+)
 from tests.faults.tcp_proxy import TcpProxy
 from tests.faults.waiting import until
-from tests.unit.test_agent_model_store import write_tiny_gguf
 
 KEEPALIVE = 1.0  # interval and timeout, both ends
 #: A dead link must be noticed within the keepalive interval + timeout, plus slack.
@@ -89,28 +93,17 @@ async def streaming(
     ctl: RunningController, proxy: TcpProxy, tmp_path: Path
 ) -> AsyncIterator[tuple[AgentSession, SlowWords]]:
     """An agent holding model ``m`` whose jobs stream 160 words 25 ms apart (4 s)."""
-    models = tmp_path / "models"
-    models.mkdir()
-    write_tiny_gguf(models / "m.gguf")
-    sha = hashlib.sha256((models / "m.gguf").read_bytes()).hexdigest()
-    ctl.services.app.register_model("m", sha, "m.gguf", 2048)
-    token = ctl.services.enrollment.mint(
-        ttl_seconds=60, single_use=True, node_name=None, now=time.time()
-    ).token
-    config = AgentConfig(
-        data_dir=tmp_path / "agent",
-        models_dir=models,
-        node_name="streams",
+    handler = SlowWords(words=160, delay=0.025)
+    agent = agent_holding_model(
+        ctl,
+        tmp_path,
+        handler,
+        name="streams",
         controller_url=proxy.address,
-        enrollment_token=token,
-        heartbeat_interval=0.2,
         backoff_initial=0.1,
-        backoff_max=0.5,
         keepalive_interval=KEEPALIVE,
         keepalive_timeout=KEEPALIVE,
     )
-    handler = SlowWords(words=160, delay=0.025)
-    agent = AgentSession(config, handler)
     task = asyncio.create_task(agent.run())
     await agent.wait_for_state(AgentState.READY, timeout=15)
     await until(lambda: len(ctl.services.read_model.eligibility()) == 1, 10)

@@ -4,24 +4,48 @@ store, in-process live state, TLS with the CA it makes)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from interfaces.controller_main import RunningController, controller
+from tests.conftest import TEST_DATABASE_URL, controller_settings
 from tests.faults.services import free_port
 from tests.security.netns import Namespace
 
 REPO = Path(__file__).resolve().parents[2]
 AI_KEY = "test-ai-key"
 ENROLLMENT_SECRET = "test-enrollment-secret"
+
+
+@pytest.fixture
+async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
+    """A controller on the defaults (TLS on), the tests' Postgres and Redis."""
+    async with controller(controller_settings(pg_schema, tmp_path)) as running:
+        yield running
+
+
+async def dacp(schema: str, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``dacp ARGV`` on the test's store (Postgres schema ``schema``), as an operator runs it."""
+    environment = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={schema}", **env}
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "interfaces.cli", *argv],
+        env=environment,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture

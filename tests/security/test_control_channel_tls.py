@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
@@ -27,12 +26,6 @@ from tests.conftest import controller_settings
 from tests.integration.control_client import ControlTarget, control_target, enroll
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    async with controller(controller_settings(pg_schema, tmp_path)) as running:
-        yield running
 
 
 def _agent(tmp_path: Path, ctl: RunningController, token: str) -> AgentSession:

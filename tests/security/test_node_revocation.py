@@ -6,12 +6,7 @@ written straight to the store (every controller reacts to the event)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
@@ -19,26 +14,19 @@ import grpc
 import httpx
 import pytest
 
-from agent.agent_config import AgentConfig, IdentityRejected
-from agent.control_client import AgentSession, AgentState
+from agent.agent_config import IdentityRejected
+from agent.control_client import AgentState
 from domain.catalog import code_of
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import TEST_DATABASE_URL, controller_settings
-from tests.faults.streams import SlowWords, stream_completion
+from interfaces.controller_main import RunningController
+from tests.faults.streams import SlowWords, agent_holding_model, stream_completion
 from tests.faults.waiting import until
 from tests.integration.control_client import RawSession, control_target, enroll
-from tests.unit.test_agent_model_store import write_tiny_gguf
+from tests.security.conftest import dacp
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    async with controller(controller_settings(pg_schema, tmp_path)) as running:
-        yield running
 
 
 def _codes(ctl: RunningController, ident: str) -> list[str]:
@@ -48,26 +36,8 @@ def _codes(ctl: RunningController, ident: str) -> list[str]:
 async def test_a_revoked_node_loses_its_job_its_stream_and_its_credential(
     ctl: RunningController, tmp_path: Path
 ) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    write_tiny_gguf(models / "m.gguf")
-    sha = hashlib.sha256((models / "m.gguf").read_bytes()).hexdigest()
-    ctl.services.app.register_model("m", sha, "m.gguf", 2048)
-    token = ctl.services.enrollment.mint(
-        ttl_seconds=60, single_use=True, node_name=None, now=time.time()
-    ).token
-    config = AgentConfig(
-        data_dir=tmp_path / "agent",
-        models_dir=models,
-        node_name="stolen",
-        controller_url=f"127.0.0.1:{ctl.grpc_port}",
-        enrollment_token=token,
-        heartbeat_interval=0.2,
-        backoff_initial=0.05,
-        backoff_max=0.2,
-    )
     handler = SlowWords(words=400, delay=0.02)
-    session = AgentSession(config, handler)
+    session = agent_holding_model(ctl, tmp_path, handler, name="stolen", backoff_max=0.2)
     run = asyncio.create_task(session.run())
     await session.wait_for_state(AgentState.READY, timeout=20)
     node_id = str(session.node_id)
@@ -111,16 +81,7 @@ async def test_dacp_nodes_revoke_closes_the_stream_of_a_running_controller(
     await session.open()
     session.start_heartbeats(0.2)
     await until(lambda: ctl.services.connections.is_connected(enrolled.node_id), 10)
-    env = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}"}
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "interfaces.cli", "nodes", "revoke", "cli-revoked"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = await dacp(pg_schema, "nodes", "revoke", "cli-revoked")
     assert done.returncode == 0, done.stderr
     assert "revoked node cli-revoked" in done.stdout
     took = await until(lambda: not ctl.services.connections.is_connected(enrolled.node_id), 10)

@@ -5,30 +5,20 @@ ACCESS_REFUSED) and `dacp diagnose NAME`, even for a node that never got in."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import TEST_DATABASE_URL, controller_settings
+from interfaces.controller_main import RunningController
 from tests.faults.waiting import until
 from tests.integration.control_client import RawSession, control_target, enroll
+from tests.security.conftest import dacp
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    async with controller(controller_settings(pg_schema, tmp_path)) as running:
-        yield running
 
 
 async def test_a_refused_enrollment_is_listed_and_diagnosed(
@@ -59,16 +49,7 @@ async def test_a_refused_enrollment_is_listed_and_diagnosed(
         assert 'dacp_http_auth_failures_total{api="admin",status="401"} 1.0' in metrics
         assert 'dacp_http_auth_failures_total{api="inference",status="401"} 1.0' in metrics
         assert len(await listed()) == 1
-    env = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}"}
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "interfaces.cli", "diagnose", "intruder"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = await dacp(pg_schema, "diagnose", "intruder")
     assert done.returncode == 2 and "unknown node intruder" in done.stderr
     assert "refused attempts" in done.stdout and "enrollment from 127.0.0.1" in done.stdout
 
@@ -85,16 +66,7 @@ async def test_a_refused_stream_of_a_known_node_is_in_its_diagnosis(
     with pytest.raises(grpc.aio.AioRpcError):
         await stolen.open()
     await until(lambda: ctl.services.read_model.list_refusals(node_id=enrolled.node_id), 10)
-    env = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}"}
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "interfaces.cli", "diagnose", "known"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = await dacp(pg_schema, "diagnose", "known")
     assert done.returncode == 0, done.stderr
     assert "control stream from 127.0.0.1" in done.stdout
     assert "wrong credential" in done.stdout

@@ -3,12 +3,7 @@ expired or reused token enrolls nobody; multi-use is an explicit choice, recorde
 
 from __future__ import annotations
 
-import asyncio
-import os
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,18 +11,12 @@ import httpx
 import orjson
 import pytest
 
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import TEST_DATABASE_URL, controller_settings
+from interfaces.controller_main import RunningController
 from tests.integration.control_client import control_target, enroll
+from tests.security.conftest import dacp
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    async with controller(controller_settings(pg_schema, tmp_path)) as running:
-        yield running
 
 
 async def _refused(ctl: RunningController, token: str, name: str) -> grpc.aio.AioRpcError:
@@ -73,34 +62,21 @@ async def test_tokens_are_listed_and_a_revoked_one_enrolls_nobody(ctl: RunningCo
 
 async def test_dacp_token_create_list_and_revoke(ctl: RunningController, pg_schema: str) -> None:
     env = {
-        **os.environ,
-        "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={pg_schema}",
         "NODE_ENROLLMENT_SECRET": "test-enrollment-secret",
         "DACP_VAR_DIR": str(ctl.services.settings.var_dir),  # the controller's CA
     }
-
-    def dacp(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "interfaces.cli", *argv],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    created = await asyncio.to_thread(dacp, "token", "create", "--json")
+    created = await dacp(pg_schema, "token", "create", "--json", **env)
     assert created.returncode == 0, created.stderr
     minted = orjson.loads(created.stdout)
     assert minted["single_use"] is True and 3590 < minted["expires_at"] - time.time() <= 3600
     ctl.services.follower.wait(ctl.services.app.position(), timeout=5)
-    listing = await asyncio.to_thread(dacp, "token", "list")
+    listing = await dacp(pg_schema, "token", "list")
     assert listing.returncode == 0, listing.stderr
     [line] = [ln for ln in listing.stdout.splitlines() if ln.startswith(minted["token_id"])]
     assert line.split()[-1] == "valid" and " cli " in line
-    revoked = await asyncio.to_thread(dacp, "token", "revoke", minted["token_id"])
+    revoked = await dacp(pg_schema, "token", "revoke", minted["token_id"])
     assert revoked.returncode == 0, revoked.stderr
     refused = await _refused(ctl, minted["token"], "too-late")
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-    missing = await asyncio.to_thread(dacp, "token", "revoke", "0123abcd")
+    missing = await dacp(pg_schema, "token", "revoke", "0123abcd")
     assert missing.returncode == 2 and "unknown enrollment token" in missing.stderr
