@@ -1046,6 +1046,8 @@ def report(result: dict[str, Any], runs: Sequence[PathRun]) -> str:
         f"machine: {machine_line(result['machine'])}",
         f"{settings['prompts']} prompts x max_tokens {settings['max_tokens']}, temperature 0, "
         f"seed {settings['seed']}; interleaved {settings['order']}",
+        "control channel: gRPC over TLS (the local cluster's own CA, pinned by each agent); "
+        "API: plain HTTP on loopback",
         "",
         results_table(runs),
     ]
