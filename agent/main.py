@@ -118,10 +118,31 @@ def private_ipv4_addresses() -> list[str]:
     return preferred + others
 
 
-def default_advertise_address() -> str:
-    """The first non-loopback private IPv4 address, else 127.0.0.1 (single-machine setups)."""
+def default_advertise_address(controller_url: str | None = None) -> str:
+    """The address this machine reaches the controller from (what the controller sees, and
+    checks at enrollment), when it is private or loopback; else the first non-loopback private
+    IPv4 address, else 127.0.0.1 (single-machine setups)."""
+    route = _route_address(controller_url) if controller_url else None
+    if route is not None:
+        return route
     candidates = private_ipv4_addresses()
     return candidates[0] if candidates else "127.0.0.1"
+
+
+def _route_address(controller_url: str) -> str | None:
+    """The local address the kernel picks to reach the controller (no packet is sent: a UDP
+    socket is only connected)."""
+    try:
+        try:
+            target = parse_controller_url(controller_url)
+        except ConfigError:  # grpc://, which is for --insecure: only the address matters here
+            target = parse_controller_url(controller_url, insecure=True)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target.host, target.port))
+            local = ipaddress.IPv4Address(probe.getsockname()[0])
+    except (ConfigError, OSError, ValueError):
+        return None
+    return str(local) if local.is_private or local.is_loopback else None
 
 
 # ---------------------------------------------------------------------------
@@ -350,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stored_controller_url(data_dir: Path) -> str | None:
+    try:
+        identity = load_identity(data_dir)
+    except IdentityFileError:
+        return None
+    return identity.controller_url if identity else None
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     labels = dict(args.label)
     for reserved in sorted(RESERVED_LABELS & labels.keys()):
@@ -362,7 +391,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         controller_url=args.controller_url,
         enrollment_token=args.enrollment_token,
         models_dir=Path(args.models_dir).expanduser() if args.models_dir else None,
-        advertise_address=args.advertise_address or default_advertise_address(),
+        advertise_address=args.advertise_address
+        or default_advertise_address(args.controller_url or _stored_controller_url(data_dir)),
         rpc_port=args.rpc_port,
         labels=labels,
         slots=args.slots,
