@@ -192,18 +192,21 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             )
         inv = request.inventory
         address = inv.advertised_address or source
-        violation = self._address_violation(address, source)
-        if violation is not None:
-            await self._refuse(
-                context,
-                ENROLL,
-                source,
-                grpc.StatusCode.PERMISSION_DENIED,
-                violation,
-                node_name=name,
-                security_violation=True,
-            )
         try:
+            # The token first (no store needed): a caller without one learns nothing of the
+            # address rules.
+            self.enrollment.verify(request.enrollment_token, name, self.clock())
+            violation = self._address_violation(address, source)
+            if violation is not None:
+                await self._refuse(
+                    context,
+                    ENROLL,
+                    source,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    violation,
+                    node_name=name,
+                    security_violation=True,
+                )
             enrolled = await asyncio.to_thread(
                 self.enrollment.enroll,
                 token=request.enrollment_token,
