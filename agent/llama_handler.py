@@ -60,7 +60,7 @@ import httpx
 
 from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
 from agent.control_handler import Send, job_failure, setup_failure, worker_status
-from agent.endpoints import validate_rpc_bind_host
+from agent.endpoints import free_loopback_port, validate_rpc_bind_host
 from agent.job_messages import (
     AGENT_STOPPING,
     CANCELLED,
@@ -80,6 +80,7 @@ from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, ServerSpec
 from agent.managed_child import ProcessExit
 from agent.plan_model import PlanModels
+from agent.rpc_guard import RpcGuard
 from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
@@ -90,6 +91,8 @@ from proto import control_pb2 as pb
 log = logging.getLogger(__name__)
 
 _BUSY_POLL_SECONDS = 0.05
+#: Where RPC workers listen: only their guard (agent/rpc_guard.py) faces the network.
+LOOPBACK = "127.0.0.1"
 _FINISHED = "finished"  # _Job.phase once its final message is being sent
 
 # ---------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class LlamaHandler:
             binaries, self.log_dir, on_exit=self._on_child_exit, start_timeout=start_timeout
         )
         self._jobs: dict[str, _Job] = {}
+        #: The guard in front of this node's RPC worker (the worker listens on loopback).
+        self._guard: RpcGuard | None = None
         self._worker_lock = threading.Lock()
         # Jobs holding the llama-server (from setup until their generation ends) and its spec.
         self._server_users = 0
@@ -162,27 +167,68 @@ class LlamaHandler:
         return list(self._jobs)
 
     async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
+        """Starts (or reuses) the RPC worker behind its guard: ``ggml-rpc-server`` on
+        loopback, the guard on ``msg.host:msg.port`` letting in ``msg.allowed_peers`` only
+        (:mod:`agent.rpc_guard`)."""
         self._attach(send)
         port = msg.port or self.rpc_port
         try:
             if self._closed:
                 raise LlamaRuntimeError("agent is stopping")
+            bind = validate_rpc_bind_host(msg.host, allow_public=self.allow_public_rpc)
             self._workers_starting += 1
             try:
-                worker = await asyncio.to_thread(self._ensure_rpc_worker, msg.host, port)
+                guard = await self._ensure_guarded_worker(bind, port)
             finally:
                 self._workers_starting -= 1
-        except (LlamaRuntimeError, ValueError) as exc:
+        except (LlamaRuntimeError, ValueError, OSError) as exc:
             log.warning("job %s: RPC worker on %s:%s failed: %s", msg.job_id, msg.host, port, exc)
             failed = pb.RpcWorkerStatus.FAILED
             await send(worker_status(msg.job_id, failed, msg.host, port, str(exc)))
             return
-        log.info("job %s: RPC worker ready on %s (pid %s)", msg.job_id, worker.endpoint, worker.pid)
-        await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, worker.host, worker.port))
+        guard.allow(tuple(msg.allowed_peers))
+        log.info(
+            "job %s: RPC worker ready on %s for %s",
+            msg.job_id,
+            guard.endpoint,
+            ", ".join(sorted(guard.allowed)) or "nobody",
+        )
+        await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, guard.host, guard.port))
+
+    async def _ensure_guarded_worker(self, bind: str, port: int) -> RpcGuard:
+        """The guard on ``bind:port`` with a live worker behind it (a new pair replaces an
+        old one on another address)."""
+        guard = self._guard
+        if guard is not None and (guard.host, guard.port) != (bind, port):
+            log.info("replacing RPC worker %s with %s:%s", guard.endpoint, bind, port)
+            await self._stop_guarded_worker()
+            guard = None
+        backend = guard.backend[1] if guard is not None else free_loopback_port()
+        await asyncio.to_thread(self._ensure_rpc_worker, LOOPBACK, backend)
+        if guard is None:
+            guard = RpcGuard(bind, port, (LOOPBACK, backend), allow_public=self.allow_public_rpc)
+            await guard.start()
+            self._guard = guard
+        return guard
+
+    async def _stop_guarded_worker(self) -> list[tuple[str, int]]:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.close()
+        stopped = await asyncio.to_thread(self._stop_rpc_workers)
+        return [(guard.host, guard.port)] if guard is not None else stopped
+
+    @property
+    def rpc_worker(self) -> RpcWorker | None:
+        """The running ``ggml-rpc-server`` behind the guard, if any."""
+        guard = self._guard
+        if guard is None:
+            return None
+        return self.runtime.rpc_workers.get(f"{guard.backend[0]}:{guard.backend[1]}")
 
     async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
         self._attach(send)
-        stopped = await asyncio.to_thread(self._stop_rpc_workers)
+        stopped = await self._stop_guarded_worker()
         host, port = stopped[0] if stopped else ("", 0)
         log.info("job %s: RPC worker stopped (%s)", msg.job_id, stopped or "none was running")
         await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, host, port))
@@ -237,6 +283,9 @@ class LlamaHandler:
         await asyncio.gather(*tasks, return_exceptions=True)
         for background in list(self._background):
             background.cancel()
+        if self._guard is not None:
+            await self._guard.close()
+            self._guard = None
         await asyncio.to_thread(self.runtime.close)
         if self._http is not None:
             await self._http.aclose()
@@ -477,7 +526,9 @@ class LlamaHandler:
             return  # the job using it reports the crash in its JobResult
         if info.role == RpcWorker.role and self._workers_starting > 0:
             return  # RpcWorkerStatus FAILED reports it
-        message = f"{info.error()} (log: {info.log_path})"
+        guard = self._guard
+        behind = f" (behind {guard.endpoint})" if info.role == RpcWorker.role and guard else ""
+        message = f"{info.error()}{behind} (log: {info.log_path})"
         fault = pb.AgentMessage(runtime_fault=pb.RuntimeFault(message=message, fatal=False))
         task = asyncio.create_task(_send_one(send, fault))
         self._background.add(task)

@@ -407,8 +407,10 @@ class JobManager:
         if multi:
             run.worker_futures = {n.node_id: loop.create_future() for n in plan.nodes}
             for node in plan.nodes:
+                # Only the primary's llama-server may reach the workers (their agents' guard).
+                allowed = (plan.primary.address,)
                 if not self.gateway.start_rpc_worker(
-                    node.node_id, run.job_id, node.address, node.rpc_port
+                    node.node_id, run.job_id, node.address, node.rpc_port, allowed
                 ):
                     return f"node {self._label(node.node_id)} is not connected", node.node_id
             for node_id, future in run.worker_futures.items():

@@ -31,10 +31,13 @@ class ProtoAgentGateway:
     def is_connected(self, node_id: str) -> bool:
         return self.connections.is_connected(node_id)
 
-    def start_rpc_worker(self, node_id: str, job_id: str, host: str, port: int) -> bool:
-        message = pb.ControllerMessage(
-            start_rpc_worker=pb.StartRpcWorker(job_id=job_id, host=host, port=port)
+    def start_rpc_worker(
+        self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
+    ) -> bool:
+        start = pb.StartRpcWorker(
+            job_id=job_id, host=host, port=port, allowed_peers=list(allowed_peers)
         )
+        message = pb.ControllerMessage(start_rpc_worker=start)
         return self.connections.send(node_id, message)
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:

@@ -369,14 +369,16 @@ class ExecutionPlan(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
 
 class StartRpcWorker(_message.Message):
-    __slots__ = ("job_id", "host", "port")
+    __slots__ = ("job_id", "host", "port", "allowed_peers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_PEERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     host: str
     port: int
-    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    allowed_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopRpcWorker(_message.Message):
     __slots__ = ("job_id",)

@@ -158,7 +158,8 @@ def assert_streamed_job(sent: Collector, job_id: str) -> pb.JobResult:
 
 async def start_worker(handler: LlamaHandler, sent: Collector, job_id: str, port: int) -> None:
     await handler.on_start_rpc_worker(
-        pb.StartRpcWorker(job_id=job_id, host="127.0.0.1", port=port), sent
+        pb.StartRpcWorker(job_id=job_id, host="127.0.0.1", port=port, allowed_peers=["127.0.0.1"]),
+        sent,
     )
     status = sent.of("rpc_worker_status", job_id)[-1].rpc_worker_status
     assert (status.state, status.host, status.port, status.error) == (
@@ -197,7 +198,9 @@ async def test_two_node_split_plan_reuses_the_warm_server(make_handler: HandlerF
         job = f"split-{n}"
         await start_worker(primary, sent_primary, job, port_a)
         await start_worker(other, sent_other, job, port_b)
-        worker_pids.append(other.runtime.rpc_workers[f"127.0.0.1:{port_b}"].pid)
+        worker = other.rpc_worker  # behind its guard on 127.0.0.1:port_b
+        assert worker is not None and worker.port != port_b
+        worker_pids.append(worker.pid)
 
         await primary.on_plan(make_plan(job, peers=peers, split=[0.5, 0.5]), sent_primary)
 
@@ -216,7 +219,8 @@ async def test_two_node_split_plan_reuses_the_warm_server(make_handler: HandlerF
 
     # A worker that dies while idle is reported; the primary's warm server lost its link to
     # it, so once the worker is back the next plan gets a fresh llama-server that works.
-    worker_b = other.runtime.rpc_workers[f"127.0.0.1:{port_b}"]
+    worker_b = other.rpc_worker
+    assert worker_b is not None
     worker_b.kill()
     await sent_other.wait_for(lambda: bool(sent_other.of("runtime_fault")), what="RuntimeFault")
     fault = sent_other.of("runtime_fault")[0].runtime_fault

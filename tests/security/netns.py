@@ -36,6 +36,8 @@ class Namespace:
             _ip("-n", name, "addr", "add", f"{inside}/30", "dev", ns_link)
             _ip("-n", name, "link", "set", ns_link, "up")
             _ip("-n", name, "link", "set", "lo", "up")
+            # Everything else through this namespace: the test's other namespaces too.
+            _ip("-n", name, "route", "add", "default", "via", outside)
         except BaseException:
             subprocess.run(["ip", "link", "del", host_link], capture_output=True, check=False)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)

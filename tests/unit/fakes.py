@@ -90,6 +90,8 @@ class FakeAgentGateway:
 
     disconnected: set[str] = field(default_factory=set)
     workers: list[tuple[str, str]] = field(default_factory=list)  # (node, job)
+    #: The addresses each worker start let in (the plan's primary).
+    allowed_peers: list[tuple[str, ...]] = field(default_factory=list)
     primaries: list[tuple[str, PrimaryAssignment]] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
@@ -100,8 +102,11 @@ class FakeAgentGateway:
     def is_connected(self, node_id: str) -> bool:
         return node_id not in self.disconnected
 
-    def start_rpc_worker(self, node_id: str, job_id: str, host: str, port: int) -> bool:
+    def start_rpc_worker(
+        self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
+    ) -> bool:
         self.workers.append((node_id, job_id))
+        self.allowed_peers.append(allowed_peers)
         self.worker_asked.set()
         return self.is_connected(node_id)
 

@@ -118,6 +118,9 @@ async def test_a_split_server_serves_its_slots_with_its_workers_shared() -> None
     assert plans[0].parallel == 4 and plans[0].node_ids == (cluster.node_ids[0], worker)
     assert len(cluster.app.get_node(worker).jobs) == 4  # one server's four slots, not four
     assert count(cluster, "JOB_QUEUED") == 0
+    # Every worker start lets in the primary's address alone (the agent's RPC guard).
+    primary_address = cluster.app.get_node(cluster.node_ids[0]).address
+    assert set(cluster.gateway.allowed_peers) == {(primary_address,)}
 
 
 async def test_memory_bounds_the_slots_of_a_server() -> None:
