@@ -143,3 +143,9 @@ def agent_holding_model(
         **settings,
     )
     return AgentSession(agent_config, handler)
+
+
+def serves_model(ctl: RunningController) -> bool:
+    """Whether a node can take a job for model ``m``: eligible, with the file reported (the
+    report lands a moment after the node is READY)."""
+    return any(row["local_models"] for row in ctl.services.read_model.eligibility())

@@ -30,6 +30,7 @@ from tests.faults.streams import (
     agent_holding_model,
     events,
     recorded_seqs,
+    serves_model,
     stream_completion,
 )
 from tests.faults.tcp_proxy import TcpProxy
@@ -106,7 +107,7 @@ async def streaming(
     )
     task = asyncio.create_task(agent.run())
     await agent.wait_for_state(AgentState.READY, timeout=15)
-    await until(lambda: len(ctl.services.read_model.eligibility()) == 1, 10)
+    await until(lambda: serves_model(ctl), 10)
     yield agent, handler
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

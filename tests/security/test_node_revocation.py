@@ -18,7 +18,7 @@ from agent.agent_config import IdentityRejected
 from agent.control_client import AgentState
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController
-from tests.faults.streams import SlowWords, agent_holding_model, stream_completion
+from tests.faults.streams import SlowWords, agent_holding_model, serves_model, stream_completion
 from tests.faults.waiting import until
 from tests.integration.control_client import RawSession, control_target, enroll
 from tests.security.conftest import dacp
@@ -41,7 +41,7 @@ async def test_a_revoked_node_loses_its_job_its_stream_and_its_credential(
     run = asyncio.create_task(session.run())
     await session.wait_for_state(AgentState.READY, timeout=20)
     node_id = str(session.node_id)
-    await until(lambda: len(ctl.services.read_model.eligibility()) == 1, 10)
+    await until(lambda: serves_model(ctl), 10)
     client = asyncio.create_task(stream_completion(f"http://127.0.0.1:{ctl.http_port}"))
     await until(lambda: handler.sent >= 10, 15)
 
