@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, keepalive
+from proto import DEFAULT_ALLOWED_PEER_CIDRS, MEMORY_LIMIT_LABEL, SLOTS_LABEL, keepalive
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ class AgentConfig:
     models_dir: Path | None = None  # None: <data_dir>/models
     advertise_address: str = "127.0.0.1"
     rpc_port: int = DEFAULT_RPC_PORT
+    #: Where the primaries that may reach this node's RPC worker can be (the controller names
+    #: them; the agent checks its own list too).
+    allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
     labels: dict[str, str] = field(default_factory=dict)
     slots: int = DEFAULT_SLOTS
     llama_bin_dir: Path | None = None

@@ -43,4 +43,5 @@ def build_handler(config: AgentConfig) -> ControlHandler:
         log_dir=config.resolved_runtime_log_dir,
         slots=config.slots,
         rpc_port=config.rpc_port,
+        allowed_peer_cidrs=config.allowed_peer_cidrs,
     )

@@ -1,6 +1,6 @@
-"""Where ``llama-server`` and ``ggml-rpc-server`` are: a flag, then ``$DACP_LLAMA_BIN_DIR``, then
-the build cache written by ``python -m ops.build_llama`` (recomputed here: agent code never
-imports ``ops``)."""
+"""Where ``llama-server``, ``ggml-rpc-server`` and the RPC accept filter are: a flag, then
+``$DACP_LLAMA_BIN_DIR``, then the build cache written by ``python -m ops.build_llama``
+(recomputed here: agent code never imports ``ops``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.rpc_filter import ACCEPT_FILTER_NAME, filter_supported
 from agent.runtime_errors import RuntimeMissingError
 
 LLAMA_DIST_VERSION = "11434.0.0"
@@ -29,6 +30,8 @@ class RuntimeBinaries:
     bin_dir: Path
     llama_server: Path
     rpc_server: Path
+    #: The RPC accept filter (:mod:`agent.rpc_filter`), when it was built and can be used here.
+    accept_filter: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -67,8 +70,14 @@ def find_binaries(explicit_dir: str | os.PathLike[str] | None = None) -> Runtime
     rpc_server = _find_executable(bin_dir, RPC_SERVER_NAMES)
     if rpc_server is None:
         raise RuntimeMissingError(f"ggml-rpc-server not found in {bin_dir} (from {source}); {hint}")
+    accept_filter = bin_dir / ACCEPT_FILTER_NAME
     return RuntimeBinaries(
-        bin_dir=bin_dir.resolve(), llama_server=llama_server, rpc_server=rpc_server
+        bin_dir=bin_dir.resolve(),
+        llama_server=llama_server,
+        rpc_server=rpc_server,
+        accept_filter=accept_filter.resolve()
+        if filter_supported() and accept_filter.is_file()
+        else None,
     )
 
 

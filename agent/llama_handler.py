@@ -3,9 +3,10 @@
 Downlink messages and what this handler does with them:
 
 * ``StartRpcWorker{host, port, allowed_peers}`` — make sure the node's single
-  ``ggml-rpc-server`` runs on loopback behind a guard on exactly ``host:port`` that lets in
-  ``allowed_peers`` only (``agent/rpc_host.py``, ``agent/rpc_guard.py``; reused when already
-  alive there; a dead one or one on another address is replaced) and answer
+  ``ggml-rpc-server`` runs on exactly ``host:port`` and lets in ``allowed_peers`` only (its
+  accept filter, ``agent/rpc_filter.py``, or where that cannot load the copying guard,
+  ``agent/rpc_guard.py``; see ``agent/rpc_host.py``; reused when already alive there; a dead
+  one or one on another address is replaced) and answer
   ``RpcWorkerStatus`` ``STARTED`` or ``FAILED`` with the reason (a wildcard or public bind
   address is refused). The worker keeps running across jobs so a warm ``llama-server`` on a
   primary keeps its connection. ``StopRpcWorker`` stops it (``STOPPED``).
@@ -54,6 +55,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,12 +84,12 @@ from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, Serve
 from agent.managed_child import ProcessExit
 from agent.plan_model import PlanModels
 from agent.rpc_guard import RpcGuard
-from agent.rpc_host import RpcWorkerHost
+from agent.rpc_host import RpcWorkerHost, WorkerGate
 from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
 from agent.runtime_errors import ContextTooLong, LlamaRuntimeError, RuntimeCrashedError
-from proto import CONTEXT_LENGTH_EXCEEDED
+from proto import CONTEXT_LENGTH_EXCEEDED, DEFAULT_ALLOWED_PEER_CIDRS
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ class LlamaHandler(RpcWorkerHost):
         rpc_threads: int | None = None,
         server_threads: int | None = None,
         allow_public_rpc: bool = False,
+        allowed_peer_cidrs: Sequence[str] = DEFAULT_ALLOWED_PEER_CIDRS,
         probe_timeout: float = 2.0,
         start_timeout: float = 180.0,
         busy_timeout: float = 30.0,
@@ -139,14 +142,15 @@ class LlamaHandler(RpcWorkerHost):
         self.rpc_threads = rpc_threads
         self.server_threads = server_threads
         self.allow_public_rpc = allow_public_rpc
+        self.allowed_peer_cidrs = tuple(allowed_peer_cidrs)
         self.probe_timeout = probe_timeout
         self.busy_timeout = busy_timeout
         self.runtime = RuntimeManager(
             binaries, self.log_dir, on_exit=self._on_child_exit, start_timeout=start_timeout
         )
         self._jobs: dict[str, _Job] = {}
-        #: The guard in front of this node's RPC worker (the worker listens on loopback).
-        self._guard: RpcGuard | None = None
+        #: Who may reach this node's RPC worker (:mod:`agent.rpc_host`).
+        self._guard: WorkerGate | None = None
         self._worker_lock = threading.Lock()
         # Jobs holding the llama-server (from setup until their generation ends) and its spec.
         self._server_users = 0
@@ -439,7 +443,8 @@ class LlamaHandler(RpcWorkerHost):
         if info.role == RpcWorker.role and self._workers_starting > 0:
             return  # RpcWorkerStatus FAILED reports it
         guard = self._guard
-        behind = f" (behind {guard.endpoint})" if info.role == RpcWorker.role and guard else ""
+        copying = isinstance(guard, RpcGuard) and info.role == RpcWorker.role
+        behind = f" (behind {guard.endpoint})" if copying and guard is not None else ""
         message = f"{info.error()}{behind} (log: {info.log_path})"
         fault = pb.AgentMessage(runtime_fault=pb.RuntimeFault(message=message, fatal=False))
         task = asyncio.create_task(_send_one(send, fault))

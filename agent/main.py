@@ -38,7 +38,7 @@ from agent.control_client import run_agent
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
 from infrastructure import event_loop
-from proto import SLOTS_LABEL
+from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
 
 PROG = "node-agent"
 EXIT_OK = 0
@@ -211,6 +211,18 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _cidrs(text: str) -> tuple[str, ...]:
+    cidrs = tuple(c.strip() for c in text.split(",") if c.strip())
+    if not cidrs:
+        raise argparse.ArgumentTypeError("expected at least one CIDR, e.g. 192.168.1.0/24")
+    for cidr in cidrs:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a CIDR: {cidr!r}") from None
+    return cidrs
+
+
 def _ip_address(text: str) -> str:
     try:
         return str(ipaddress.ip_address(text.strip()))
@@ -287,6 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=DEFAULT_RPC_PORT,
         help="ggml-rpc-server port on this node (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--allowed-peer-cidrs",
+        type=_cidrs,
+        default=os.environ.get("ALLOWED_PEER_CIDRS") or ",".join(DEFAULT_ALLOWED_PEER_CIDRS),
+        metavar="CIDR[,CIDR...]",
+        help=(
+            "where primaries allowed to use this node's RPC worker may be; a primary the "
+            "controller names outside them is not let in (default: private and loopback "
+            "ranges; env ALLOWED_PEER_CIDRS)"
+        ),
     )
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="GGUF models (default: <data-dir>/models)"
@@ -394,6 +417,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         advertise_address=args.advertise_address
         or default_advertise_address(args.controller_url or _stored_controller_url(data_dir)),
         rpc_port=args.rpc_port,
+        allowed_peer_cidrs=args.allowed_peer_cidrs,
         labels=labels,
         slots=args.slots,
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,

@@ -1,4 +1,5 @@
-"""``ggml-rpc-server``, bound to one private address."""
+"""``ggml-rpc-server``, bound to one private address (with its accept filter, when given:
+:mod:`agent.rpc_filter`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
+
 from agent.agent_config import DEFAULT_RPC_PORT
-from agent.endpoints import port_is_free, probe_tcp, validate_rpc_bind_host
+from agent.endpoints import port_is_free, validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
+from agent.rpc_filter import PeerFilter
 from agent.runtime_errors import PortInUseError
 
 log = logging.getLogger(__name__)
@@ -36,8 +40,12 @@ class RpcWorker(ManagedChild):
         allow_public: bool = False,
         on_exit: ExitCallback | None = None,
         env: Mapping[str, str] | None = None,
+        accept_filter: PeerFilter | None = None,
     ) -> None:
+        if accept_filter is not None:
+            env = {**(env or {}), **accept_filter.env()}
         super().__init__(log_dir=log_dir, on_exit=on_exit, env=env)
+        self.accept_filter = accept_filter
         if not 0 < port < 65536:
             raise ValueError(f"invalid RPC port {port}")
         if threads is not None and threads < 1:
@@ -61,7 +69,11 @@ class RpcWorker(ManagedChild):
         return argv
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start and wait until the worker accepts TCP connections."""
+        """Start and wait until the worker listens (and its accept filter is loaded).
+
+        Readiness is read from the process's own sockets, not probed with a connection: a
+        probe would be one more client for a worker that serves one at a time, and one its
+        filter refuses."""
         if self.alive:
             return
         if not port_is_free(self.host, self.port):
@@ -71,13 +83,34 @@ class RpcWorker(ManagedChild):
         while True:
             if not self.alive:
                 raise self._start_failure(f"{describe_exit(self.exit_code)} during startup")
-            if probe_tcp(self.host, self.port, timeout=0.5):
-                # a probe answered by someone else would race our bind; make sure we are alive
-                time.sleep(0.05)
-                if self.alive:
-                    return
-                continue
+            if self._listening():
+                self._check_filter()
+                return
             if time.monotonic() >= deadline:
                 self.stop()
                 raise self._start_failure(f"did not accept connections within {timeout:.0f}s")
             time.sleep(0.1)
+
+    def _listening(self) -> bool:
+        pid = self.pid
+        if pid is None:
+            return False
+        try:
+            sockets = psutil.Process(pid).net_connections(kind="tcp4")
+        except psutil.Error:
+            return False
+        return any(
+            s.status == psutil.CONN_LISTEN and tuple(s.laddr) == (self.host, self.port)
+            for s in sockets
+        )
+
+    def _check_filter(self) -> None:
+        """A worker whose filter did not load would serve anyone: stopped, never used."""
+        pid = self.pid
+        if self.accept_filter is None or pid is None:
+            return
+        try:
+            self.accept_filter.verify(pid)
+        except RuntimeError as exc:
+            self.stop()
+            raise self._start_failure(f"refused: {exc}") from exc

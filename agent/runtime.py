@@ -30,6 +30,7 @@ from agent.endpoints import validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import LlamaServer, ServerSpec
 from agent.managed_child import ExitCallback
+from agent.rpc_filter import PeerFilter
 from agent.rpc_worker import RpcWorker
 from agent.runtime_errors import LlamaRuntimeError
 
@@ -123,9 +124,11 @@ class RuntimeManager:
         *,
         threads: int | None = None,
         allow_public: bool = False,
+        accept_filter: PeerFilter | None = None,
         timeout: float = 30.0,
     ) -> RpcWorker:
-        """Start (or return the already running) RPC worker on ``host:port``."""
+        """Start (or return the already running) RPC worker on ``host:port`` (letting in only
+        the peers of ``accept_filter``, when given)."""
         bind_host = validate_rpc_bind_host(host, allow_public=allow_public)
         with self._workers_lock:
             if self._closed:
@@ -143,6 +146,7 @@ class RuntimeManager:
                 allow_public=allow_public,
                 on_exit=self._on_exit,
                 env=self._env,
+                accept_filter=accept_filter,
             )
             worker.start(timeout=timeout)
             self._workers[key] = worker

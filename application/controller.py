@@ -314,6 +314,10 @@ class Controller(Application[UUID]):
     def rpc_worker_started(self, node_id: UUID | str, job_id: str, host: str, port: int) -> int:
         return self._node_command(node_id, lambda n: n.rpc_worker_started(job_id, host, port))
 
+    def retire_runtime(self, node_id: UUID | str, key: str, idle_seconds: float) -> int:
+        """NODE_RUNTIME_RETIRED: the node no longer serves the idle runtime ``key``."""
+        return self._node_command(node_id, lambda n: n.retire_runtime(key, idle_seconds))
+
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
         return self._node_command(node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
 

@@ -45,6 +45,8 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
             "slots": event.slots,
             "current_jobs": [],
             "runtime": None,
+            #: When the node's last job ended (None while it holds one).
+            "idle_since": at,
             "rpc_workers": {},
             "drain_requested": False,
             "drained": False,
@@ -93,12 +95,18 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
         new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
     elif isinstance(event, Node.SecurityViolation):
         new["security_violations"] = row["security_violations"] + 1
+    elif isinstance(event, Node.RuntimeRetired):
+        new["runtime"] = None
+        new["rpc_workers"] = {}
     elif isinstance(event, Node.JobAssigned):
         new["current_jobs"] = sorted({*row["current_jobs"], event.job_id})
         new["runtime"] = event.runtime
+        new["idle_since"] = None
     elif isinstance(event, Node.JobReleased):
         new["current_jobs"] = [j for j in row["current_jobs"] if j != event.job_id]
         new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
+        if not new["current_jobs"]:
+            new["idle_since"] = at
     return new
 
 

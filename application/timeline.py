@@ -217,6 +217,9 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"job {short(p.get('job_id'))} worker at {p.get('host')}:{p.get('port')}"
     ),
     "RPC_WORKER_STOPPED": lambda p: f"job {short(p.get('job_id'))}: {p.get('reason')}",
+    "NODE_RUNTIME_RETIRED": lambda p: (
+        f"runtime {p.get('runtime_key')} retired after {p.get('idle_seconds')} s idle"
+    ),
     "SECURITY_VIOLATION": _violation,
     "NODE_MESSAGE_REJECTED": lambda p: (
         f"{p.get('kind')} rejected"

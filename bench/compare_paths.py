@@ -9,7 +9,9 @@ Paths (all serve the cached SmolLM2-135M GGUF, all are streamed with the same Op
   is split over two nodes via llama.cpp RPC;
 * ``c``  -- one ``llama-server`` split over local ``ggml-rpc-server`` processes with the same
   ``--tensor-split`` (and context, layers, threads) the ``b2`` primary was started with, read
-  from its log: the like-for-like direct baseline for ``b2``.
+  from its log: the like-for-like direct baseline for ``b2``;
+* ``cg`` -- ``c`` with each ``ggml-rpc-server`` gated as an agent gates it (the accept filter of
+  ``agent/rpc_filter.py``, letting in 127.0.0.1 only): ``cg/c`` is the gate's own cost.
 
 ``a`` likewise mirrors the settings of the ``b1`` agent's ``llama-server``. Each path gets one
 warm-up request (not counted; its time to first token includes any model load), then the
@@ -50,6 +52,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from agent import llama_binaries, llama_server, managed_child, rpc_worker, runtime_errors
 from agent.endpoints import free_loopback_port
+from agent.rpc_filter import PeerFilter
 from bench import stats
 from ops import paths
 from ops.local_cluster import (
@@ -60,12 +63,14 @@ from ops.local_cluster import (
     LocalCluster,
 )
 
-PATH_ORDER = ("a", "b1", "c", "b2")
+LOOPBACK = "127.0.0.1"
+PATH_ORDER = ("a", "b1", "c", "cg", "b2")
 CONTROLLER_PATHS = frozenset({"b1", "b2"})
 LABELS = {
     "a": "direct llama-server, one process",
     "b1": "controller -> 1 agent (one-node plan)",
     "c": "direct llama-server split over local RPC",
+    "cg": "c, RPC workers behind the agent's accept filter",
     "b2": "controller -> 2 agents (RPC split)",
 }
 #: (numerator, denominator, meaning) -- the ratios printed, controller over direct first.
@@ -73,6 +78,7 @@ COMPARISONS = (
     ("b1", "a", "controller+agent overhead, one node"),
     ("b2", "c", "controller+agents overhead, two-node split"),
     ("c", "a", "RPC split cost without the controller"),
+    ("cg", "c", "the agent's RPC worker gate (accept filter)"),
 )
 
 PROMPTS = (
@@ -527,20 +533,29 @@ def start_direct(
     *,
     rpc_workers: int,
     rpc_threads: int | None,
+    gated: bool = False,
 ) -> None:
-    """``llama-server`` (and its RPC workers) via the agent's runtime, stopped by ``stack``."""
+    """``llama-server`` (and its RPC workers, each behind the agent's accept filter when
+    ``gated``) via the agent's runtime, stopped by ``stack``."""
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     endpoints: list[str] = []
     try:
         for _ in range(rpc_workers):
+            port = free_loopback_port()
+            gate = None
+            if gated:
+                if binaries.accept_filter is None:
+                    raise runtime_errors.RuntimeMissingError(
+                        "the RPC accept filter is not built: run python -m ops.build_llama"
+                    )
+                gate = PeerFilter(
+                    LOOPBACK, port, binaries.accept_filter, log_dir / f"peers-{port}", (LOOPBACK,)
+                )
+                gate.allow([LOOPBACK])
             worker = rpc_worker.RpcWorker(
-                binaries,
-                "127.0.0.1",
-                free_loopback_port(),
-                log_dir=log_dir,
-                threads=rpc_threads,
+                binaries, LOOPBACK, port, log_dir=log_dir, threads=rpc_threads, accept_filter=gate
             )
             stack.callback(worker.stop)
             worker.start()
@@ -771,7 +786,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--paths",
         default=",".join(PATH_ORDER),
-        help="comma-separated subset of a,b1,c,b2 (default all)",
+        help="comma-separated subset of a,b1,c,cg,b2 (default all)",
     )
     parser.add_argument(
         "--split",
@@ -921,17 +936,20 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
                 rpc_threads=None,
             )
             warm_up(runs["a"], args, var_dir / "a-direct")
-        if "c" in runs:
+        for key in ("c", "cg"):
+            if key not in runs:
+                continue
             start_direct(
                 stack,
-                runs["c"],
+                runs[key],
                 binaries,
-                var_dir / "c-direct",
+                var_dir / f"{key}-direct",
                 split,
                 rpc_workers=split.rpc_count or len(args.split_values),
                 rpc_threads=rpc_threads,
+                gated=key == "cg",
             )
-            warm_up(runs["c"], args, var_dir / "c-direct")
+            warm_up(runs[key], args, var_dir / f"{key}-direct")
 
         # 3. the measured requests, interleaved
         idle_budget_end = time.monotonic() + args.wait_idle

@@ -20,9 +20,10 @@ from application.controller import Controller
 from application.read_models import ReadModel, project_node
 from application.scheduler import Scheduler, SchedulerConfig
 from bench import stats
-from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS, ExecutionPlan, PlanNode
+from domain.placement import ExecutionPlan, PlanNode
 from domain.runtimes import runtime_of
 from infrastructure.live_state import InProcessLiveState
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "5e" * 32
 MODEL = {"name": "m", "sha256": SHA, "file_name": "m.gguf", "context_size": 2048}

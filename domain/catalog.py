@@ -25,6 +25,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.ErrorReported,
     Node.RpcWorkerStarted,
     Node.RpcWorkerStopped,
+    Node.RuntimeRetired,
     Node.SecurityViolation,
     Node.MessageRejected,
     Node.Revoked,

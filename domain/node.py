@@ -147,6 +147,16 @@ class Node(Aggregate):
         def evolve(self, node: Node) -> None:
             node.rpc_workers = {k: v for k, v in node.rpc_workers.items() if k != self.job_id}
 
+    class RuntimeRetired(Event):
+        code: ClassVar[str] = "NODE_RUNTIME_RETIRED"
+        #: The runtime (``runtime_of(plan)["key"]``) the node no longer serves.
+        runtime_key: str
+        idle_seconds: float
+
+        def evolve(self, node: Node) -> None:
+            node.runtime = None
+            node.rpc_workers = {}
+
     class SecurityViolation(Event):
         code: ClassVar[str] = "SECURITY_VIOLATION"
         address: str
@@ -396,6 +406,17 @@ class Node(Aggregate):
         if job_id not in self.rpc_workers:
             raise self._refuse("stop an RPC worker", f"no worker runs for job {job_id}")
         self.trigger_event(self.RpcWorkerStopped, state=self.state, job_id=job_id, reason=reason)
+
+    def retire_runtime(self, key: str, idle_seconds: float) -> None:
+        """The node stops serving the runtime ``key`` (its RPC worker is stopped): only when
+        it holds no job, and still serves that runtime (a job assigned meanwhile wins)."""
+        if runtime_key(self.runtime) != key:
+            raise self._refuse("retire a runtime", f"it does not serve runtime {key}")
+        if self.jobs:
+            raise self._refuse("retire a runtime", f"it holds {len(self.jobs)} job(s)")
+        self.trigger_event(
+            self.RuntimeRetired, state=self.state, runtime_key=key, idle_seconds=idle_seconds
+        )
 
     def security_violation(self, address: str, reason: str, job_id: str = "") -> None:
         self.trigger_event(

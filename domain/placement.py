@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
+
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
@@ -61,14 +63,6 @@ DEFAULT_MAX_NODES = 8
 SPLIT_RESOLUTION = 1_000_000
 """The tensor split is expressed in millionths (six decimal places)."""
 
-DEFAULT_ALLOWED_PEER_CIDRS: tuple[str, ...] = (
-    "10.0.0.0/8",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "127.0.0.0/8",
-    "::1/128",
-    "fc00::/7",
-)
 
 NO_ELIGIBLE_NODES = "NO_ELIGIBLE_NODES"
 MODEL_NOT_PRESENT = "MODEL_NOT_PRESENT"

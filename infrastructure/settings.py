@@ -13,8 +13,8 @@ from application.deadlines import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     Deadlines,
 )
-from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
-from proto import AGENT_RECEIVE_BYTES, PLAN_OVERHEAD_BYTES, keepalive
+from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
+from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 #: A request travels to its primary in one plan message, which the agent must let in.
@@ -87,6 +87,8 @@ class Settings:
     allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
     record_content: bool = True
     rpc_worker_timeout: float = 30.0
+    #: How long an RPC worker no job uses stays up for warm reuse (then StopRpcWorker).
+    rpc_worker_idle_grace: float = DEFAULT_RPC_WORKER_IDLE_GRACE
     setup_timeout: float = 120.0
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     queue_max: int = DEFAULT_QUEUE_MAX
@@ -138,6 +140,9 @@ class Settings:
             allowed_peer_cidrs=cidrs or DEFAULT_ALLOWED_PEER_CIDRS,
             record_content=_bool(env, "RECORD_CONTENT", True),
             rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", 30.0),
+            rpc_worker_idle_grace=_float(
+                env, "RPC_WORKER_IDLE_GRACE", DEFAULT_RPC_WORKER_IDLE_GRACE
+            ),
             setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
             queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
             queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
@@ -170,6 +175,10 @@ class Settings:
             raise SettingsError(
                 f"MAX_REQUEST_BYTES must be between 1024 and {MAX_REQUEST_BYTES_LIMIT} (what one "
                 f"message to an agent carries), got {settings.max_request_bytes}"
+            )
+        if settings.rpc_worker_idle_grace <= 0:
+            raise SettingsError(
+                f"RPC_WORKER_IDLE_GRACE must be positive, got {settings.rpc_worker_idle_grace}"
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")

@@ -40,6 +40,10 @@ class ProtoAgentGateway:
         message = pb.ControllerMessage(start_rpc_worker=start)
         return self.connections.send(node_id, message)
 
+    def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
+        stop = pb.StopRpcWorker(reason=reason)
+        return self.connections.send(node_id, pb.ControllerMessage(stop_rpc_worker=stop))
+
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
         params = assignment.params
         generation = pb.GenerationParams(
@@ -117,6 +121,9 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
             seq = delta.seq
         return TokensGenerated(chunk.job_id, deltas)
     job_id = getattr(message, kind).job_id if kind in _JOB_KINDS else ""
+    if kind == "rpc_worker_status" and not job_id:
+        if message.rpc_worker_status.state == pb.RpcWorkerStatus.STOPPED:
+            return None  # the answer to a retirement (NODE_RUNTIME_RETIRED is recorded)
     if kind in _JOB_KINDS and not job_id:
         return Rejection(f"a {kind} without a job id")
     if kind == "rpc_worker_status":

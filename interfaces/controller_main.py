@@ -22,6 +22,7 @@ from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
+from application.worker_reaper import WorkerReaper
 from domain.node import Node
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
@@ -51,6 +52,8 @@ RECONCILE_INTERVAL = 5.0
 DEADLINE_CHECK_INTERVAL = 0.5
 
 SWEEP_INTERVAL = 0.5
+#: How often idle RPC workers are looked for (at most half of RPC_WORKER_IDLE_GRACE).
+REAP_INTERVAL = 5.0
 
 
 @dataclass
@@ -139,6 +142,16 @@ async def _sweep_forever(monitor: HealthMonitor, jobs: JobManager) -> None:
             log.exception("health sweep failed")
 
 
+async def _reap_workers_forever(reaper: WorkerReaper) -> None:
+    while True:
+        await asyncio.sleep(min(REAP_INTERVAL, reaper.grace / 2))
+        try:
+            for node_id in await reaper.sweep(time.time()):
+                log.info("stopped the idle RPC worker of node %s", node_id)
+        except Exception:
+            log.exception("RPC worker reaper failed")
+
+
 async def start_controller(settings: Settings) -> RunningController:
     services, storage = build_services(settings)
     loop = asyncio.get_running_loop()
@@ -165,6 +178,7 @@ async def start_controller(settings: Settings) -> RunningController:
     )
     recorder = TokenChunkRecorder(services.app, settings.token_record_interval)
     recorder.start()
+    gateway = ProtoAgentGateway(services.connections)
     jobs = JobManager(
         services.app,
         Scheduler(
@@ -173,7 +187,7 @@ async def start_controller(settings: Settings) -> RunningController:
             SchedulerConfig(settings.allowed_peer_cidrs),
             catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
         ),
-        ProtoAgentGateway(services.connections),
+        gateway,
         recorder,
         worker_timeout=settings.rpc_worker_timeout,
         setup_timeout=settings.setup_timeout,
@@ -231,9 +245,11 @@ async def start_controller(settings: Settings) -> RunningController:
         HealthThresholds(settings.degraded_after, settings.offline_after),
         started_at=time.time(),
     )
+    reaper = WorkerReaper(services.app, node_views, gateway, settings.rpc_worker_idle_grace)
     tasks = [
         asyncio.create_task(http_server.serve(), name="http"),
         asyncio.create_task(_sweep_forever(monitor, jobs), name="health-sweep"),
+        asyncio.create_task(_reap_workers_forever(reaper), name="worker-reaper"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),

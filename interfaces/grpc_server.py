@@ -38,7 +38,7 @@ from domain.enrollment_token import (
     NodeMismatchError,
 )
 from domain.errors import DomainError
-from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS, address_allowed
+from domain.placement import address_allowed
 from domain.states import NodeState
 from interfaces.grpc_convert import (
     heartbeat_to_dict,
@@ -46,7 +46,7 @@ from interfaces.grpc_convert import (
     local_models_to_list,
     resources_from_report,
 )
-from proto import MAX_CONTROL_MESSAGE_BYTES, SLOTS_LABEL
+from proto import DEFAULT_ALLOWED_PEER_CIDRS, MAX_CONTROL_MESSAGE_BYTES, SLOTS_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 

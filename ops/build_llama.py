@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, filter_supported
 from ops import paths
 from ops.paths import FetchError
 
@@ -266,6 +268,36 @@ def _smoke_test(bin_dir: Path) -> None:
             raise FetchError(f"built {name} {flag} exited with status {result.returncode}")
 
 
+def ensure_accept_filter(bin_dir: Path) -> Path | None:
+    """Compiles the RPC accept filter (``agent/rpc_filter.py``) into ``bin_dir`` unless the
+    one there was built from the current source; None where it cannot be built (the agent then
+    uses its copying guard)."""
+    digest = hashlib.sha256(ACCEPT_FILTER_SOURCE.read_bytes()).hexdigest()
+    target = bin_dir / ACCEPT_FILTER_NAME
+    stamp = target.with_name(target.name + ".sha256")
+    if target.is_file() and stamp.is_file() and stamp.read_text("utf-8").strip() == digest:
+        return target
+    if not filter_supported():
+        print("the RPC accept filter needs Linux; agents here use the copying guard")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        print("no C compiler (cc, gcc or $CC): agents here use the copying RPC guard")
+        return None
+    partial = target.with_name(target.name + ".partial")
+    command = [compiler, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]
+    command += ["-o", str(partial), str(ACCEPT_FILTER_SOURCE), "-ldl"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FetchError(f"compiling the RPC accept filter failed: {detail[:200]}")
+    os.replace(partial, target)
+    stamp.write_text(digest + "\n", "utf-8")
+    print(f"built the RPC accept filter -> {target}")
+    return target
+
+
 def _elapsed(started: float) -> str:
     seconds = int(time.monotonic() - started)
     return f"{seconds // 60}m{seconds % 60:02d}s"
@@ -279,14 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-build", action="store_true", help="keep source and build tree")
     args = parser.parse_args(argv)
     try:
-        if not args.force and (cached := cached_bin_dir()) is not None:
-            print(f"llama.cpp {paths.LLAMA_DIST_VERSION} is cached in {cached}; nothing to do")
-            return 0
         with paths.cache_lock("llama-build"):
             if not args.force and (cached := cached_bin_dir()) is not None:
-                print(f"llama.cpp {paths.LLAMA_DIST_VERSION} is cached in {cached}; nothing to do")
-                return 0
-            build(jobs=args.jobs, sdist=args.sdist, keep=args.keep_build)
+                print(f"llama.cpp {paths.LLAMA_DIST_VERSION} is cached in {cached}")
+                bin_dir = cached
+            else:
+                bin_dir = build(jobs=args.jobs, sdist=args.sdist, keep=args.keep_build)
+            ensure_accept_filter(bin_dir)
     except (FetchError, OSError) as exc:
         print(f"build_llama: error: {exc}", file=sys.stderr)
         return 1

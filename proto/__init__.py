@@ -31,6 +31,18 @@ PLAN_OVERHEAD_BYTES = 1024 * 1024
 # error (HTTP 400, OpenAI's code), not the node's.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
+# Addresses a node may have and RPC peers may come from, unless the operator says otherwise
+# (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
+# and unique-local ranges.
+DEFAULT_ALLOWED_PEER_CIDRS: tuple[str, ...] = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "127.0.0.0/8",
+    "::1/128",
+    "fc00::/7",
+)
+
 # The name in every certificate the controller issues itself: an agent that pinned the
 # controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
 CONTROLLER_TLS_NAME = "dacp-controller"
@@ -40,6 +52,7 @@ __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
     "CONTROLLER_RECEIVE_BYTES",
     "CONTROLLER_TLS_NAME",
+    "DEFAULT_ALLOWED_PEER_CIDRS",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
     "PLAN_OVERHEAD_BYTES",

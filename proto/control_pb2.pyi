@@ -381,10 +381,12 @@ class StartRpcWorker(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopRpcWorker(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CancelJob(_message.Message):
     __slots__ = ("job_id", "reason")

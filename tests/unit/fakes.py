@@ -94,6 +94,8 @@ class FakeAgentGateway:
     allowed_peers: list[tuple[str, ...]] = field(default_factory=list)
     primaries: list[tuple[str, PrimaryAssignment]] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
+    #: Nodes told to stop their RPC worker, with the reason.
+    worker_stops: list[tuple[str, str]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set on every RPC worker start.
@@ -108,6 +110,10 @@ class FakeAgentGateway:
         self.workers.append((node_id, job_id))
         self.allowed_peers.append(allowed_peers)
         self.worker_asked.set()
+        return self.is_connected(node_id)
+
+    def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
+        self.worker_stops.append((node_id, reason))
         return self.is_connected(node_id)
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:

@@ -19,8 +19,8 @@ from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from domain.catalog import code_of
-from domain.placement import DEFAULT_ALLOWED_PEER_CIDRS
 from infrastructure.live_state import InProcessLiveState
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.fakes import FakeAgentGateway, FakeReadModel
 
 GIB = 1 << 30

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from domain.placement import (
-    DEFAULT_ALLOWED_PEER_CIDRS,
     GIB,
     INSUFFICIENT_MEMORY,
     MIB,
@@ -31,6 +30,7 @@ from domain.placement import (
     required_bytes,
     split_units,
 )
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "ab" * 32
 

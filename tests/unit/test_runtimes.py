@@ -8,7 +8,6 @@ import pytest
 
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.placement import (
-    DEFAULT_ALLOWED_PEER_CIDRS,
     MIB,
     Candidate,
     ExecutionPlan,
@@ -19,6 +18,7 @@ from domain.placement import (
 )
 from domain.runtimes import runtime_of, warm_choice
 from domain.states import NodeState
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.domain_builders import ready_node
 
 SHA = "ab" * 32

@@ -1,0 +1,134 @@
+"""Who may reach this node's RPC worker, enforced inside ``ggml-rpc-server`` itself.
+
+``ggml-rpc-server`` has no authentication (and a history of memory-safety bugs), so it must
+serve only the primary whose llama-server uses it. The agent loads a small accept filter into
+it (``agent/native/rpc_accept_filter.c``, ``LD_PRELOAD``, built by ``python -m
+ops.build_llama`` next to the llama.cpp binaries): the worker's ``accept()`` closes every
+connection whose peer address is not a line of the allowed-peers file this module writes. The
+worker listens on the node's LAN address; accepted connections are its own sockets, so the RPC
+traffic (a round trip per token in split decode) crosses nothing extra.
+
+The file starts empty (nobody gets in) and lists only addresses inside the agent's
+``ALLOWED_PEER_CIDRS``; :meth:`PeerFilter.verify` checks, from ``/proc``, that the filter is
+really mapped into the worker before the agent reports it ready (a library the dynamic loader
+could not load would otherwise leave the worker open). Where the filter cannot be used (not
+Linux, no C compiler at build time), the agent falls back to the copying guard
+(:mod:`agent.rpc_guard`).
+
+Agent code: imports only the standard library, third-party packages and ``proto``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: The variable naming the allowed-peers file (read by the filter at every connection).
+ALLOWED_PEERS_ENV = "DACP_RPC_ALLOWED_PEERS"
+#: The filter's shared library, next to ``ggml-rpc-server``.
+ACCEPT_FILTER_NAME = "libdacp_rpc_accept_filter.so"
+#: Its source, compiled by ``ops.build_llama``.
+ACCEPT_FILTER_SOURCE = Path(__file__).resolve().parent / "native" / "rpc_accept_filter.c"
+
+
+def filter_supported() -> bool:
+    """``LD_PRELOAD`` and ``/proc/<pid>/maps``: Linux."""
+    return sys.platform.startswith("linux")
+
+
+def peer_allowed(address: str, cidrs: Sequence[str]) -> bool:
+    """Whether ``address`` (an IP literal; IPv4-mapped IPv6 judged as IPv4) is inside ``cidrs``."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for cidr in cidrs:
+        network = ipaddress.ip_network(cidr, strict=False)
+        if ip.version == network.version and ip in network:
+            return True
+    return False
+
+
+def canonical(address: str) -> str:
+    """The text the filter compares with: what ``inet_ntop`` prints for the peer."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+class PeerFilter:
+    """The worker on ``host:port`` and the file of addresses its accept filter lets in."""
+
+    def __init__(
+        self, host: str, port: int, library: Path, peers_file: Path, cidrs: Sequence[str]
+    ) -> None:
+        self.host, self.port = host, port
+        self.library = library
+        self.peers_file = peers_file
+        self.cidrs = tuple(cidrs)
+        #: The addresses that may connect (the primaries using the worker).
+        self.allowed: set[str] = set()
+        self._write()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """What the worker is started with."""
+        return {"LD_PRELOAD": str(self.library), ALLOWED_PEERS_ENV: str(self.peers_file)}
+
+    def allow(self, addresses: Iterable[str]) -> None:
+        """Lets ``addresses`` in too; an address outside the agent's CIDRs is refused (logged)."""
+        admitted = set()
+        for address in addresses:
+            if peer_allowed(address, self.cidrs):
+                admitted.add(canonical(address))
+            else:
+                log.warning(
+                    "RPC worker %s: not letting in %s, outside ALLOWED_PEER_CIDRS (%s)",
+                    self.endpoint,
+                    address,
+                    ", ".join(self.cidrs),
+                )
+        if not admitted <= self.allowed:
+            self.allowed |= admitted
+            self._write()
+
+    def verify(self, pid: int) -> None:
+        """Raises ``RuntimeError`` unless the filter is mapped into process ``pid``."""
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise RuntimeError(f"cannot read the worker's memory map: {exc}") from exc
+        if str(self.library) not in maps:
+            raise RuntimeError(f"the RPC accept filter {self.library} is not loaded in the worker")
+
+    async def close(self) -> None:
+        """Empties the file (nobody gets in) and removes it; the worker is stopped apart."""
+        self.allowed = set()
+        self._write()
+        self.peers_file.unlink(missing_ok=True)
+
+    def _write(self) -> None:
+        """Replaces the file in one step: the filter reads either the old list or the new."""
+        self.peers_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.peers_file.parent, prefix=".peers-")
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as out:
+                out.writelines(f"{address}\n" for address in sorted(self.allowed))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.peers_file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
