@@ -21,6 +21,7 @@ import pytest
 from agent.endpoints import free_loopback_port
 from agent.llama_binaries import RuntimeBinaries, find_binaries
 from agent.llama_handler import LlamaHandler
+from agent.rpc_filter import PeerFilter
 from ops.paths import MODEL_SHA256, ensure_llama, ensure_model
 from proto import control_pb2 as pb
 
@@ -198,8 +199,9 @@ async def test_two_node_split_plan_reuses_the_warm_server(make_handler: HandlerF
         job = f"split-{n}"
         await start_worker(primary, sent_primary, job, port_a)
         await start_worker(other, sent_other, job, port_b)
-        worker = other.rpc_worker  # behind its guard on 127.0.0.1:port_b
-        assert worker is not None and worker.port != port_b
+        worker = other.rpc_worker  # on 127.0.0.1:port_b itself, its accept filter loaded
+        assert worker is not None and worker.port == port_b
+        assert isinstance(other._guard, PeerFilter)
         worker_pids.append(worker.pid)
 
         await primary.on_plan(make_plan(job, peers=peers, split=[0.5, 0.5]), sent_primary)

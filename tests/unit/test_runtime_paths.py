@@ -20,6 +20,7 @@ from agent.endpoints import parse_endpoint, validate_rpc_bind_host
 from agent.llama_binaries import default_bin_dir, find_binaries
 from agent.llama_server import ChatDelta, ChatRequest, ServerSpec
 from agent.managed_child import describe_exit
+from agent.rpc_filter import ACCEPT_FILTER_NAME
 from agent.runtime_errors import (
     GenerationError,
     RuntimeMissingError,
@@ -335,6 +336,11 @@ def test_build_stamp_makes_second_run_a_no_op(capsys: pytest.CaptureFixture[str]
     stamp = build_llama.expected_stamp() | {"built_at": "x", "build_seconds": 1}
     paths.build_stamp_path().write_text(json.dumps(stamp), encoding="utf-8")
     assert build_llama.cached_bin_dir() == bin_dir
+    assert build_llama.main([]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    # The first run builds the RPC accept filter next to the binaries (a C compiler is here).
+    assert len(out) == 2 and "cached" in out[0] and "accept filter" in out[1]
+    assert (bin_dir / ACCEPT_FILTER_NAME).is_file()
     assert build_llama.main([]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "cached" in out[0]
