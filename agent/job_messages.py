@@ -58,8 +58,8 @@ class DeltaSender:
         self._send = send
         self.next_seq = 0
 
-    async def push(self, text: str, tokens: int = 1) -> None:
-        delta = pb.Delta(seq=self.next_seq, text=text, tokens=tokens)
+    async def push(self, text: str, tokens: int = 1, extra: str = "") -> None:
+        delta = pb.Delta(seq=self.next_seq, text=text, tokens=tokens, extra_json=extra)
         self.next_seq += 1
         chunk = pb.TokenChunk(job_id=self.job_id, deltas=[delta])
         await self._send(pb.AgentMessage(token_chunk=chunk))
@@ -128,6 +128,17 @@ def parse_messages(messages_json: str) -> list[dict[str, Any]]:
     return messages
 
 
+def parse_options(options_json: str) -> dict[str, Any]:
+    """The plan's extra request fields; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
+    try:
+        options = json.loads(options_json) if options_json else {}
+    except ValueError as exc:
+        raise SetupFailure(INVALID_PLAN, f"generation.options_json is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise SetupFailure(INVALID_PLAN, "generation.options_json must be a JSON object")
+    return options
+
+
 def chat_request(
     generation: pb.GenerationParams, messages: Sequence[Mapping[str, Any]]
 ) -> ChatRequest:
@@ -138,4 +149,6 @@ def chat_request(
         top_p=generation.top_p if generation.HasField("top_p") else None,
         stop=list(generation.stop) or None,
         seed=generation.seed if generation.HasField("seed") else None,
+        endpoint=generation.endpoint,
+        options=parse_options(generation.options_json),
     )

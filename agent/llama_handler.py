@@ -64,6 +64,7 @@ import httpx
 
 from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
 from agent.control_handler import Send, job_failure, setup_failure
+from agent.embeddings_job import embeddings_result
 from agent.job_messages import (
     AGENT_STOPPING,
     CANCELLED,
@@ -78,9 +79,18 @@ from agent.job_messages import (
     chat_request,
     generation_stats,
     parse_messages,
+    parse_options,
 )
 from agent.llama_binaries import RuntimeBinaries
-from agent.llama_server import DEFAULT_CTX_SIZE, ChatRequest, LlamaServer, ServerSpec
+from agent.llama_server import (
+    COMPLETIONS,
+    DEFAULT_CTX_SIZE,
+    EMBEDDINGS,
+    ChatRequest,
+    EmbeddingsRequest,
+    LlamaServer,
+    ServerSpec,
+)
 from agent.managed_child import ProcessExit
 from agent.plan_model import PlanModels
 from agent.rpc_guard import RpcGuard
@@ -256,7 +266,12 @@ class LlamaHandler(RpcWorkerHost):
                     )
                 )
                 job.phase = "execution"
-                await self._execute(job, server, chat_request(plan.generation, messages), send)
+                if plan.generation.endpoint == EMBEDDINGS:
+                    options = parse_options(plan.generation.options_json)
+                    await self._embed(job, server, EmbeddingsRequest(options), send)
+                else:
+                    request = chat_request(plan.generation, messages)
+                    await self._execute(job, server, request, send)
             finally:
                 self._release_server()
         except asyncio.CancelledError:
@@ -279,7 +294,8 @@ class LlamaHandler(RpcWorkerHost):
     async def _setup(self, plan: pb.ExecutionPlan) -> tuple[LlamaServer, list[dict[str, Any]]]:
         """Validate the plan and return a healthy llama-server (reserved: call
         :meth:`_release_server` afterwards) and the chat messages."""
-        messages = parse_messages(plan.generation.messages_json)
+        chat = plan.generation.endpoint not in (COMPLETIONS, EMBEDDINGS)
+        messages = parse_messages(plan.generation.messages_json) if chat else []
         model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
         spec = self._server_spec_for(plan, model_path)
         await self._reserve_server(spec)
@@ -318,6 +334,8 @@ class LlamaHandler(RpcWorkerHost):
                 tensor_split=tuple(plan.tensor_split),
                 parallel=parallel,
                 threads=self.server_threads,
+                embeddings=plan.embeddings,
+                pooling=plan.pooling,
             )
         except ValueError as exc:
             raise SetupFailure(INVALID_PLAN, f"invalid execution plan: {exc}") from None
@@ -364,10 +382,10 @@ class LlamaHandler(RpcWorkerHost):
         stream = server.stream_chat(request, client=self._http)
         try:
             async for delta in stream:
-                if delta.text:
+                if delta.text or delta.extra:
                     last_piece = time.monotonic()
                     first_piece = first_piece or last_piece
-                    await sender.push(delta.text)
+                    await sender.push(delta.text, extra=delta.extra)
                 finish_reason = delta.finish_reason or finish_reason
                 usage = delta.usage or usage
                 timings = delta.timings or timings
@@ -418,6 +436,16 @@ class LlamaHandler(RpcWorkerHost):
                 )
             )
         )
+
+    async def _embed(
+        self, job: _Job, server: LlamaServer, request: EmbeddingsRequest, send: Send
+    ) -> None:
+        """An embeddings job: one result carrying the vectors, no tokens."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(verify=False)  # loopback plain HTTP: no CA bundle
+        result = await embeddings_result(job.job_id, server, request, self._http)
+        job.phase = _FINISHED
+        await send(result)
 
     # -- crash reports -------------------------------------------------------------------
 

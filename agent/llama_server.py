@@ -61,6 +61,10 @@ class ServerSpec:
     threads: int | None = None
     alias: str | None = None
     extra_args: tuple[str, ...] = field(default=())
+    #: An embedding model's server: ``--embeddings``, its pooling ("": the model's own), and
+    #: a batch as large as the context (a whole input is encoded in one batch).
+    embeddings: bool = False
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_path", str(Path(self.model_path).expanduser().resolve()))
@@ -110,13 +114,19 @@ class ServerSpec:
             argv += ["--n-gpu-layers", str(layers)]
         if self.tensor_split:
             argv += ["--tensor-split", ",".join(f"{x:g}" for x in self.tensor_split)]
+        if self.embeddings:
+            per_slot = str(max(1, self.ctx_size // self.parallel))
+            argv += ["--embeddings", "--batch-size", per_slot, "--ubatch-size", per_slot]
+            if self.pooling:
+                argv += ["--pooling", self.pooling]
         argv += list(self.extra_args)
         return argv
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """The generation parameters the agent forwards to llama-server."""
+    """The generation parameters the agent forwards to llama-server: a chat completion, or with
+    ``endpoint="completions"`` a legacy completion (its ``prompt`` in ``options``)."""
 
     messages: Sequence[Mapping[str, Any]]
     max_tokens: int | None = None
@@ -124,13 +134,20 @@ class ChatRequest:
     top_p: float | None = None
     stop: Sequence[str] | str | None = None
     seed: int | None = None
+    endpoint: str = ""
+    #: More request fields, validated by the controller (tools, response_format, logprobs, ...).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return COMPLETIONS_PATH if self.endpoint == COMPLETIONS else CHAT_PATH
 
     def payload(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "messages": [dict(message) for message in self.messages],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body: dict[str, Any] = {**self.options}
+        if self.endpoint != COMPLETIONS:
+            body["messages"] = [dict(message) for message in self.messages]
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
         optional = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -177,12 +194,28 @@ class Timings:
 
 @dataclass(frozen=True)
 class ChatDelta:
-    """One streamed piece: new text, and on the last pieces finish reason, usage, timings."""
+    """One streamed piece: new text, and on the last pieces finish reason, usage, timings.
+    ``extra`` is what came with the text besides content, as JSON (``{"delta": {...},
+    "logprobs": {...}}``: tool-call fragments, reasoning, logprobs), or empty."""
 
     text: str = ""
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    extra: str = ""
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    """``/v1/embeddings``: ``options`` holds ``input`` (validated by the controller)."""
+
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    data: list[Any]
+    prompt_tokens: int
 
 
 class LlamaServer(ManagedChild):
@@ -287,7 +320,7 @@ class LlamaServer(ManagedChild):
         # Plain HTTP to loopback: no TLS, so no CA bundle to load. httpx loads one for every new
         # client unless told not to, and that took 40-60 ms of the event loop per request.
         http = client if client is not None else httpx.AsyncClient(timeout=timeout, verify=False)
-        url = f"{self.base_url}/v1/chat/completions"
+        url = f"{self.base_url}{request.path}"
         try:
             async with http.stream("POST", url, json=request.payload(), timeout=timeout) as resp:
                 if resp.status_code != 200:
@@ -310,6 +343,30 @@ class LlamaServer(ManagedChild):
             if owned:
                 await asyncio.shield(http.aclose())
 
+    async def embed(
+        self, request: EmbeddingsRequest, *, client: httpx.AsyncClient, read_timeout: float = 300.0
+    ) -> Embeddings:
+        """``/v1/embeddings`` (float vectors, in input order)."""
+        self.check()
+        timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
+        body = {**request.options, "encoding_format": "float"}
+        try:
+            resp = await client.post(f"{self.base_url}/v1/embeddings", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            error = ContextTooLong if _exceeds_context(resp.text) else GenerationError
+            raise error(
+                f"llama-server returned {resp.status_code}: {_error_message(resp.text)}",
+                status_code=resp.status_code,
+            )
+        answer = resp.json()
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list):
+            raise GenerationError("llama-server answered /v1/embeddings without a data list")
+        usage = answer.get("usage") or {}
+        return Embeddings(data, int(usage.get("prompt_tokens", 0)))
+
     async def _stream_broken(self, reason: str) -> LlamaRuntimeError:
         # A crash shows up as a broken stream just before the exit: give the process a moment
         # (an abort can take a while to finish writing its report).
@@ -324,6 +381,15 @@ class LlamaServer(ManagedChild):
 
 class _Done:
     pass
+
+
+#: Delta fields that are not extras: the text itself, and the role of the first chunk.
+_PLAIN = frozenset({"content", "role"})
+#: The endpoints (``GenerationParams.endpoint``) and their paths.
+COMPLETIONS = "completions"
+EMBEDDINGS = "embeddings"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 
 _DONE = _Done()
@@ -363,9 +429,18 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
         raise GenerationError(f"llama-server aborted the stream: {_error_message(chunk)}")
     text = ""
     finish_reason: str | None = None
+    extra = b""
     for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        text += delta.get("content") or ""
+        delta = choice.get("delta")
+        if delta is None:  # a legacy completion
+            text += choice.get("text") or ""
+            rest = {}
+        else:
+            text += delta.get("content") or ""
+            rest = {k: v for k, v in delta.items() if v is not None and k not in _PLAIN}
+        logprobs = choice.get("logprobs")
+        if rest or logprobs:
+            extra = orjson.dumps({"delta": rest, "logprobs": logprobs})
         finish_reason = choice.get("finish_reason") or finish_reason
     usage_json = chunk.get("usage")
     usage = None
@@ -377,9 +452,9 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
         )
     timings_json = chunk.get("timings")
     timings = Timings.from_json(timings_json) if isinstance(timings_json, dict) else None
-    if not text and finish_reason is None and usage is None and timings is None:
+    if not text and not extra and finish_reason is None and usage is None and timings is None:
         return None
-    return ChatDelta(text=text, finish_reason=finish_reason, usage=usage, timings=timings)
+    return ChatDelta(text, finish_reason, usage, timings, extra.decode() if extra else "")
 
 
 def _exceeds_context(body: str) -> bool:

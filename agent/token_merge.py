@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 # Bounds on one merged TokenChunk, far below gRPC's default 4 MiB message limit.
 MAX_MERGED_DELTAS = 4096
-MAX_MERGED_TEXT = 256 * 1024  # characters (at most 1 MiB of UTF-8)
+MAX_MERGED_TEXT = 256 * 1024  # characters of text and extras (at most 1 MiB of UTF-8)
 
 
 def merge_token_chunks(messages: Iterable[pb.AgentMessage]) -> list[pb.AgentMessage]:
@@ -29,7 +29,7 @@ def merge_token_chunks(messages: Iterable[pb.AgentMessage]) -> list[pb.AgentMess
             tail = None
             continue
         chunk = message.token_chunk
-        size = sum(len(delta.text) for delta in chunk.deltas)
+        size = sum(len(delta.text) + len(delta.extra_json) for delta in chunk.deltas)
         if (
             tail is not None
             and tail.job_id == chunk.job_id

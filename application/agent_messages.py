@@ -30,6 +30,8 @@ class AgentJobResult:
     tokens_per_second: float = 0.0
     error: str = ""
     error_code: str = ""
+    #: A result that is not a token stream, as JSON (embeddings).
+    output: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,9 @@ class Delta:
     seq: int
     text: str
     tokens: int = 1
+    #: What came with the text besides content, as JSON (tool-call fragments, reasoning,
+    #: logprobs: ``{"delta": {...}, "logprobs": {...}}``), or empty.
+    extra: str = ""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class JobOutcome:
     completion_tokens: int
     time_to_first_token_ms: float
     tokens_per_second: float
+    #: A result that is not a token stream, as JSON (embeddings); relayed, never recorded.
+    output: str = ""
 
 
 @dataclass(frozen=True)

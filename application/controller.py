@@ -30,7 +30,7 @@ from domain.access_refusal import AccessRefusal
 from domain.errors import IllegalTransition, SlotTaken
 from domain.issued_token import IssuedToken, issued_token_id
 from domain.job import Job
-from domain.model import DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
+from domain.model import CHAT, DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.node import Node
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
@@ -393,7 +393,13 @@ class Controller(Application[UUID]):
     # --------------------------------------------------------- model commands
 
     def register_model(
-        self, name: str, sha256: str, file_name: str, context_size: int = DEFAULT_CONTEXT_SIZE
+        self,
+        name: str,
+        sha256: str,
+        file_name: str,
+        context_size: int = DEFAULT_CONTEXT_SIZE,
+        kind: str = CHAT,
+        pooling: str = "",
     ) -> CommandResult:
         """Registers (or updates) a model's API name; identical re-registration is a no-op."""
 
@@ -401,8 +407,10 @@ class Controller(Application[UUID]):
             try:
                 model: RegisteredModel = self.repository.get(model_id(name))
             except AggregateNotFoundError:
-                return [RegisteredModel.register(name, sha256, file_name, context_size)]
-            model.update(sha256, file_name, context_size)
+                return [
+                    RegisteredModel.register(name, sha256, file_name, context_size, kind, pooling)
+                ]
+            model.update(sha256, file_name, context_size, kind, pooling)
             return [model]
 
         return CommandResult(self._run(command), model_id(name))

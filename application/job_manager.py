@@ -50,6 +50,7 @@ from application.store_guard import is_outage
 from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
+from domain.model import EMBEDDING
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
 
@@ -439,6 +440,8 @@ class JobManager:
             tensor_split=plan.tensor_split if multi else (),
             messages=run.submission.messages,
             params=capped(run.submission.params, plan.context_size),
+            embeddings=run.model_row.get("kind") == EMBEDDING,
+            pooling=str(run.model_row.get("pooling") or ""),
         )
         run.setup_future = loop.create_future()
         if not self.gateway.assign_primary(run.primary, assignment):
@@ -696,6 +699,7 @@ class JobManager:
                 completion_tokens=result.completion_tokens,
                 time_to_first_token_ms=result.time_to_first_token_ms,
                 tokens_per_second=result.tokens_per_second,
+                output=result.output,
             )
             item = StreamItem("done", outcome=outcome)
         else:

@@ -73,6 +73,9 @@ class PrimaryAssignment:
     tensor_split: tuple[float, ...]
     messages: list[dict[str, Any]]
     params: dict[str, Any]
+    #: An embedding model's server (``--embeddings``) and its pooling ("": the model's own).
+    embeddings: bool = False
+    pooling: str = ""
 
 
 class AgentGateway(Protocol):

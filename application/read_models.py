@@ -12,7 +12,7 @@ from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
 from domain.issued_token import IssuedToken
 from domain.job import Job
-from domain.model import RegisteredModel
+from domain.model import RegisteredModel, use_of
 from domain.node import Node
 from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
@@ -228,6 +228,8 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "sha256": event.sha256,
             "file_name": event.file_name,
             "context_size": event.context_size,
+            "kind": use_of(event)[0],
+            "pooling": use_of(event)[1],
             "registered_at": at,
             "updated_at": at,
         }
@@ -237,6 +239,8 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "sha256": event.sha256,
             "file_name": event.file_name,
             "context_size": event.context_size,
+            "kind": use_of(event)[0],
+            "pooling": use_of(event)[1],
             "updated_at": at,
         }
     return None

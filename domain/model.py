@@ -21,6 +21,12 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(MODEL_NAME_PATTERN)
 _FILE_NAME = re.compile(FILE_NAME_PATTERN)
 DEFAULT_CONTEXT_SIZE = 2048
+#: What a model serves: chat and legacy completions, or embeddings (its server runs with
+#: ``--embeddings``; ``pooling`` picks how token vectors become one, "" = the model's own).
+CHAT = "chat"
+EMBEDDING = "embedding"
+KINDS = (CHAT, EMBEDDING)
+POOLINGS = ("", "mean", "cls", "last")
 MIN_CONTEXT_SIZE = 128
 MAX_CONTEXT_SIZE = 1_048_576
 
@@ -32,6 +38,15 @@ def is_model_name(name: str) -> bool:
 
 def model_id(name: str) -> UUID:
     return uuid5(NAMESPACE_URL, f"dacp:model:{name}")
+
+
+def validate_use(kind: str, pooling: str) -> None:
+    if kind not in KINDS:
+        raise InvalidCommand(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if pooling not in POOLINGS:
+        raise InvalidCommand(f"pooling must be one of {', '.join(p for p in POOLINGS if p)}")
+    if pooling and kind != EMBEDDING:
+        raise InvalidCommand("pooling is for embedding models only")
 
 
 def validate_model(name: str, sha256: str, file_name: str, context_size: int) -> None:
@@ -60,30 +75,53 @@ class RegisteredModel(Aggregate):
         sha256: str
         file_name: str
         context_size: int
+        #: Absent from events stored before models had a kind: read with :func:`use_of`.
+        kind: str
+        pooling: str
 
     class Updated(Event):
         code: ClassVar[str] = "MODEL_UPDATED"
         sha256: str
         file_name: str
         context_size: int
+        kind: str
+        pooling: str
 
         def apply(self, aggregate: Any) -> None:
             aggregate.sha256 = self.sha256
             aggregate.file_name = self.file_name
             aggregate.context_size = self.context_size
+            aggregate.kind, aggregate.pooling = use_of(self)
 
-    def __init__(self, name: str, sha256: str, file_name: str, context_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        sha256: str,
+        file_name: str,
+        context_size: int,
+        kind: str = CHAT,
+        pooling: str = "",
+    ) -> None:
         self.name = name
         self.sha256 = sha256
         self.file_name = file_name
         self.context_size = context_size
+        self.kind = kind
+        self.pooling = pooling
 
     @classmethod
     def register(
-        cls, name: str, sha256: str, file_name: str, context_size: int = DEFAULT_CONTEXT_SIZE
+        cls,
+        name: str,
+        sha256: str,
+        file_name: str,
+        context_size: int = DEFAULT_CONTEXT_SIZE,
+        kind: str = CHAT,
+        pooling: str = "",
     ) -> RegisteredModel:
         sha256 = sha256.lower()
         validate_model(name, sha256, file_name, context_size)
+        validate_use(kind, pooling)
         return cls._create(
             cls.Registered,
             id=model_id(name),
@@ -91,15 +129,36 @@ class RegisteredModel(Aggregate):
             sha256=sha256,
             file_name=file_name,
             context_size=context_size,
+            kind=kind,
+            pooling=pooling,
         )
 
-    def update(self, sha256: str, file_name: str, context_size: int) -> bool:
+    def update(
+        self,
+        sha256: str,
+        file_name: str,
+        context_size: int,
+        kind: str = CHAT,
+        pooling: str = "",
+    ) -> bool:
         """Re-registration: records a change, or nothing when it is identical."""
         sha256 = sha256.lower()
         validate_model(self.name, sha256, file_name, context_size)
-        if (sha256, file_name, context_size) == (self.sha256, self.file_name, self.context_size):
+        validate_use(kind, pooling)
+        new = (sha256, file_name, context_size, kind, pooling)
+        if new == (self.sha256, self.file_name, self.context_size, self.kind, self.pooling):
             return False
         self.trigger_event(
-            self.Updated, sha256=sha256, file_name=file_name, context_size=context_size
+            self.Updated,
+            sha256=sha256,
+            file_name=file_name,
+            context_size=context_size,
+            kind=kind,
+            pooling=pooling,
         )
         return True
+
+
+def use_of(event: object) -> tuple[str, str]:
+    """(kind, pooling) of a registration event; events from before kinds are chat models."""
+    return str(getattr(event, "kind", CHAT)), str(getattr(event, "pooling", ""))

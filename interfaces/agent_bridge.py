@@ -50,6 +50,8 @@ class ProtoAgentGateway:
             messages_json=orjson.dumps(assignment.messages).decode(),
             max_tokens=int(params.get("max_tokens") or 0),
             stop=list(params.get("stop") or []),
+            endpoint=str(params.get("endpoint") or ""),
+            options_json=orjson.dumps(params["options"]).decode() if params.get("options") else "",
         )
         if params.get("temperature") is not None:
             generation.temperature = float(params["temperature"])
@@ -71,6 +73,8 @@ class ProtoAgentGateway:
             ],
             tensor_split=list(assignment.tensor_split),
             generation=generation,
+            embeddings=assignment.embeddings,
+            pooling=assignment.pooling,
         )
         return self.connections.send(node_id, pb.ControllerMessage(execution_plan=plan))
 
@@ -111,7 +115,7 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
     kind = message.WhichOneof("payload")
     if kind == "token_chunk":
         chunk = message.token_chunk
-        deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1) for d in chunk.deltas]
+        deltas = [Delta(int(d.seq), d.text, int(d.tokens) or 1, d.extra_json) for d in chunk.deltas]
         if not deltas or not chunk.job_id:
             return Rejection("a token chunk without a job id or deltas", chunk.job_id)
         seq = deltas[0].seq
@@ -149,6 +153,7 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
             tokens_per_second=r.tokens_per_second,
             error=r.error,
             error_code=r.error_code,
+            output=r.output_json,
         )
         return JobFinished(r.job_id, result)
     return None

@@ -160,6 +160,8 @@ class RegisteredModelRow(TypedDict):
     sha256: str
     file_name: str
     context_size: int
+    kind: Literal["chat", "embedding"]
+    pooling: Literal["", "mean", "cls", "last"]
     registered_at: str
     updated_at: str
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Controller as Routes
@@ -41,6 +41,10 @@ class ModelRegistration(msgspec.Struct):
     context_size: Annotated[int, msgspec.Meta(ge=MIN_CONTEXT_SIZE, le=MAX_CONTEXT_SIZE)] = (
         DEFAULT_CONTEXT_SIZE
     )
+    #: "chat" (chat and legacy completions) or "embedding" (``/v1/embeddings``).
+    kind: Literal["chat", "embedding"] = "chat"
+    #: An embedding model's pooling ("": the model's own).
+    pooling: Literal["", "mean", "cls", "last"] = ""
 
 
 class AdminModelRoutes(Routes):
@@ -62,7 +66,13 @@ class AdminModelRoutes(Routes):
     async def register(self, state: State, data: JSONBody[ModelRegistration]) -> dict[str, Any]:
         svc = services(state)
         result = await asyncio.to_thread(
-            svc.app.register_model, data.name, data.sha256, data.file_name, data.context_size
+            svc.app.register_model,
+            data.name,
+            data.sha256,
+            data.file_name,
+            data.context_size,
+            data.kind,
+            data.pooling,
         )
         await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)
         row = await asyncio.to_thread(svc.read_model.get_model, data.name)

@@ -213,14 +213,16 @@ class RpcWorkerStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[RpcWorkerStatus.State, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("seq", "text", "tokens")
+    __slots__ = ("seq", "text", "tokens", "extra_json")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     text: str
     tokens: int
-    def __init__(self, seq: _Optional[int] = ..., text: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+    extra_json: str
+    def __init__(self, seq: _Optional[int] = ..., text: _Optional[str] = ..., tokens: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("job_id", "deltas")
@@ -231,7 +233,7 @@ class TokenChunk(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase")
+    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase", "output_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class JobResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ok: bool
     finish_reason: str
@@ -252,7 +255,8 @@ class JobResult(_message.Message):
     error: str
     error_code: str
     phase: str
-    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+    output_json: str
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ..., output_json: _Optional[str] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
@@ -319,23 +323,27 @@ class RpcPeer(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("messages_json", "max_tokens", "temperature", "top_p", "stop", "seed")
+    __slots__ = ("messages_json", "max_tokens", "temperature", "top_p", "stop", "seed", "endpoint", "options_json")
     MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages_json: str
     max_tokens: int
     temperature: float
     top_p: float
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    def __init__(self, messages_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    endpoint: str
+    options_json: str
+    def __init__(self, messages_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., endpoint: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
-    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel")
+    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[ExecutionPlan.Role]
@@ -355,6 +363,8 @@ class ExecutionPlan(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RPC_PORT_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_name: str
     model_file_name: str
@@ -366,7 +376,9 @@ class ExecutionPlan(_message.Message):
     generation: GenerationParams
     rpc_port: int
     parallel: int
-    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ...) -> None: ...
+    embeddings: bool
+    pooling: str
+    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class StartRpcWorker(_message.Message):
     __slots__ = ("job_id", "host", "port", "allowed_peers")
