@@ -172,6 +172,7 @@ class Scheduler:
         if not assume_idle:
             warm = warm_choice(
                 nodes,
+                model_name=model["name"],
                 model_sha256=model["sha256"],
                 context_size=context_size,
                 exclude=exclude,

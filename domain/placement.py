@@ -261,6 +261,7 @@ class ExecutionPlan:
     def runtime_key(self) -> str:
         """Identifies the llama-server this plan runs on: the same key, the same server."""
         spec = (
+            self.model_name,
             self.model_sha256,
             self.context_size,
             self.parallel,

@@ -60,12 +60,15 @@ def _usable(row: Mapping[str, Any], key: str) -> bool:
 def warm_choice(
     rows: Mapping[str, Mapping[str, Any]],
     *,
+    model_name: str,
     model_sha256: str,
     context_size: int,
     exclude: frozenset[str] = frozenset(),
     reachable: Callable[[str], bool] = lambda _node_id: True,
 ) -> WarmChoice | None:
-    """The warm server that should take a job for the model, or None.
+    """The warm server that should take a job for the model, or None. A server runs one
+    registered model: another name for the same file (an embedding model, say) is another
+    server.
 
     ``rows`` are node read-model rows by node id (with this controller's own assignments
     applied); ``reachable`` says whether a node's heartbeat is fresh and its agent is connected
@@ -80,6 +83,7 @@ def warm_choice(
         spec = runtime["plan"]
         if (
             spec["primary"]["node_id"] != node_id
+            or spec.get("model_name") != model_name
             or spec["model_sha256"] != model_sha256
             or int(spec["context_size"]) != context_size
         ):

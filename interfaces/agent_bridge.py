@@ -46,12 +46,20 @@ class ProtoAgentGateway:
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
         params = assignment.params
+        endpoint = str(params.get("endpoint") or "")
+        options = dict(params.get("options") or {})
+        messages = assignment.messages
+        # A completion's prompt and the inputs of embeddings are kept as the job's messages.
+        if endpoint == "completions":
+            options["prompt"], messages = messages[0]["content"], []
+        elif endpoint == "embeddings":
+            options["input"], messages = [m["content"] for m in messages], []
         generation = pb.GenerationParams(
-            messages_json=orjson.dumps(assignment.messages).decode(),
+            messages_json=orjson.dumps(messages).decode() if messages else "",
             max_tokens=int(params.get("max_tokens") or 0),
             stop=list(params.get("stop") or []),
-            endpoint=str(params.get("endpoint") or ""),
-            options_json=orjson.dumps(params["options"]).decode() if params.get("options") else "",
+            endpoint=endpoint,
+            options_json=orjson.dumps(options).decode() if options else "",
         )
         if params.get("temperature") is not None:
             generation.temperature = float(params["temperature"])

@@ -15,7 +15,13 @@ from interfaces.admin_jobs_api import AdminJobRoutes
 from interfaces.event_feed import event_stream
 from interfaces.http_errors import EXCEPTION_HANDLERS
 from interfaces.models_api import AdminModelRoutes
-from interfaces.openai_api import chat_completions, list_models
+from interfaces.openai_api import (
+    chat_completions,
+    completions,
+    create_embeddings,
+    get_model,
+    list_models,
+)
 from interfaces.operations_api import operations_handlers
 from interfaces.services import Services
 
@@ -37,7 +43,17 @@ def create_app(services: Services | None, extra_handlers: list[Any] | None = Non
             AdminModelRoutes,
             AdminJobRoutes,
             # The OpenAI routes check AI_API_KEY in their guard; the router documents it.
-            Router("/", route_handlers=[chat_completions, list_models], security=BEARER),
+            Router(
+                "/",
+                route_handlers=[
+                    chat_completions,
+                    completions,
+                    create_embeddings,
+                    list_models,
+                    get_model,
+                ],
+                security=BEARER,
+            ),
             event_stream,
             *operations_handlers(),
             *(extra_handlers or []),

@@ -4,8 +4,8 @@ Every error is OpenAI's JSON (:func:`interfaces.http_errors.error_body`); each h
 statuses it can answer with (:func:`errors`). Every 503 carries ``Retry-After`` (whole seconds):
 the controller is busy (no capacity, queue full or timed out, store unreachable) and the client
 should try again. :class:`ApiOperation` adds that header to the documented 503s;
-:class:`ChatCompletionOperation` also documents the chat request body, which the handler parses
-itself (:mod:`interfaces.openai_validation`), and the streamed ``text/event-stream`` answer.
+the OpenAI endpoints' request bodies, which their handlers parse themselves, are documented by
+:mod:`interfaces.openai_docs`.
 
 The response shapes below are documentation: handlers return plain dicts of these shapes,
 and ``tests/integration/test_api_fuzz.py`` checks real responses against them.
@@ -19,15 +19,11 @@ from typing import Any, Literal, TypedDict
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
     OpenAPIHeader,
-    OpenAPIMediaType,
     OpenAPIResponse,
     OpenAPIType,
     Operation,
-    RequestBody,
     Schema,
 )
-
-from interfaces.openai_validation import MAX_CONTEXT, MAX_STOP, ROLES, SEED_MAX, SEED_MIN
 
 # ------------------------------------------------------------------------------- errors
 
@@ -278,87 +274,3 @@ class EnrollmentToken(TypedDict):
     expires_at: float
     single_use: bool
     node_name: str | None
-
-
-# ---------------------------------------------------------------- chat completions
-
-
-def _nullable(*types: OpenAPIType, **constraints: Any) -> Schema:
-    return Schema(type=[*types, OpenAPIType.NULL], **constraints)
-
-
-_STRING = Schema(type=OpenAPIType.STRING)
-_TEXT_PART = Schema(
-    type=OpenAPIType.OBJECT,
-    properties={"type": Schema(const="text"), "text": _STRING},
-    required=["type", "text"],
-)
-_MESSAGE = Schema(
-    type=OpenAPIType.OBJECT,
-    properties={
-        "role": Schema(type=OpenAPIType.STRING, enum=sorted(ROLES)),
-        "content": Schema(
-            one_of=[
-                _STRING,
-                Schema(type=OpenAPIType.ARRAY, items=_TEXT_PART),
-                Schema(type=OpenAPIType.NULL),
-            ]
-        ),
-    },
-    required=["role"],
-)
-_TOKENS = _nullable(OpenAPIType.INTEGER, minimum=1, maximum=MAX_CONTEXT)
-_STOP_WORD = Schema(type=OpenAPIType.STRING, min_length=1)
-
-#: What :func:`interfaces.openai_validation.parse_chat_request` accepts; other fields of
-#: OpenAI's request are accepted and ignored.
-CHAT_REQUEST = Schema(
-    type=OpenAPIType.OBJECT,
-    title="ChatCompletionRequest",
-    properties={
-        "model": Schema(type=OpenAPIType.STRING, min_length=1),
-        "messages": Schema(type=OpenAPIType.ARRAY, items=_MESSAGE, min_items=1),
-        "n": Schema(enum=[1, None], description="Only 1 is supported"),
-        "max_tokens": _TOKENS,
-        "max_completion_tokens": _TOKENS,
-        "temperature": _nullable(OpenAPIType.NUMBER, minimum=0, maximum=2),
-        "top_p": _nullable(OpenAPIType.NUMBER, minimum=0, maximum=1),
-        "stop": Schema(
-            one_of=[
-                _STOP_WORD,
-                Schema(type=OpenAPIType.ARRAY, items=_STOP_WORD, max_items=MAX_STOP),
-                Schema(type=OpenAPIType.NULL),
-            ]
-        ),
-        "seed": _nullable(OpenAPIType.INTEGER, minimum=SEED_MIN, maximum=SEED_MAX),
-        "stream": Schema(type=OpenAPIType.BOOLEAN),
-        "stream_options": _nullable(
-            OpenAPIType.OBJECT,
-            properties={"include_usage": _nullable(OpenAPIType.BOOLEAN)},
-        ),
-    },
-    required=["model", "messages"],
-)
-
-
-@dataclass
-class ChatCompletionOperation(ApiOperation):
-    """The chat request body, and the 200 answer as JSON or as server-sent events."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.request_body = RequestBody(
-            content={"application/json": OpenAPIMediaType(schema=CHAT_REQUEST)}, required=True
-        )
-        ok = (self.responses or {}).get("200")
-        if isinstance(ok, OpenAPIResponse):
-            ok.content = {
-                **(ok.content or {}),
-                "text/event-stream": OpenAPIMediaType(
-                    schema=Schema(
-                        type=OpenAPIType.STRING,
-                        description="With `stream: true`: `data: {chat.completion.chunk}` "
-                        "events, then `data: [DONE]`",
-                    )
-                ),
-            }

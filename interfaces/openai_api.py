@@ -1,4 +1,11 @@
-"""The OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``."""
+"""The OpenAI-compatible API: ``POST /v1/chat/completions``, ``/v1/completions`` and
+``/v1/embeddings``, ``GET /v1/models`` and ``/v1/models/{id}``.
+
+Requests are validated field by field (:mod:`interfaces.openai_validation`,
+:mod:`interfaces.openai_legacy`); answers are built by :mod:`interfaces.openai_responses`. No
+response header is sent before the job's first token or its failure, so errors keep their
+real status.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +13,47 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import replace
+from typing import Annotated, Any
 
 import orjson
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
+from litestar.params import PathParameter
 from litestar.response import Stream
 
 from application.admission import CapacityError
-from application.commands import Submission
+from application.commands import JobOutcome, Submission
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
-from domain.model import is_model_name
+from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
+from domain.states import NodeState
 from interfaces.http_auth import inference_guard
-from interfaces.http_docs import (
-    ApiOperation,
+from interfaces.http_docs import ApiOperation, errors, success
+from interfaces.http_errors import ApiError, not_running
+from interfaces.openai_docs import (
     ChatCompletion,
     ChatCompletionOperation,
+    Completion,
+    CompletionOperation,
+    Embeddings,
+    EmbeddingsOperation,
+    ModelCard,
     ModelCards,
-    errors,
-    success,
 )
-from interfaces.http_errors import ApiError, error_body, not_running
+from interfaces.openai_legacy import parse_completion_request, parse_embeddings_request
+from interfaces.openai_responses import (
+    Answer,
+    ChatStream,
+    Collected,
+    CompletionStream,
+    chat_message,
+    collect,
+    completion,
+    embeddings,
+    stream_events,
+)
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
 from proto import CONTEXT_LENGTH_EXCEEDED
@@ -51,39 +75,79 @@ def _jobs(svc: Services) -> JobManager:
     return jobs  # type: ignore[no-any-return]
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
 def _spawn(coro: Any) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
 
 
+#: Node states in which a node that holds a model's file can serve it now.
+_SERVING = {NodeState.READY.value, NodeState.BUSY.value, NodeState.DEGRADED.value}
+
+
+async def _cards(svc: Services) -> list[ModelCard]:
+    models, nodes = await asyncio.gather(
+        asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
+    )
+    held = {
+        m.get("sha256")
+        for n in nodes
+        if n["state"] in _SERVING and not n.get("drain_requested")
+        for m in n.get("local_models") or ()
+    }
+    return [
+        {
+            "id": r["name"],
+            "object": "model",
+            "created": int(_epoch(r["registered_at"])),
+            "owned_by": "dacp",
+            "kind": r.get("kind") or CHAT,
+            "available": r["sha256"] in held,
+        }
+        for r in models
+    ]
+
+
 @get(
     "/v1/models",
     guards=[inference_guard],
     tags=["openai"],
-    summary="List registered models",
+    summary="List registered models (`available`: some node in service holds the file now)",
     operation_class=ApiOperation,
     responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
 )
 async def list_models(state: State) -> dict[str, Any]:
-    svc = _services(state)
-    rows = await asyncio.to_thread(svc.read_model.list_models)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": r["name"],
-                "object": "model",
-                "created": int(_epoch(r["registered_at"])),
-                "owned_by": "dacp",
-            }
-            for r in rows
-        ],
-    }
+    return {"object": "list", "data": await _cards(_services(state))}
+
+
+@get(
+    "/v1/models/{model:path}",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="One registered model",
+    operation_class=ApiOperation,
+    responses={
+        **success(ModelCard, "The model"),
+        **errors(400, 401, (404, "Unknown model (`model_not_found`)"), 503),
+    },
+)
+async def get_model(
+    state: State,
+    model: Annotated[
+        str,
+        PathParameter(description=f"The model's name (`{MODEL_NAME_PATTERN}`; it may hold `/`)"),
+    ],
+) -> ModelCard:
+    name = model.removeprefix("/")
+    for card in await _cards(_services(state)):
+        if card["id"] == name:
+            return card
+    raise ApiError(
+        404,
+        f"The model `{name}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _epoch(iso: str) -> float:
@@ -107,6 +171,17 @@ def job_error(message: str, code: str) -> ApiError:
     return ApiError(status, message, type_="server_error", code=code)
 
 
+_CHAT_ERRORS = errors(
+    400,
+    401,
+    (404, "Unknown model (`model_not_found`)"),
+    (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
+    502,
+    503,
+    504,
+)
+
+
 @post(
     "/v1/chat/completions",
     guards=[inference_guard],
@@ -116,36 +191,118 @@ def job_error(message: str, code: str) -> ApiError:
     operation_class=ChatCompletionOperation,
     responses={
         **success(ChatCompletion, "The completion (JSON), or with `stream: true` its chunks"),
-        **errors(
-            400,
-            401,
-            (404, "Unknown model (`model_not_found`)"),
-            (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
-            502,
-            503,
-            504,
-        ),
+        **_CHAT_ERRORS,
     },
 )
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
-    svc = _services(state)
+    submission = parse_chat_request(await _body(request))
+    answer = Answer(
+        "chatcmpl-",
+        int(time.time()),
+        submission.model,
+        include_usage=bool(submission.params.get("include_usage")),
+        forced_tools=submission.params.get("forced_tools"),
+    )
+    started = await _started(_services(state), request, submission, CHAT)
+    if isinstance(started, Response):
+        return started
+    jobs, run, first = started
+    answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
+    if submission.stream:
+        return _events(jobs, run, first, ChatStream(answer))
+    collected, outcome = await _collected(jobs, run, first)
+    return Response(chat_message(answer, collected, outcome))
+
+
+@post(
+    "/v1/completions",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="Create a (legacy) completion of a prompt, optionally streamed",
+    status_code=200,
+    operation_class=CompletionOperation,
+    responses={
+        **success(Completion, "The completion (JSON), or with `stream: true` its chunks"),
+        **_CHAT_ERRORS,
+    },
+)
+async def completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
+    submission = parse_completion_request(await _body(request))
+    answer = Answer(
+        "cmpl-",
+        int(time.time()),
+        submission.model,
+        include_usage=bool(submission.params.get("include_usage")),
+        legacy=True,
+    )
+    started = await _started(_services(state), request, submission, CHAT)
+    if isinstance(started, Response):
+        return started
+    jobs, run, first = started
+    answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
+    if submission.stream:
+        return _events(jobs, run, first, CompletionStream(answer))
+    collected, outcome = await _collected(jobs, run, first)
+    return Response(completion(answer, collected, outcome))
+
+
+@post(
+    "/v1/embeddings",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="Embed a batch of inputs with an embedding model",
+    status_code=200,
+    operation_class=EmbeddingsOperation,
+    responses={**success(Embeddings, "One vector per input, in order"), **_CHAT_ERRORS},
+)
+async def create_embeddings(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
+    submission, encoding = parse_embeddings_request(await _body(request))
+    started = await _started(_services(state), request, submission, EMBEDDING)
+    if isinstance(started, Response):
+        return started
+    jobs, run, first = started
+    _, outcome = await _collected(jobs, run, first)
+    return Response(embeddings(submission.model, outcome, encoding))
+
+
+async def _body(request: Request[Any, Any, Any]) -> Any:
     raw = await request.body()  # at most MAX_REQUEST_BYTES: Litestar refuses more (413)
     try:
-        body = orjson.loads(raw)
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-    submission = parse_chat_request(body)
+
+
+async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
     # A name no model can have is not looked up (a NUL byte would break a Postgres query).
     model = None
-    if is_model_name(submission.model):
-        model = await asyncio.to_thread(svc.read_model.get_model, submission.model)
+    if is_model_name(name):
+        model = await asyncio.to_thread(svc.read_model.get_model, name)
     if model is None:
         raise ApiError(
             404,
-            f"The model `{submission.model}` does not exist or you do not have access to it.",
+            f"The model `{name}` does not exist or you do not have access to it.",
             param="model",
             code="model_not_found",
         )
+    if (model.get("kind") or CHAT) != kind:
+        use = "/v1/embeddings" if kind == CHAT else "/v1/chat/completions or /v1/completions"
+        raise ApiError(
+            400,
+            f"The model `{name}` is {'an embedding' if kind == CHAT else 'a chat'} model: "
+            f"use it with {use}",
+            param="model",
+            code="model_not_supported",
+        )
+    return model
+
+
+async def _started(
+    svc: Services, request: Request[Any, Any, Any], submission: Submission, kind: str
+) -> tuple[JobManager, JobRun, StreamItem] | Response[Any]:
+    """The job, admitted and with its first stream item (or its failure raised); a 499
+    response when the client left first."""
+    model = await _model(svc, submission.model, kind)
     jobs = _jobs(svc)
     admitted = asyncio.ensure_future(_admit(jobs, submission, model))
     gone = asyncio.ensure_future(_client_gone(request))
@@ -175,16 +332,36 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
         ) from e
     if first.kind == "error":  # nothing was sent yet: the failure keeps its real status
         raise job_error(first.error, first.error_code)
-    completion_id = "chatcmpl-" + run.job_id.replace("-", "")
-    created = int(time.time())
-    if submission.stream:
-        include_usage = bool(submission.params.get("include_usage"))
-        return Stream(
-            _stream(jobs, run, first, completion_id, created, submission.model, include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    return await _collect(jobs, run, first, completion_id, created, submission.model)
+    return jobs, run, first
+
+
+def _events(
+    jobs: JobManager, run: JobRun, first: StreamItem, events: ChatStream | CompletionStream
+) -> Stream:
+    def abandon() -> None:
+        _spawn(jobs.cancel(run.job_id, "client disconnected"))
+
+    return Stream(
+        stream_events(run, first, events, abandon),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _collected(
+    jobs: JobManager, run: JobRun, first: StreamItem
+) -> tuple[Collected, JobOutcome]:
+    finished = False
+    try:
+        result = await collect(run, first, job_error)
+        finished = True
+        return result
+    except ApiError:
+        finished = True
+        raise
+    finally:
+        if not finished:
+            _spawn(jobs.cancel(run.job_id, "client disconnected"))
 
 
 #: nginx's "client closed request": logged when a client leaves before any byte is sent.
@@ -210,135 +387,3 @@ async def _client_gone(request: Request[Any, Any, Any]) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _stream(
-    jobs: JobManager,
-    run: JobRun,
-    first: StreamItem,
-    completion_id: str,
-    created: int,
-    model: str,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return payload
-
-    # Content chunks are the hot path: the same JSON as chunk({"content": text}), built from
-    # two constant halves around the encoded text.
-    head, tail = _sse(chunk({"content": ""})).split(b'"content":""', 1)
-    head += b'"content":'
-    finished = False
-    try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
-        item = first
-        while True:
-            if item.kind == "deltas":
-                # Everything already waiting goes out in one write.
-                texts = [d.text for d in item.deltas]
-                waiting = _drain(run.queue, texts)
-                text = "".join(texts)
-                if text:
-                    yield head + orjson.dumps(text) + tail
-                item = waiting if waiting is not None else await run.queue.get()
-                continue
-            finished = True
-            if item.kind == "error":
-                yield _sse(error_body(item.error, "server_error", item.error_code))
-                return
-            assert item.outcome is not None
-            yield _sse(chunk({}, item.outcome.finish_reason))
-            if include_usage:
-                usage = _usage(item.outcome.prompt_tokens, item.outcome.completion_tokens)
-                yield _sse(
-                    {
-                        "id": completion_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": model,
-                        "system_fingerprint": None,
-                        "choices": [],
-                        "usage": usage,
-                    }
-                )
-            yield b"data: [DONE]\n\n"
-            return
-    finally:
-        if not finished:
-            _spawn(jobs.cancel(run.job_id, "client disconnected"))
-
-
-def _drain(queue: asyncio.Queue[StreamItem], texts: list[str]) -> StreamItem | None:
-    """Adds the texts of the delta items already queued; returns the first other item."""
-    while not queue.empty():
-        item = queue.get_nowait()
-        if item.kind != "deltas":
-            return item
-        texts.extend(d.text for d in item.deltas)
-    return None
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-async def _collect(
-    jobs: JobManager,
-    run: JobRun,
-    first: StreamItem,
-    completion_id: str,
-    created: int,
-    model: str,
-) -> Response[Any]:
-    parts: list[str] = []
-    finished = False
-    item = first
-    try:
-        while True:
-            if item.kind == "deltas":
-                parts.extend(d.text for d in item.deltas)
-                item = await run.queue.get()
-                continue
-            finished = True
-            if item.kind == "error":
-                raise job_error(item.error, item.error_code)
-            assert item.outcome is not None
-            return Response(
-                {
-                    "id": completion_id,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": None,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {
-                                "role": "assistant",
-                                "content": "".join(parts),
-                                "refusal": None,
-                            },
-                            "logprobs": None,
-                            "finish_reason": item.outcome.finish_reason,
-                        }
-                    ],
-                    "usage": _usage(item.outcome.prompt_tokens, item.outcome.completion_tokens),
-                }
-            )
-    finally:
-        if not finished:
-            _spawn(jobs.cancel(run.job_id, "client disconnected"))

@@ -1,12 +1,14 @@
 """First-run set-up, with the independent steps running side by side.
 
     python3 -m ops.bootstrap demo      # venv (+demo extra), llama.cpp, model
-    python3 -m ops.bootstrap test      # venv (+dev extra), llama.cpp, model, Chromium
+    python3 -m ops.bootstrap test      # venv (+dev extra), llama.cpp, model, Chromium,
+                                       # the Node SDK conformance packages (npm ci)
 
 The llama.cpp compile dominates a first run (minutes on 2 cores), so it starts at once and
-everything else (the virtualenv install, the model download, the browser package) happens
-while it compiles. Each step runs as its own process; its lines are printed as they come,
-prefixed with the step's name, and a summary with every step's wall time closes the run.
+everything else (the virtualenv install, the model download, the browser package, the Node
+packages) happens while it compiles. Each step runs as its own process; its lines are printed
+as they come, prefixed with the step's name, and a summary with every step's wall time closes
+the run.
 A second run finds everything cached and takes a second or two.
 
 Standard library only: this runs with the system ``python3`` before the venv exists.
@@ -34,6 +36,9 @@ MIN_PYTHON = (3, 11)
 #: Which extra of pyproject.toml each target installs into the venv.
 EXTRAS = {"demo": "demo", "test": "dev"}
 CHROMIUM = Path("/usr/bin/chromium")
+#: The Node ``openai`` SDK conformance harness (tests/conformance/node_sdk.py) and its packages.
+NODE_SDK_DIR = REPO / "tests" / "conformance" / "node"
+STEP_NAMES = ("venv", "llama.cpp", "model", "browser", "node-sdk")
 
 
 @dataclass
@@ -147,9 +152,35 @@ def browser_step() -> Step | None:
     return Step("browser", ["bash", "-c", script])
 
 
+def node_modules_current(directory: Path | None = None) -> bool:
+    """True when ``npm`` has installed ``directory``'s package-lock.json since it last changed.
+
+    npm writes ``node_modules/.package-lock.json`` on every install: ``npm ci`` leaves it
+    newer than ``package-lock.json``, ``npm install`` gives both the same mtime. Either way
+    the lock has not moved since; a pulled or edited lock is newer and installs again.
+    """
+    directory = directory or NODE_SDK_DIR
+    try:
+        installed = (directory / "node_modules" / ".package-lock.json").stat().st_mtime
+        wanted = (directory / "package-lock.json").stat().st_mtime
+    except OSError:
+        return False
+    return installed >= wanted
+
+
+def node_sdk_step() -> Step | None:
+    """``npm ci`` for the Node SDK conformance tests; None when node_modules is current."""
+    if node_modules_current():
+        return None
+    if shutil.which("npm") is None:
+        message = "npm not found: Node.js 20+ and npm are needed for the Node SDK conformance tests"
+        return Step("node-sdk", [sys.executable, "-c", f"print({message!r}); raise SystemExit(1)"])
+    return Step("node-sdk", ["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(NODE_SDK_DIR)])
+
+
 def plan(target: str, *, only: Sequence[str] = ()) -> list[Step]:
     steps: list[Step] = []
-    wanted = set(only) or {"venv", "llama.cpp", "model", "browser"}
+    wanted = set(only) or set(STEP_NAMES)
     if "llama.cpp" in wanted:
         steps.append(llama_step())  # first: the long pole starts before anything else
     if "venv" in wanted and not venv_is_current(EXTRAS[target]):
@@ -158,6 +189,8 @@ def plan(target: str, *, only: Sequence[str] = ()) -> list[Step]:
         steps.append(model_step())
     if target == "test" and "browser" in wanted and (browser := browser_step()) is not None:
         steps.append(browser)
+    if target == "test" and "node-sdk" in wanted and (node_sdk := node_sdk_step()) is not None:
+        steps.append(node_sdk)
     return steps
 
 
@@ -168,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         action="append",
         default=[],
-        choices=["venv", "llama.cpp", "model", "browser"],
+        choices=list(STEP_NAMES),
         help="run only this step (repeatable)",
     )
     args = parser.parse_args(argv)
@@ -178,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     started = time.monotonic()
     steps = plan(args.target, only=args.only)
+    if not steps:
+        say(f"== set-up for `make {args.target}`: everything is in place")
+        return 0
     names = ", ".join(step.name for step in steps)
     say(f"== set-up for `make {args.target}`: {names} (in parallel)")
     ok = run_parallel(steps)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -68,16 +70,63 @@ def test_main_exits_1_and_names_the_failed_step(
     assert "set-up failed: model exited 2" in capsys.readouterr().out
 
 
-def test_compile_starts_first_and_browser_only_for_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_starts_first_and_browser_only_for_tests(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(bootstrap, "venv_is_current", lambda extra: False)
     monkeypatch.setattr(bootstrap, "CHROMIUM", Path("/nonexistent/chromium"))
+    monkeypatch.setattr(bootstrap, "NODE_SDK_DIR", tmp_path)  # no node_modules there
     demo = [step.name for step in bootstrap.plan("demo")]
     test = [step.name for step in bootstrap.plan("test")]
     assert demo == ["llama.cpp", "venv", "model"]
-    assert test == ["llama.cpp", "venv", "model", "browser"]
+    assert test == ["llama.cpp", "venv", "model", "browser", "node-sdk"]
     assert [s.name for s in bootstrap.plan("test", only=["model"])] == ["model"]
     assert bootstrap.plan("demo")[1].argv[-1] == "demo"
     assert bootstrap.plan("test")[1].argv[-1] == "dev"
+
+
+def test_node_sdk_step_runs_npm_ci_until_node_modules_is_newer_than_the_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(bootstrap, "NODE_SDK_DIR", tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    lock = tmp_path / "package-lock.json"
+    installed = tmp_path / "node_modules" / ".package-lock.json"
+    lock.write_text("{}")
+
+    def node_sdk_steps() -> list[bootstrap.Step]:
+        return [s for s in bootstrap.plan("test", only=["node-sdk"]) if s.name == "node-sdk"]
+
+    [step] = node_sdk_steps()  # never installed
+    assert step.argv == ["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(tmp_path)]
+    installed.parent.mkdir()
+    installed.write_text("{}")
+    os.utime(lock, (1_000, 1_000))
+    os.utime(installed, (2_000, 2_000))
+    assert node_sdk_steps() == []  # installed after the lock last changed: skipped
+    os.utime(installed, (1_000, 1_000))
+    assert node_sdk_steps() == []  # `npm install` gives both the same mtime
+    os.utime(lock, (3_000, 3_000))
+    assert [s.name for s in node_sdk_steps()] == ["node-sdk"]  # the lock moved on: reinstall
+    assert bootstrap.plan("demo", only=["node-sdk"]) == []  # only `make test` needs it
+
+
+def test_node_sdk_step_without_npm_fails_with_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bootstrap, "NODE_SDK_DIR", tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert bootstrap.main(["test", "--only", "node-sdk"]) == 1
+    out = capsys.readouterr().out
+    assert "set-up failed: node-sdk exited 1: npm not found: Node.js 20+ and npm are needed" in out
+
+
+def test_nothing_to_do_is_a_success(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bootstrap, "plan", lambda target, only=(): [])
+    assert bootstrap.main(["test"]) == 0
+    assert "everything is in place" in capsys.readouterr().out
 
 
 def test_venv_stamp_tracks_pyproject_and_extras(

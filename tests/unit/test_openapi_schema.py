@@ -9,6 +9,7 @@ from litestar import Litestar
 from litestar.routes import HTTPRoute
 from litestar.testing import TestClient
 
+from domain.model import MODEL_NAME_PATTERN
 from interfaces.http_app import create_app
 
 PUBLIC = {"/health", "/metrics"}
@@ -152,12 +153,15 @@ def test_the_chat_completion_documents_its_body_and_stream(schema: dict[str, Any
 
 
 def test_ids_are_documented_as_uuids(schema: dict[str, Any]) -> None:
-    """Node, job and model ids are UUIDs; a token id is the hex the token carries."""
+    """Node, job and model ids are UUIDs; a token id is the hex the token carries; an OpenAI
+    model is named."""
     for _, path, operation in operations(schema):
         for parameter in operation.get("parameters", []):
             if parameter["in"] != "path":
                 continue
             if parameter["name"] == "token_id":
                 assert parameter["schema"]["pattern"] == "^[0-9a-f]{1,64}$", path
+            elif path == "/v1/models/{model}":
+                assert MODEL_NAME_PATTERN in parameter["description"]
             else:
                 assert parameter["schema"]["format"] == "uuid", (path, parameter["name"])

@@ -107,7 +107,7 @@ def row(
 def test_the_warm_server_with_most_free_slots_is_chosen() -> None:
     a, b = runtime_of(plan("a")), runtime_of(plan("b"))
     rows = {"a": row("a", a, jobs=3), "b": row("b", b, jobs=1)}
-    choice = warm_choice(rows, model_sha256=SHA, context_size=2048)
+    choice = warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048)
     assert choice is not None and choice.plan.primary.node_id == "b" and choice.free_slots == 3
 
 
@@ -117,19 +117,34 @@ def test_no_warm_server_for_another_model_a_full_one_or_another_context() -> Non
         "b": row("b", runtime_of(plan("b")), jobs=4, state="BUSY"),
         "c": row("c", runtime_of(plan("c", context=4096))),
     }
-    assert warm_choice(rows, model_sha256=SHA, context_size=2048) is None
+    assert warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048) is None
+
+
+def test_a_server_serves_one_registered_name_of_its_file() -> None:
+    # The same GGUF registered again (as an embedding model, say) is another server.
+    rows = {"a": row("a", runtime_of(plan("a")))}
+    assert warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048) is not None
+    assert warm_choice(rows, model_name="m-embed", model_sha256=SHA, context_size=2048) is None
 
 
 def test_a_split_server_is_warm_only_while_its_workers_still_serve_it() -> None:
     split = runtime_of(plan("p", "w"))
     rows = {"p": row("p", split, jobs=1), "w": row("w", split, jobs=1)}
-    assert warm_choice(rows, model_sha256=SHA, context_size=2048) is not None
+    assert warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048) is not None
     # The worker was taken by another server meanwhile: the split is gone.
     rows["w"] = row("w", runtime_of(plan("w", "x")))
-    assert warm_choice(rows, model_sha256=SHA, context_size=2048) is None
+    assert warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048) is None
     rows["w"] = row("w", split)
-    assert warm_choice(rows, model_sha256=SHA, context_size=2048, exclude=frozenset("w")) is None
-    assert warm_choice(rows, model_sha256=SHA, context_size=2048, reachable="p".__eq__) is None
+    assert (
+        warm_choice(
+            rows, model_name="m", model_sha256=SHA, context_size=2048, exclude=frozenset("w")
+        )
+        is None
+    )
+    assert (
+        warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048, reachable="p".__eq__)
+        is None
+    )
 
 
 def test_ready_servers_come_before_degraded_ones() -> None:
@@ -137,7 +152,7 @@ def test_ready_servers_come_before_degraded_ones() -> None:
         "a": row("a", runtime_of(plan("a")), state="DEGRADED"),
         "b": row("b", runtime_of(plan("b")), jobs=3),
     }
-    choice = warm_choice(rows, model_sha256=SHA, context_size=2048)
+    choice = warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048)
     assert choice is not None and choice.plan.primary.node_id == "b" and not choice.degraded
 
 
