@@ -86,6 +86,8 @@ class GgufMetadata:
     layers: int
     context_length: int
     kv_bytes_per_token: int
+    #: The length of the model's vectors (what its embeddings have).
+    embedding_length: int = 0
 
 
 def _field_value(fields: dict[str, Any], key: str) -> Any:
@@ -173,6 +175,7 @@ def read_gguf_metadata(path: Path | str) -> GgufMetadata:
         layers=layers,
         context_length=context_length,
         kv_bytes_per_token=kv_bytes,
+        embedding_length=embedding,
     )
 
 

@@ -202,6 +202,7 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
         submission.model,
         include_usage=bool(submission.params.get("include_usage")),
         forced_tools=submission.params.get("forced_tools"),
+        top_logprobs=submission.params.get("top_logprobs"),
     )
     started = await _started(_services(state), request, submission, CHAT)
     if isinstance(started, Response):
@@ -210,7 +211,7 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
     answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
     if submission.stream:
         return _events(jobs, run, first, ChatStream(answer))
-    collected, outcome = await _collected(jobs, run, first)
+    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
     return Response(chat_message(answer, collected, outcome))
 
 
@@ -233,7 +234,7 @@ async def completions(state: State, request: Request[Any, Any, Any]) -> Response
         int(time.time()),
         submission.model,
         include_usage=bool(submission.params.get("include_usage")),
-        legacy=True,
+        top_logprobs=submission.params.get("top_logprobs"),
     )
     started = await _started(_services(state), request, submission, CHAT)
     if isinstance(started, Response):
@@ -242,7 +243,7 @@ async def completions(state: State, request: Request[Any, Any, Any]) -> Response
     answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
     if submission.stream:
         return _events(jobs, run, first, CompletionStream(answer))
-    collected, outcome = await _collected(jobs, run, first)
+    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
     return Response(completion(answer, collected, outcome))
 
 
@@ -349,11 +350,11 @@ def _events(
 
 
 async def _collected(
-    jobs: JobManager, run: JobRun, first: StreamItem
+    jobs: JobManager, run: JobRun, first: StreamItem, top: int | None = None
 ) -> tuple[Collected, JobOutcome]:
     finished = False
     try:
-        result = await collect(run, first, job_error)
+        result = await collect(run, first, job_error, top)
         finished = True
         return result
     except ApiError:

@@ -102,8 +102,8 @@ def parse_completion_request(body: Any, max_context: int = MAX_CONTEXT) -> Submi
     options: dict[str, Any] = sampling(body)
     logprobs = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if logprobs is not None:
-        options["logprobs"] = True
-        options["top_logprobs"] = logprobs
+        # llama-server's completions take the count itself, and send nothing for 0.
+        options["logprobs"] = max(logprobs, 1)
     max_tokens = integer(body, "max_tokens", 1, max_context)
     params: dict[str, Any] = {
         "endpoint": "completions",
@@ -113,7 +113,7 @@ def parse_completion_request(body: Any, max_context: int = MAX_CONTEXT) -> Submi
         "stop": stop_list(body),
         "seed": integer(body, "seed", SEED_MIN, SEED_MAX),
         "include_usage": include_usage,
-        "logprobs": logprobs is not None,
+        "top_logprobs": logprobs,
         "options": options,
         **caller(body),
     }

@@ -52,14 +52,23 @@ class Answer:
     include_usage: bool = False
     #: The functions a forced tool call chooses from (None: not forced).
     forced_tools: list[str] | None = None
-    #: A legacy completion (``text_completion`` objects) rather than a chat completion.
-    legacy: bool = False
+    #: How many alternatives each token's logprobs keep (None: no logprobs asked for).
+    top_logprobs: int | None = None
+
+
+def trimmed(entries: list[dict[str, Any]], top: int | None) -> list[dict[str, Any]]:
+    """Token logprobs with at most ``top`` alternatives each (llama-server is asked for at
+    least one)."""
+    if top is None or all(len(e.get("top_logprobs") or ()) <= top for e in entries):
+        return entries
+    return [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:top]} for e in entries]
 
 
 @dataclass
 class Collected:
     """A whole answer gathered from deltas."""
 
+    top: int | None = None
     texts: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -86,7 +95,7 @@ class Collected:
             call["function"]["arguments"] += function.get("arguments") or ""
         logprobs = extra.get("logprobs")
         if isinstance(logprobs, dict):
-            self.logprobs.extend(logprobs.get("content") or ())
+            self.logprobs.extend(trimmed(logprobs.get("content") or [], self.top))
 
     @property
     def text(self) -> str:
@@ -131,7 +140,7 @@ def chat_message(answer: Answer, collected: Collected, outcome: JobOutcome) -> d
 
 
 def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """llama-server's per-token logprobs in a legacy completion's shape."""
+    """llama-server's per-token logprobs (already trimmed) in a legacy completion's shape."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = 0
     for entry in entries:
@@ -169,10 +178,10 @@ def completion(answer: Answer, collected: Collected, outcome: JobOutcome) -> dic
 
 
 async def collect(
-    run: JobRun, first: StreamItem, error_of: ErrorOf
+    run: JobRun, first: StreamItem, error_of: ErrorOf, top: int | None = None
 ) -> tuple[Collected, JobOutcome]:
     """The job's whole answer; raises the job's failure as an :class:`ApiError`."""
-    collected = Collected()
+    collected = Collected(top)
     item = first
     while item.kind == "deltas":
         collected.add(item.deltas)
@@ -242,7 +251,11 @@ class ChatStream:
             delta = {**(extra.get("delta") or {})}
             if d.text:
                 delta["content"] = d.text
-            yield sse(self.chunk(delta, logprobs=extra.get("logprobs")))
+            logprobs = extra.get("logprobs")
+            if isinstance(logprobs, dict):
+                content = trimmed(logprobs.get("content") or [], self.answer.top_logprobs)
+                logprobs = {**logprobs, "content": content, "refusal": None}
+            yield sse(self.chunk(delta, logprobs=logprobs))
 
     def ending(self, collected: Collected | None, outcome: JobOutcome) -> Iterable[bytes]:
         finish = outcome.finish_reason
@@ -287,7 +300,7 @@ class CompletionStream:
                 yield self.chunk(text)
             return
         for d in deltas:
-            collected = Collected()
+            collected = Collected(self.answer.top_logprobs)
             collected.add([d])
             logprobs = legacy_logprobs(collected.logprobs) if collected.logprobs else None
             yield self.chunk(d.text, logprobs=logprobs)
@@ -322,7 +335,7 @@ async def stream_events(
     """The answer's events from the job's stream items; ``on_abandon`` runs when the client
     leaves before the end."""
     forced = isinstance(events, ChatStream) and events.answer.forced_tools is not None
-    collected = Collected() if forced else None
+    collected = Collected(events.answer.top_logprobs) if forced else None
     finished = False
     try:
         if opening := events.first():

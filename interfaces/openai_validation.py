@@ -320,8 +320,10 @@ def parse_chat_request(body: Any, max_context: int = MAX_CONTEXT) -> Submission:
     if top_logprobs is not None and not logprobs:
         raise mismatch("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
+        # llama-server sends no logprobs for top_logprobs 0 (and 20 alternatives when it is
+        # absent): it is asked for at least one, and the answer keeps as many as asked.
         options["logprobs"] = True
-        options["top_logprobs"] = top_logprobs or 0
+        options["top_logprobs"] = max(top_logprobs or 0, 1)
     forced = openai_tools.forced_names(tools, choice)
     if forced is not None:
         if response_format is not None:
@@ -342,7 +344,7 @@ def parse_chat_request(body: Any, max_context: int = MAX_CONTEXT) -> Submission:
         "stop": stop_list(body),
         "seed": integer(body, "seed", SEED_MIN, SEED_MAX),
         "include_usage": include_usage,
-        "logprobs": bool(logprobs),
+        "top_logprobs": (top_logprobs or 0) if logprobs else None,
         "forced_tools": forced,
         "options": options,
         **caller(body),
