@@ -13,6 +13,7 @@ from litestar.params import JSONBody
 
 from domain.model import (
     DEFAULT_CONTEXT_SIZE,
+    EMBEDDING,
     FILE_NAME_PATTERN,
     MAX_CONTEXT_SIZE,
     MIN_CONTEXT_SIZE,
@@ -29,6 +30,8 @@ from interfaces.http_docs import (
     errors,
     success,
 )
+from interfaces.http_errors import ApiError
+from interfaces.openai_fields import INVALID_COMBINATION
 
 
 class ModelRegistration(msgspec.Struct):
@@ -64,6 +67,13 @@ class AdminModelRoutes(Routes):
         },
     )
     async def register(self, state: State, data: JSONBody[ModelRegistration]) -> dict[str, Any]:
+        if data.pooling and data.kind != EMBEDDING:
+            raise ApiError(
+                400,
+                "pooling is for embedding models only",
+                param="pooling",
+                code=INVALID_COMBINATION,
+            )
         svc = services(state)
         result = await asyncio.to_thread(
             svc.app.register_model,

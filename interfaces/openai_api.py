@@ -174,7 +174,7 @@ def job_error(message: str, code: str) -> ApiError:
 _CHAT_ERRORS = errors(
     400,
     401,
-    (404, "Unknown model (`model_not_found`)"),
+    (404, "Unknown model (`model_not_found`), or one for another endpoint"),
     (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
     502,
     503,
@@ -288,8 +288,9 @@ async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
         )
     if (model.get("kind") or CHAT) != kind:
         use = "/v1/embeddings" if kind == CHAT else "/v1/chat/completions or /v1/completions"
+        # OpenAI answers a model used on the wrong endpoint with 404 too.
         raise ApiError(
-            400,
+            404,
             f"The model `{name}` is {'an embedding' if kind == CHAT else 'a chat'} model: "
             f"use it with {use}",
             param="model",

@@ -38,6 +38,7 @@ from interfaces.openai_legacy import (
     ENCODINGS,
     MAX_COMPLETION_LOGPROBS,
     MAX_EMBEDDING_INPUTS,
+    MAX_TOKEN_ID,
 )
 from interfaces.openai_validation import (
     CHAT_REFUSED,
@@ -328,7 +329,9 @@ CHAT_REQUEST = _object(
 )
 _INPUT_TEXT = Schema(type=OpenAPIType.STRING, min_length=1)
 _INPUT_TOKENS = Schema(
-    type=OpenAPIType.ARRAY, items=Schema(type=OpenAPIType.INTEGER, minimum=0), min_items=1
+    type=OpenAPIType.ARRAY,
+    items=Schema(type=OpenAPIType.INTEGER, minimum=0, maximum=MAX_TOKEN_ID),
+    min_items=1,
 )
 COMPLETION_REQUEST = _object(
     {

@@ -32,6 +32,8 @@ MAX_COMPLETION_LOGPROBS = 5
 #: OpenAI's limits on one embeddings request.
 MAX_EMBEDDING_INPUTS = 2048
 ENCODINGS = ("float", "base64")
+#: Token ids are 32-bit in llama.cpp.
+MAX_TOKEN_ID = (1 << 31) - 1
 #: How a completion's prompt and the inputs of embeddings are kept as the job's messages.
 PROMPT_ROLE = "prompt"
 INPUT_ROLE = "input"
@@ -64,12 +66,26 @@ COMPLETION_FIELDS = frozenset(
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
-def _tokens(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
+def _token(value: Any) -> int | None:
+    """A token id (JSON's ``5.0`` is the integer 5, as JSON Schema says), or None."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID:
+        return value
+    return None
+
+
+def _tokens(value: Any) -> list[int] | None:
+    """A non-empty list of token ids, or None."""
+    if not isinstance(value, list) or not value:
+        return None
+    tokens: list[int] = []
+    for item in value:
+        token = _token(item)
+        if token is None:
+            return None
+        tokens.append(token)
+    return tokens
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:
@@ -83,8 +99,8 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if _tokens(prompt):
-        return list(prompt)
+    if (tokens := _tokens(prompt)) is not None:
+        return tokens
     raise bad("prompt must be a non-empty string or list of token ids", "prompt")
 
 
@@ -126,14 +142,16 @@ def _inputs(body: dict[str, Any]) -> list[str] | list[list[int]]:
     value = body.get("input")
     if value is None:
         raise bad("you must provide an input", "input", "missing_required_parameter")
-    if isinstance(value, str) or _tokens(value):
+    if isinstance(value, str) or _tokens(value) is not None:
         value = [value]
     if not isinstance(value, list) or not value or len(value) > MAX_EMBEDDING_INPUTS:
         raise bad(f"input must hold 1 to {MAX_EMBEDDING_INPUTS} items", "input")
-    if all(isinstance(item, str) and item for item in value):
-        return list(value)
-    if all(_tokens(item) for item in value):
-        return [list(item) for item in value]
+    texts = [item for item in value if isinstance(item, str) and item]
+    if len(texts) == len(value):
+        return texts
+    batches = [_tokens(item) for item in value]
+    if all(tokens is not None for tokens in batches):
+        return [tokens for tokens in batches if tokens is not None]
     raise bad("input is a non-empty string, a list of them, or token id lists", "input")
 
 

@@ -162,7 +162,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise bad("each message must be an object", f"messages[{i}]")
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise bad(f"role must be one of {sorted(ROLES)}", f"messages[{i}].role")
     _keys(m, MESSAGE_FIELDS[role], f"messages[{i}]")
     for echoed in ("audio", "function_call"):

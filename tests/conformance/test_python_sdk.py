@@ -288,12 +288,12 @@ def test_a_batch_of_embeddings(client: openai.OpenAI, embedding_length: int) -> 
 
 
 def test_a_model_answers_only_its_own_endpoints(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as chat:
+    with pytest.raises(openai.NotFoundError) as chat:
         client.chat.completions.create(
             model=EMBED_MODEL, messages=[{"role": "user", "content": "Hi"}]
         )
     assert chat.value.code == "model_not_supported"
-    with pytest.raises(openai.BadRequestError) as embed:
+    with pytest.raises(openai.NotFoundError) as embed:
         client.embeddings.create(model=CHAT_MODEL, input="hi")
     assert embed.value.code == "model_not_supported"
 

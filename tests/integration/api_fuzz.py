@@ -9,6 +9,7 @@ were actually sent are counted, so a schema that quietly yields fewer cases is n
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from interfaces.openai_fields import INVALID_COMBINATION
 
 AI_KEY = "test-ai-key"
 ADMIN_KEY = "test-admin-key"
@@ -73,6 +76,23 @@ def not_a_server_error_unless_retry_after(
     )
 
 
+def valid_data_accepted(
+    ctx: CheckContext, response: schemathesis.Response, case: Case[Any]
+) -> bool | None:
+    """Schemathesis' ``positive_data_acceptance``, except for a 400 ``invalid_combination``:
+    two fields that each match the schema but disagree in a way JSON Schema cannot say (a
+    ``tool_choice`` naming a function not among ``tools``, ``top_logprobs`` without
+    ``logprobs``; see :mod:`interfaces.openai_docs`)."""
+    if response.status_code == 400:
+        try:
+            code = json.loads(response.content)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if code == INVALID_COMBINATION:
+            return None
+    return positive_data_acceptance(ctx, response, case)
+
+
 #: Schemathesis' checks of one response, with our 5xx rule in place of ``not_a_server_error``
 #: (and :func:`keys_enforced`, per key). Left out, as they cannot apply to these cases:
 #: ``use_after_free``, ``ensure_resource_availability`` and ``object_level_authorization``
@@ -87,7 +107,7 @@ CHECKS: list[Callable[..., bool | None]] = [
     response_headers_conformance,
     response_schema_conformance,
     negative_data_rejection,
-    positive_data_acceptance,
+    valid_data_accepted,
 ]
 
 
@@ -194,10 +214,18 @@ def with_known_values(case: Case[Any], known: Known) -> st.SearchStrategy[Case[A
     )
 
 
+def _constrained(parameter: Any) -> bool:
+    """Whether some value breaks the parameter's schema (any string is a model's name)."""
+    schema = dict(parameter.definition.get("schema") or {})
+    schema.pop("description", None)
+    return schema != {"type": "string"}
+
+
 def modes(operation: Any) -> tuple[GenerationMode, ...]:
-    """Both data modes; only valid data for an operation without parameters or a body (there
-    is nothing to make invalid)."""
-    takes_input = bool(list(operation.iter_parameters())) or len(operation.body) > 0
+    """Both data modes; only valid data for an operation whose input cannot be made invalid
+    (no parameters and no body, or only free strings such as ``/v1/models/{model}``)."""
+    parameters = list(operation.iter_parameters())
+    takes_input = any(_constrained(p) for p in parameters) or len(operation.body) > 0
     if takes_input:
         return (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
     return (GenerationMode.POSITIVE,)
