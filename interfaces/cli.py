@@ -122,12 +122,14 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
 
     app = _open_app(args)
     try:
-        app.register_model(args.name, args.sha256, args.file_name, args.context_size)
+        app.register_model(
+            args.name, args.sha256, args.file_name, args.context_size, args.kind, args.pooling
+        )
     except DomainError as e:
         raise CliError(str(e)) from e
     finally:
         app.close()
-    print(f"registered model {args.name} → {args.file_name} ({args.sha256[:12]}…)")
+    print(f"registered {args.kind} model {args.name} → {args.file_name} ({args.sha256[:12]}…)")
     return 0
 
 
@@ -189,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--sha256", required=True, help="sha256 of the GGUF file")
     reg.add_argument("--file-name", required=True, help="the GGUF file name on the agents")
     reg.add_argument("--context-size", type=int, default=2048)
+    reg.add_argument(
+        "--kind",
+        choices=("chat", "embedding"),
+        default="chat",
+        help="chat (/v1/chat/completions, /v1/completions) or embedding (/v1/embeddings)",
+    )
+    reg.add_argument(
+        "--pooling",
+        choices=("mean", "cls", "last"),
+        default="",
+        help="an embedding model's pooling (default: the model's own)",
+    )
     reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
     reg.set_defaults(func=_cmd_models_register)
 
