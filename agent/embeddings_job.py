@@ -16,8 +16,13 @@ import orjson
 from agent.control_handler import job_failure
 from agent.job_messages import GENERATION_FAILED, RUNTIME_CRASHED
 from agent.llama_server import EmbeddingsRequest, LlamaServer
-from agent.runtime_errors import ContextTooLong, LlamaRuntimeError, RuntimeCrashedError
-from proto import CONTEXT_LENGTH_EXCEEDED
+from agent.runtime_errors import (
+    ContextTooLong,
+    LlamaRuntimeError,
+    RequestRejected,
+    RuntimeCrashedError,
+)
+from proto import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,8 @@ async def embeddings_result(
         failure = (RUNTIME_CRASHED, str(exc))
     except ContextTooLong as exc:
         failure = (CONTEXT_LENGTH_EXCEEDED, str(exc))
+    except RequestRejected as exc:
+        failure = (REQUEST_REJECTED, str(exc))
     except LlamaRuntimeError as exc:
         failure = (GENERATION_FAILED, str(exc))
     else:

@@ -98,8 +98,13 @@ from agent.rpc_host import RpcWorkerHost, WorkerGate
 from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
-from agent.runtime_errors import ContextTooLong, LlamaRuntimeError, RuntimeCrashedError
-from proto import CONTEXT_LENGTH_EXCEEDED, DEFAULT_ALLOWED_PEER_CIDRS
+from agent.runtime_errors import (
+    ContextTooLong,
+    LlamaRuntimeError,
+    RequestRejected,
+    RuntimeCrashedError,
+)
+from proto import CONTEXT_LENGTH_EXCEEDED, DEFAULT_ALLOWED_PEER_CIDRS, REQUEST_REJECTED
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -393,6 +398,8 @@ class LlamaHandler(RpcWorkerHost):
             failure = (RUNTIME_CRASHED, str(exc))
         except ContextTooLong as exc:
             failure = (CONTEXT_LENGTH_EXCEEDED, str(exc))
+        except RequestRejected as exc:
+            failure = (REQUEST_REJECTED, str(exc))
         except LlamaRuntimeError as exc:
             failure = (GENERATION_FAILED, str(exc))
         finally:

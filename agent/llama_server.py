@@ -24,6 +24,7 @@ from agent.runtime_errors import (
     GenerationError,
     LlamaRuntimeError,
     PortInUseError,
+    RequestRejected,
     RuntimeMissingError,
     RuntimeStartError,
     UnsafeBindError,
@@ -325,7 +326,7 @@ class LlamaServer(ManagedChild):
             async with http.stream("POST", url, json=request.payload(), timeout=timeout) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", errors="replace")
-                    error = ContextTooLong if _exceeds_context(body) else GenerationError
+                    error = _refusal(resp.status_code, body)
                     raise error(
                         f"llama-server returned {resp.status_code}: {_error_message(body)}",
                         status_code=resp.status_code,
@@ -355,7 +356,7 @@ class LlamaServer(ManagedChild):
         except httpx.HTTPError as exc:
             raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
-            error = ContextTooLong if _exceeds_context(resp.text) else GenerationError
+            error = _refusal(resp.status_code, resp.text)
             raise error(
                 f"llama-server returned {resp.status_code}: {_error_message(resp.text)}",
                 status_code=resp.status_code,
@@ -455,6 +456,16 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
     if not text and not extra and finish_reason is None and usage is None and timings is None:
         return None
     return ChatDelta(text, finish_reason, usage, timings, extra.decode() if extra else "")
+
+
+def _refusal(status: int, body: str) -> type[GenerationError]:
+    """What a non-200 answer from llama-server means: the request's fault (its prompt too long
+    for the context, or invalid) or a failure of generation."""
+    if _exceeds_context(body):
+        return ContextTooLong
+    if status == 400:
+        return RequestRejected
+    return GenerationError
 
 
 def _exceeds_context(body: str) -> bool:

@@ -75,3 +75,8 @@ class GenerationError(LlamaRuntimeError):
 
 class ContextTooLong(GenerationError):
     """The prompt does not fit the context llama-server gives a slot (the request's fault)."""
+
+
+class RequestRejected(GenerationError):
+    """llama-server refused the request as invalid (400: a schema it cannot turn into a
+    grammar, a history its chat template cannot render): the request's fault."""

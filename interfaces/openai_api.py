@@ -56,7 +56,7 @@ from interfaces.openai_responses import (
 )
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
-from proto import CONTEXT_LENGTH_EXCEEDED
+from proto import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ def job_error(message: str, code: str) -> ApiError:
             param="messages",
             code=CONTEXT_LENGTH_EXCEEDED,
         )
+    if code == REQUEST_REJECTED:
+        return ApiError(400, f"the model's server refused the request: {message}", code=code)
     status = 504 if code in DEADLINE_CODES else 502
     return ApiError(status, message, type_="server_error", code=code)
 

@@ -30,6 +30,8 @@ PLAN_OVERHEAD_BYTES = 1024 * 1024
 # JobResult.error_code of a request whose prompt does not fit the model's context: the client's
 # error (HTTP 400, OpenAI's code), not the node's.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# JobResult.error_code of a request llama-server refused as invalid (HTTP 400 there, and here).
+REQUEST_REJECTED = "invalid_request"
 
 # Addresses a node may have and RPC peers may come from, unless the operator says otherwise
 # (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
@@ -57,5 +59,6 @@ __all__ = [
     "MEMORY_LIMIT_LABEL",
     "PLAN_OVERHEAD_BYTES",
     "PROTOCOL_VERSION",
+    "REQUEST_REJECTED",
     "SLOTS_LABEL",
 ]

@@ -150,6 +150,21 @@ def test_a_json_schema_answer_validates(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(content), PERSON)
 
 
+def test_a_request_llama_server_refuses_is_a_400_not_a_502(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=CHAT_MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "broken", "schema": {"$ref": "#/definitions/nowhere"}},
+            },
+            max_tokens=10,
+        )
+    assert refused.value.code == "invalid_request"
+    assert "cannot resolve $ref" in refused.value.message
+
+
 def test_a_json_object_answer_parses(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(
         model=CHAT_MODEL,

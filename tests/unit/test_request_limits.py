@@ -3,10 +3,12 @@ prompt longer than the context is the client's 400, not a 502)."""
 
 from __future__ import annotations
 
-from agent.llama_server import _exceeds_context
+from agent.llama_server import _exceeds_context, _refusal
+from agent.runtime_errors import ContextTooLong, GenerationError, RequestRejected
 from application.deadlines import STREAM_IDLE_TIMEOUT
 from application.job_manager import capped
 from interfaces.openai_api import job_error
+from proto import REQUEST_REJECTED
 
 
 def test_max_tokens_is_capped_by_the_context() -> None:
@@ -20,6 +22,15 @@ def test_a_prompt_over_the_context_is_the_requests_fault() -> None:
     assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
     assert job_error("stalled", STREAM_IDLE_TIMEOUT).status == 504
     assert job_error("crashed", "RUNTIME_CRASHED").status == 502
+    refused = job_error("cannot resolve $ref", REQUEST_REJECTED)
+    assert (refused.status, refused.code) == (400, REQUEST_REJECTED)
+
+
+def test_llama_servers_400_is_the_requests_fault_and_its_5xx_ours() -> None:
+    context = '{"error":{"code":400,"message":"too long","type":"exceed_context_size_error"}}'
+    assert _refusal(400, context) is ContextTooLong
+    assert _refusal(400, '{"error":{"message":"bad schema"}}') is RequestRejected
+    assert _refusal(500, "oops") is GenerationError
 
 
 def test_llama_servers_context_refusal_is_recognised() -> None:
