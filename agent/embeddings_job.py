@@ -14,15 +14,11 @@ import httpx
 import orjson
 
 from agent.control_handler import job_failure
-from agent.job_messages import GENERATION_FAILED, RUNTIME_CRASHED
+from agent.job_messages import failure_of
 from agent.llama_server import EmbeddingsRequest, LlamaServer
 from agent.runtime_errors import (
-    ContextTooLong,
     LlamaRuntimeError,
-    RequestRejected,
-    RuntimeCrashedError,
 )
-from proto import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -35,14 +31,8 @@ async def embeddings_result(
     started = time.monotonic()
     try:
         embeddings = await server.embed(request, client=client)
-    except RuntimeCrashedError as exc:
-        failure = (RUNTIME_CRASHED, str(exc))
-    except ContextTooLong as exc:
-        failure = (CONTEXT_LENGTH_EXCEEDED, str(exc))
-    except RequestRejected as exc:
-        failure = (REQUEST_REJECTED, str(exc))
     except LlamaRuntimeError as exc:
-        failure = (GENERATION_FAILED, str(exc))
+        failure = failure_of(exc)
     else:
         elapsed_ms = (time.monotonic() - started) * 1000.0
         log.info(

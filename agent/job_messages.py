@@ -11,6 +11,13 @@ from typing import Any
 
 from agent.control_handler import Send
 from agent.llama_server import ChatRequest
+from agent.runtime_errors import (
+    ContextTooLong,
+    LlamaRuntimeError,
+    RequestRejected,
+    RuntimeCrashedError,
+)
+from proto import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -152,3 +159,15 @@ def chat_request(
         endpoint=generation.endpoint,
         options=parse_options(generation.options_json),
     )
+
+
+def failure_of(exc: LlamaRuntimeError) -> tuple[str, str]:
+    """A generation's failure as ``(error_code, message)``: a crash, the request's fault (its
+    prompt too long, or refused as invalid), or another failure of generation."""
+    if isinstance(exc, RuntimeCrashedError):
+        return RUNTIME_CRASHED, str(exc)
+    if isinstance(exc, ContextTooLong):
+        return CONTEXT_LENGTH_EXCEEDED, str(exc)
+    if isinstance(exc, RequestRejected):
+        return REQUEST_REJECTED, str(exc)
+    return GENERATION_FAILED, str(exc)

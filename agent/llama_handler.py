@@ -68,15 +68,14 @@ from agent.embeddings_job import embeddings_result
 from agent.job_messages import (
     AGENT_STOPPING,
     CANCELLED,
-    GENERATION_FAILED,
     INVALID_PLAN,
     JOB_ALREADY_RUNNING,
     RUNTIME_BUSY,
-    RUNTIME_CRASHED,
     RUNTIME_START_FAILED,
     DeltaSender,
     SetupFailure,
     chat_request,
+    failure_of,
     generation_stats,
     parse_messages,
     parse_options,
@@ -99,12 +98,9 @@ from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
 from agent.runtime_errors import (
-    ContextTooLong,
     LlamaRuntimeError,
-    RequestRejected,
-    RuntimeCrashedError,
 )
-from proto import CONTEXT_LENGTH_EXCEEDED, DEFAULT_ALLOWED_PEER_CIDRS, REQUEST_REJECTED
+from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -394,14 +390,8 @@ class LlamaHandler(RpcWorkerHost):
                 finish_reason = delta.finish_reason or finish_reason
                 usage = delta.usage or usage
                 timings = delta.timings or timings
-        except RuntimeCrashedError as exc:
-            failure = (RUNTIME_CRASHED, str(exc))
-        except ContextTooLong as exc:
-            failure = (CONTEXT_LENGTH_EXCEEDED, str(exc))
-        except RequestRejected as exc:
-            failure = (REQUEST_REJECTED, str(exc))
         except LlamaRuntimeError as exc:
-            failure = (GENERATION_FAILED, str(exc))
+            failure = failure_of(exc)
         finally:
             await stream.aclose()
         job.phase = _FINISHED  # a late CancelJob must not add a second JobResult

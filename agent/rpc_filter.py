@@ -66,6 +66,23 @@ def canonical(address: str) -> str:
     return str(ip)
 
 
+def admissible(addresses: Iterable[str], cidrs: Sequence[str], endpoint: str) -> set[str]:
+    """The named primaries a worker's gate lets in: those inside ``cidrs``, as the gate
+    compares them (:func:`canonical`); the others are logged."""
+    admitted = set()
+    for address in addresses:
+        if peer_allowed(address, cidrs):
+            admitted.add(canonical(address))
+        else:
+            log.warning(
+                "RPC worker %s: not letting in %s, outside ALLOWED_PEER_CIDRS (%s)",
+                endpoint,
+                address,
+                ", ".join(cidrs),
+            )
+    return admitted
+
+
 class PeerFilter:
     """The worker on ``host:port`` and the file of addresses its accept filter lets in."""
 
@@ -90,17 +107,7 @@ class PeerFilter:
 
     def allow(self, addresses: Iterable[str]) -> None:
         """Lets ``addresses`` in too; an address outside the agent's CIDRs is refused (logged)."""
-        admitted = set()
-        for address in addresses:
-            if peer_allowed(address, self.cidrs):
-                admitted.add(canonical(address))
-            else:
-                log.warning(
-                    "RPC worker %s: not letting in %s, outside ALLOWED_PEER_CIDRS (%s)",
-                    self.endpoint,
-                    address,
-                    ", ".join(self.cidrs),
-                )
+        admitted = admissible(addresses, self.cidrs, self.endpoint)
         if not admitted <= self.allowed:
             self.allowed |= admitted
             self._write()

@@ -23,7 +23,7 @@ import socket
 import threading
 from collections.abc import Iterable, Sequence
 
-from agent.rpc_filter import canonical, peer_allowed
+from agent.rpc_filter import admissible, canonical
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,7 @@ class RpcGuard:
 
     def allow(self, addresses: Iterable[str]) -> None:
         """Lets ``addresses`` in too; an address outside the agent's CIDRs is refused (logged)."""
-        admitted = set()
-        for address in addresses:
-            if peer_allowed(address, self.cidrs):
-                admitted.add(canonical(address))
-            else:
-                log.warning(
-                    "RPC worker %s: not letting in %s, outside ALLOWED_PEER_CIDRS (%s)",
-                    self.endpoint,
-                    address,
-                    ", ".join(self.cidrs),
-                )
+        admitted = admissible(addresses, self.cidrs, self.endpoint)
         with self._lock:
             self.allowed = self.allowed | admitted
 

@@ -110,47 +110,6 @@ class Health(TypedDict):
     connected_nodes: int
 
 
-class ModelCard(TypedDict):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelCards(TypedDict):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class ChatMessageOut(TypedDict):
-    role: Literal["assistant"]
-    content: str
-    refusal: None
-
-
-class ChatChoice(TypedDict):
-    index: int
-    message: ChatMessageOut
-    logprobs: None
-    finish_reason: str | None
-
-
-class Usage(TypedDict):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(TypedDict):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: None
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class RegisteredModelRow(TypedDict):
     name: str
     sha256: str

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
@@ -198,23 +198,7 @@ _CHAT_ERRORS = errors(
 )
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     submission = parse_chat_request(await _body(request))
-    answer = Answer(
-        "chatcmpl-",
-        int(time.time()),
-        submission.model,
-        include_usage=bool(submission.params.get("include_usage")),
-        forced_tools=submission.params.get("forced_tools"),
-        top_logprobs=submission.params.get("top_logprobs"),
-    )
-    started = await _started(_services(state), request, submission, CHAT)
-    if isinstance(started, Response):
-        return started
-    jobs, run, first = started
-    answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
-    if submission.stream:
-        return _events(jobs, run, first, ChatStream(answer))
-    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
-    return Response(chat_message(answer, collected, outcome))
+    return await _generate(state, request, submission, "chatcmpl-", ChatStream, chat_message)
 
 
 @post(
@@ -231,22 +215,7 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
 )
 async def completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     submission = parse_completion_request(await _body(request))
-    answer = Answer(
-        "cmpl-",
-        int(time.time()),
-        submission.model,
-        include_usage=bool(submission.params.get("include_usage")),
-        top_logprobs=submission.params.get("top_logprobs"),
-    )
-    started = await _started(_services(state), request, submission, CHAT)
-    if isinstance(started, Response):
-        return started
-    jobs, run, first = started
-    answer = replace(answer, id=answer.id + run.job_id.replace("-", ""))
-    if submission.stream:
-        return _events(jobs, run, first, CompletionStream(answer))
-    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
-    return Response(completion(answer, collected, outcome))
+    return await _generate(state, request, submission, "cmpl-", CompletionStream, completion)
 
 
 @post(
@@ -266,6 +235,33 @@ async def create_embeddings(state: State, request: Request[Any, Any, Any]) -> Re
     jobs, run, first = started
     _, outcome = await _collected(jobs, run, first)
     return Response(embeddings(submission.model, outcome, encoding))
+
+
+async def _generate(
+    state: State,
+    request: Request[Any, Any, Any],
+    submission: Submission,
+    prefix: str,
+    events: type[ChatStream] | type[CompletionStream],
+    answer_of: Callable[[Answer, Collected, JobOutcome], dict[str, Any]],
+) -> Response[Any]:
+    """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``."""
+    started = await _started(_services(state), request, submission, CHAT)
+    if isinstance(started, Response):
+        return started
+    jobs, run, first = started
+    answer = Answer(
+        prefix + run.job_id.replace("-", ""),
+        int(time.time()),
+        submission.model,
+        include_usage=bool(submission.params.get("include_usage")),
+        forced_tools=submission.params.get("forced_tools"),
+        top_logprobs=submission.params.get("top_logprobs"),
+    )
+    if submission.stream:
+        return _events(jobs, run, first, events(answer))
+    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
+    return Response(answer_of(answer, collected, outcome))
 
 
 async def _body(request: Request[Any, Any, Any]) -> Any:
