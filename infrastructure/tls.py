@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from proto import CONTROLLER_TLS_NAME
+from proto.transfer_ticket import node_tls_name
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class ServerTls:
     ca_file: Path
     #: The name to verify the server under (:data:`SERVER_NAME` for generated certificates).
     server_name: str
+    #: The CA's key, when the CA is the controller's own: it issues node certificates and
+    #: signs model transfer tickets (None with the operator's TLS files).
+    ca_key_pem: bytes | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -180,6 +184,47 @@ def issue_server_cert(
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
+#: How long a node certificate is valid (a node asks for a new one at every connect).
+NODE_VALIDITY = dt.timedelta(days=30)
+
+
+def issue_node_cert(ca_pem: bytes, ca_key_pem: bytes, node_id: str, csr_pem: bytes) -> bytes:
+    """The node's certificate for the key of its signing request: named
+    ``dacp-node-<node id>`` (its common name and DNS name), for serving and fetching model
+    files (server and client authentication). Raises :class:`TlsError` for a bad request."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as e:
+        raise TlsError(f"not a certificate signing request: {e}") from e
+    if not csr.is_signature_valid:
+        raise TlsError("the certificate signing request's signature is invalid")
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TlsError("the controller's CA key is not an EC key")
+    name = node_tls_name(node_id)
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca.subject)
+        .public_key(csr.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + NODE_VALIDITY, ca.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
 def load_or_create(
     tls_dir: Path,
     *,
@@ -208,6 +253,7 @@ def load_or_create(
         key_file=server_key,
         ca_file=ca_path,
         server_name=SERVER_NAME,
+        ca_key_pem=ca_key_pem,
     )
 
 

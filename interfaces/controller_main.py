@@ -29,9 +29,9 @@ from infrastructure.live_state import live_state_for
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, storage_from_url
-from infrastructure.tls import ServerTls, is_loopback, load_or_create
+from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
-from interfaces.grpc_server import AgentConnections, ControlPlaneServicer
+from interfaces.grpc_server import AgentConnections, ControlPlaneServicer, NodeCertificates
 from interfaces.http_app import create_app
 from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
@@ -142,6 +142,14 @@ async def _sweep_forever(monitor: HealthMonitor, jobs: JobManager) -> None:
             log.exception("health sweep failed")
 
 
+def node_certificates(tls: ServerTls | None) -> NodeCertificates | None:
+    """What issues node certificates: the controller's own CA, when it has its key."""
+    if tls is None or tls.ca_key_pem is None:
+        return None
+    ca_pem, ca_key_pem = tls.ca_pem, tls.ca_key_pem
+    return lambda node_id, csr: issue_node_cert(ca_pem, ca_key_pem, node_id, csr)
+
+
 async def _reap_workers_forever(reaper: WorkerReaper) -> None:
     while True:
         await asyncio.sleep(min(REAP_INTERVAL, reaper.grace / 2))
@@ -169,6 +177,7 @@ async def start_controller(settings: Settings) -> RunningController:
         heartbeat_interval=settings.heartbeat_interval,
         allowed_cidrs=settings.allowed_peer_cidrs,
         allow_nat=settings.enroll_allow_nat,
+        node_certificates=node_certificates(services.tls),
     )
     services.extras["servicer"] = servicer
     metrics, feed = install_operations(services, loop)

@@ -52,6 +52,9 @@ from proto import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+#: Issues a node its certificate for a signing request (PEM in, PEM out; ValueError if bad).
+NodeCertificates = Callable[[str, bytes], bytes]
+
 _CLOSE = object()
 
 
@@ -158,8 +161,11 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         clock: Callable[[], float] = time.time,
         allowed_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS,
         allow_nat: bool = False,
+        node_certificates: NodeCertificates | None = None,
     ) -> None:
         self.allowed_cidrs = allowed_cidrs
+        #: Issues each node its certificate (None: the controller cannot, and says so).
+        self.node_certificates = node_certificates
         self.allow_nat = allow_nat
         #: At most one ACCESS_REFUSED per source address every 10 s.
         self._refusals = RejectionAudit()
@@ -289,7 +295,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         try:
             self.live.mark_connected(node_id, True, self.clock())
             await asyncio.to_thread(self._on_hello, node_id, node.state, first.hello.agent_version)
-            yield pb.ControllerMessage(welcome=await self._welcome(node_id))
+            welcome = await self._welcome(node_id)
+            welcome.node_certificate_pem = self._node_certificate(node_id, first.hello.csr_pem)
+            yield pb.ControllerMessage(welcome=welcome)
             reader = asyncio.create_task(self._read(node_id, iterator, queue))
             while True:
                 item = await queue.get()
@@ -305,6 +313,24 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 # (node offline, its jobs re-planned or failed) must run to its end anyway.
                 cleanup = self._cleanups.spawn(self._on_stream_closed(node_id, said_goodbye))
                 await asyncio.shield(cleanup)
+
+    def _node_certificate(self, node_id: str, csr_pem: str) -> str:
+        """The node's certificate for its signing request ("" when it sent none, or when it
+        cannot be issued: the agent then serves and fetches no model files)."""
+        if not csr_pem:
+            return ""
+        if self.node_certificates is None:
+            log.warning(
+                "node %s asked for a certificate; this controller cannot issue one "
+                "(its TLS files are the operator's, without the CA key)",
+                node_id,
+            )
+            return ""
+        try:
+            return self.node_certificates(node_id, csr_pem.encode()).decode()
+        except ValueError as e:
+            log.warning("node %s: no certificate issued: %s", node_id, e)
+            return ""
 
     async def _welcome(self, node_id: str) -> pb.Welcome:
         """The node's Welcome, naming the jobs that go on over this stream. What the node

@@ -131,12 +131,14 @@ class AgentMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("agent_version", "node_id")
+    __slots__ = ("agent_version", "node_id", "csr_pem")
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     node_id: str
-    def __init__(self, agent_version: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    csr_pem: str
+    def __init__(self, agent_version: _Optional[str] = ..., node_id: _Optional[str] = ..., csr_pem: _Optional[str] = ...) -> None: ...
 
 class GpuTelemetry(_message.Message):
     __slots__ = ("index", "memory_free_bytes", "memory_used_bytes", "temperature_c")
@@ -293,16 +295,18 @@ class ControllerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds", "resumed_jobs")
+    __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds", "resumed_jobs", "node_certificate_pem")
     CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    NODE_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
     controller_version: str
     node_id: str
     heartbeat_interval_seconds: float
     resumed_jobs: _containers.RepeatedCompositeFieldContainer[ResumedJob]
-    def __init__(self, controller_version: _Optional[str] = ..., node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., resumed_jobs: _Optional[_Iterable[_Union[ResumedJob, _Mapping]]] = ...) -> None: ...
+    node_certificate_pem: str
+    def __init__(self, controller_version: _Optional[str] = ..., node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., resumed_jobs: _Optional[_Iterable[_Union[ResumedJob, _Mapping]]] = ..., node_certificate_pem: _Optional[str] = ...) -> None: ...
 
 class ResumedJob(_message.Message):
     __slots__ = ("job_id", "next_seq")

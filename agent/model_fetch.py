@@ -1,0 +1,200 @@
+"""Fetches a model file from a node that holds it (:mod:`agent.model_server`), into the models
+directory, safely:
+
+* it goes to ``<file>.partial`` and becomes ``<file>`` only once whole and its sha256 checked
+  (so no partial file is ever where a complete one is expected);
+* a cut transfer resumes from what ``.partial`` holds (an HTTP range), the bytes already there
+  hashed again first;
+* a wrong sha256 removes the partial file (the next attempt starts over);
+* a file that does not fit the disk is refused before a byte is written, and a disk that fills
+  meanwhile removes the partial file: a clear failure, nothing left behind.
+
+Blocking (it runs in a thread of its own): the bytes go socket → buffer → hash and file in
+1 MiB pieces, so a LAN transfer is bound by the link.
+
+Agent code: imports only the standard library, third-party packages and ``proto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import http.client
+import logging
+import os
+import shutil
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from proto.transfer_ticket import MODELS_PATH, node_tls_name
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+#: Space a fetch leaves free on the models disk.
+DISK_RESERVE_BYTES = 64 << 20
+PARTIAL_SUFFIX = ".partial"
+
+#: Called with (bytes held, total) as the file grows.
+Progress = Callable[[int, int], None]
+
+
+class TransferError(RuntimeError):
+    """A fetch that failed; ``retry`` says whether another attempt (from the same or another
+    source) may succeed."""
+
+    def __init__(self, message: str, *, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+@dataclass(frozen=True)
+class Source:
+    """A node that holds the model, and the ticket to fetch it there."""
+
+    node_id: str
+    host: str
+    port: int
+    ticket: str
+
+
+def partial_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + PARTIAL_SUFFIX)
+
+
+def _hash_existing(path: Path, hasher: hashlib._Hash) -> int:
+    held = 0
+    with path.open("rb", buffering=0) as existing:
+        buffer = bytearray(CHUNK)
+        view = memoryview(buffer)
+        while n := existing.readinto(buffer):
+            hasher.update(view[:n])
+            held += n
+    return held
+
+
+def _check_room(dest: Path, size: int, held: int) -> None:
+    free = shutil.disk_usage(dest.parent).free
+    needed = size - held
+    if needed > free - DISK_RESERVE_BYTES:
+        partial_path(dest).unlink(missing_ok=True)
+        raise TransferError(
+            f"{dest.name} needs {needed} more bytes; the models disk has {free} free "
+            f"(keeping {DISK_RESERVE_BYTES} in reserve)",
+            retry=False,
+        )
+
+
+def _connect(source: Source, context: ssl.SSLContext, timeout: float) -> http.client.HTTPConnection:
+    raw = socket.create_connection((source.host, source.port), timeout=timeout)
+    try:
+        secure = context.wrap_socket(raw, server_hostname=node_tls_name(source.node_id))
+    except BaseException:
+        raw.close()
+        raise
+    connection = http.client.HTTPConnection(source.host, source.port, timeout=timeout)
+    connection.sock = secure
+    return connection
+
+
+def fetch(
+    source: Source,
+    sha256: str,
+    size: int,
+    dest: Path,
+    context: ssl.SSLContext,
+    *,
+    progress: Progress | None = None,
+    timeout: float = 30.0,
+) -> Path:
+    """Fetches the model into ``dest`` (resuming ``dest.partial``); returns ``dest``."""
+    partial = partial_path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    hasher = hashlib.sha256()
+    held = _hash_existing(partial, hasher) if partial.exists() else 0
+    if held > size:
+        partial.unlink()
+        hasher, held = hashlib.sha256(), 0
+    _check_room(dest, size, held)
+    started = time.monotonic()
+    try:
+        connection = _connect(source, context, timeout)
+    except (OSError, ssl.SSLError) as e:
+        raise TransferError(
+            f"cannot reach node {source.node_id} at {source.host}:{source.port}: {e}"
+        ) from e
+    try:
+        headers = {"Authorization": f"Bearer {source.ticket}"}
+        if held:
+            headers["Range"] = f"bytes={held}-"
+        connection.request("GET", MODELS_PATH + sha256, headers=headers)
+        response = connection.getresponse()
+        if response.status not in (200, 206):
+            detail = response.read(500).decode(errors="replace").strip()
+            raise TransferError(
+                f"node {source.node_id} refused the transfer ({response.status}): {detail}",
+                retry=response.status >= 500,
+            )
+        if response.status == 200 and held:  # the range was not honoured: start over
+            hasher, held = hashlib.sha256(), 0
+        held = _receive(response, partial, held, size, hasher, progress)
+    except (OSError, http.client.HTTPException) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            partial.unlink(missing_ok=True)
+            raise TransferError(
+                f"the models disk filled up while fetching {dest.name}", retry=False
+            ) from e
+        raise TransferError(
+            f"transfer from node {source.node_id} cut after {held} bytes: {e}"
+        ) from e
+    finally:
+        connection.close()
+    if held != size or hasher.hexdigest() != sha256:
+        partial.unlink(missing_ok=True)
+        raise TransferError(
+            f"{dest.name} from node {source.node_id} does not match its sha256 "
+            f"({held} of {size} bytes); it is removed and fetched again"
+        )
+    os.replace(partial, dest)
+    seconds = max(time.monotonic() - started, 1e-6)
+    log.info(
+        "fetched %s from node %s: %d bytes at %.0f MB/s",
+        dest.name,
+        source.node_id,
+        size,
+        size / seconds / 1e6,
+    )
+    return dest
+
+
+def _receive(
+    response: http.client.HTTPResponse,
+    partial: Path,
+    held: int,
+    size: int,
+    hasher: hashlib._Hash,
+    progress: Progress | None,
+) -> int:
+    mode = "r+b" if held and partial.exists() else "wb"
+    with partial.open(mode, buffering=0) as out:
+        out.seek(held)
+        out.truncate()
+        buffer = bytearray(CHUNK)
+        view = memoryview(buffer)
+        while held < size:
+            n = response.readinto(buffer)
+            if not n:
+                break
+            out.write(view[:n])
+            hasher.update(view[:n])
+            held += n
+            if progress is not None:
+                progress(held, size)
+        with contextlib.suppress(OSError):
+            os.fsync(out.fileno())
+    return held
