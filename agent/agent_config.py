@@ -15,18 +15,26 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from proto import DEFAULT_ALLOWED_PEER_CIDRS, MEMORY_LIMIT_LABEL, SLOTS_LABEL, keepalive
+from proto import (
+    DEFAULT_ALLOWED_PEER_CIDRS,
+    MEMORY_LIMIT_LABEL,
+    SLOTS_LABEL,
+    TRANSFER_PORT_LABEL,
+    keepalive,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_RPC_PORT = 50052
+#: Where the node serves its model files to other nodes (0: it serves none).
+DEFAULT_TRANSFER_PORT = 50053
 #: Most jobs a node runs at once as a primary: llama-server slots (``--parallel``). The
 #: controller gives a server as many slots as the nodes' memory holds, up to this cap.
 DEFAULT_SLOTS = 4
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 # Inventory labels the agent sets itself (SLOTS_LABEL, MEMORY_LIMIT_LABEL: see proto).
-RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL})
+RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL, TRANSFER_PORT_LABEL})
 
 Jitter = Callable[[float, float], float]
 
@@ -144,6 +152,8 @@ class AgentConfig:
     models_dir: Path | None = None  # None: <data_dir>/models
     advertise_address: str = "127.0.0.1"
     rpc_port: int = DEFAULT_RPC_PORT
+    #: The model file server's port (the CLI's default is DEFAULT_TRANSFER_PORT; 0: none).
+    transfer_port: int = 0
     #: Where the primaries that may reach this node's RPC worker can be (the controller names
     #: them; the agent checks its own list too).
     allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
@@ -176,6 +186,8 @@ class AgentConfig:
 
     def inventory_labels(self) -> dict[str, str]:
         labels = {**self.labels, SLOTS_LABEL: str(self.slots)}
+        if self.transfer_port:
+            labels[TRANSFER_PORT_LABEL] = str(self.transfer_port)
         if self.memory_limit_bytes is not None:
             labels[MEMORY_LIMIT_LABEL] = str(self.memory_limit_bytes)
         return labels

@@ -61,6 +61,7 @@ from agent.discovery import sample_telemetry
 from agent.identity import NodeIdentity, identity_path, save_identity
 from agent.job_journal import JobJournal
 from agent.job_traffic import Connection, JobTraffic
+from agent.model_transfers import ModelTransfers
 from agent.resources import ResourceCollector, Resources, log_resources
 from agent.token_merge import merge_token_chunks
 from proto import control_pb2 as pb
@@ -119,6 +120,15 @@ class AgentSession(ControllerChannel, JobTraffic):
         self._reported: tuple[object, ...] | None = None
         self._conn: Connection | None = None
         self.journal = JobJournal()
+        #: Ask the resource loop to look at the models now (a fetch added one).
+        self._recheck = asyncio.Event()
+        self.transfers = ModelTransfers(
+            config.resolved_models_dir,
+            config.data_dir,
+            config.advertise_address,
+            config.transfer_port,
+            on_model_added=self._recheck.set,
+        )
         self._channel: grpc.aio.Channel | None = None
         self._dispatch_tasks: set[asyncio.Task[None]] = set()
         self._main_task: asyncio.Task[Any] | None = None
@@ -217,6 +227,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             await self.handler.close()
         except Exception:
             log.exception("handler.close() failed")
+        await asyncio.to_thread(self.transfers.close)
         log.info("agent stopped")
 
     # -- connect ------------------------------------------------------------------------
@@ -248,7 +259,11 @@ class AgentSession(ControllerChannel, JobTraffic):
         conn = Connection(call)
         tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._write_loop(conn))]
         try:
-            hello = pb.Hello(agent_version=AGENT_VERSION, node_id=identity.node_id)
+            hello = pb.Hello(
+                agent_version=AGENT_VERSION,
+                node_id=identity.node_id,
+                csr_pem=self.transfers.csr(identity.node_id),
+            )
             conn.queue.put_nowait(pb.AgentMessage(hello=hello))
             welcome = await self._await_welcome(conn, identity)
             await self._on_welcome(conn, identity, welcome)
@@ -319,6 +334,8 @@ class AgentSession(ControllerChannel, JobTraffic):
         if identity.controller_url != self._target.url:
             self.identity = identity.with_controller_url(self._target.url)
             save_identity(self.config.data_dir, self.identity)
+        if identity.controller_ca_pem:
+            self.transfers.welcomed(welcome.node_certificate_pem, identity.controller_ca_pem)
         # Before anything else goes out on the new stream: what the controller missed.
         self._resume_jobs(conn, welcome)
         self._conn = conn
@@ -404,7 +421,9 @@ class AgentSession(ControllerChannel, JobTraffic):
                 log.info("inventory or models changed; sending a new ResourceReport")
                 log_resources(resources)
                 self._queue_report(conn, resources)
-            await asyncio.sleep(self.config.resource_check_interval)
+            self._recheck.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._recheck.wait(), self.config.resource_check_interval)
 
 
 async def _call_ended(

@@ -24,6 +24,7 @@ from agent.control_handler import (
 )
 from agent.job_journal import JobJournal
 from agent.job_messages import JOB_LOST
+from agent.model_transfers import ModelTransfers
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Connection:
 class JobTraffic:
     handler: ControlHandler
     journal: JobJournal
+    transfers: ModelTransfers
     _conn: Connection | None
     _dispatch_tasks: set[asyncio.Task[None]]
 
@@ -102,6 +104,8 @@ class JobTraffic:
             coro = handler.on_start_rpc_worker(message.start_rpc_worker, send)
         elif kind == "stop_rpc_worker":
             coro = handler.on_stop_rpc_worker(message.stop_rpc_worker, send)
+        elif kind == "fetch_model":
+            coro = self.transfers.on_fetch(message.fetch_model, send)
         elif kind == "cancel_job":
             coro = handler.on_cancel(message.cancel_job, send)
         elif kind == "drain":

@@ -27,6 +27,7 @@ from agent import AGENT_VERSION
 from agent.agent_config import (
     DEFAULT_RPC_PORT,
     DEFAULT_SLOTS,
+    DEFAULT_TRANSFER_PORT,
     RESERVED_LABELS,
     AgentConfig,
     AgentError,
@@ -301,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ggml-rpc-server port on this node (default: %(default)s)",
     )
     parser.add_argument(
+        "--transfer-port",
+        type=int,
+        default=DEFAULT_TRANSFER_PORT,
+        help="port of this node's model file server, for other nodes (0: none; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
         "--allowed-peer-cidrs",
         type=_cidrs,
         default=os.environ.get("ALLOWED_PEER_CIDRS") or ",".join(DEFAULT_ALLOWED_PEER_CIDRS),
@@ -417,6 +425,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         advertise_address=args.advertise_address
         or default_advertise_address(args.controller_url or _stored_controller_url(data_dir)),
         rpc_port=args.rpc_port,
+        transfer_port=args.transfer_port,
         allowed_peer_cidrs=args.allowed_peer_cidrs,
         labels=labels,
         slots=args.slots,

@@ -323,7 +323,8 @@ class ModelStore:
 
     def scan(self) -> list[LocalModel]:
         """Every GGUF file as a LocalModel; unreadable ones carry ``error``. Never raises
-        for a bad model file."""
+        for a bad model file. The cache is read again first: a fetch may have added to it."""
+        self.cache = HashCache(self.cache.path)
         paths = self.model_paths()
         models = [self.describe(path) for path in paths]
         self.cache.retain(paths)
@@ -371,6 +372,39 @@ class ModelStore:
         )
         self.cache.put(path, entry)
         return _model_from_entry(base, entry)
+
+    def cached_path(self, sha256: str) -> Path | None:
+        """The file in the models dir whose cached sha256 is ``sha256`` and which has not
+        changed since it was hashed (nothing is hashed here)."""
+        cache = HashCache(self.cache.path)
+        for path in self.model_paths():
+            stat = path.stat()
+            entry = cache.get(path.absolute(), stat.st_size, stat.st_mtime_ns)
+            if entry is not None and entry.sha256 == sha256:
+                return path
+        return None
+
+    def remember(self, path: Path, sha256: str) -> None:
+        """Records a file whose sha256 was just checked (a fetched model) in the cache, so
+        that nobody hashes it again."""
+        path = path.absolute()
+        metadata = read_gguf_metadata(path)
+        stat = path.stat()
+        self.cache = HashCache(self.cache.path)
+        self.cache.put(
+            path,
+            _CacheEntry(
+                size=stat.st_size,
+                mtime_ns=stat.st_mtime_ns,
+                sha256=sha256,
+                architecture=metadata.architecture,
+                parameters=metadata.parameters,
+                layers=metadata.layers,
+                context_length=metadata.context_length,
+                kv_bytes_per_token=metadata.kv_bytes_per_token,
+            ),
+        )
+        self.cache.save()
 
     def find(self, file_name: str) -> Path | None:
         """The path of ``file_name`` in the models dir, if it is there (no path traversal)."""

@@ -337,6 +337,8 @@ class LocalCluster:
                 "127.0.0.1",
                 "--rpc-port",
                 str(rpc_port),
+                "--transfer-port",
+                str(_pick(0)),
                 "--memory-limit",
                 str(spec.memory_limit),
                 "--heartbeat-interval",

@@ -14,6 +14,8 @@ PROTOCOL_VERSION = "dacp.control.v1"
 # scheduler (absent: no limit beyond the hardware).
 SLOTS_LABEL = "dacp.slots"
 MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+# ... and the port of its model file server (absent: the node serves no model files).
+TRANSFER_PORT_LABEL = "dacp.transfer_port"
 
 # The largest message an agent may send (token chunks, results and reports are far smaller).
 MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -61,4 +63,5 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REQUEST_REJECTED",
     "SLOTS_LABEL",
+    "TRANSFER_PORT_LABEL",
 ]

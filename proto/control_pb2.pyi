@@ -109,7 +109,7 @@ class EnrollResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[str] = ..., controller_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye")
+    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class AgentMessage(_message.Message):
     JOB_RESULT_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FAULT_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     resource_report: ResourceReport
@@ -128,7 +129,8 @@ class AgentMessage(_message.Message):
     job_result: JobResult
     runtime_fault: RuntimeFault
     goodbye: Goodbye
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    model_transfer: ModelTransfer
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_version", "node_id", "csr_pem")
@@ -275,7 +277,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class ControllerMessage(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MODEL_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -292,7 +295,64 @@ class ControllerMessage(_message.Message):
     drain: Drain
     resume: Resume
     message_rejected: MessageRejected
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ...) -> None: ...
+    fetch_model: FetchModel
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ...) -> None: ...
+
+class FetchModel(_message.Message):
+    __slots__ = ("transfer_id", "model_sha256", "file_name", "size_bytes", "sources")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    model_sha256: str
+    file_name: str
+    size_bytes: int
+    sources: _containers.RepeatedCompositeFieldContainer[TransferSource]
+    def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., file_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[TransferSource, _Mapping]]] = ...) -> None: ...
+
+class TransferSource(_message.Message):
+    __slots__ = ("node_id", "host", "port", "ticket")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host: str
+    port: int
+    ticket: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ticket: _Optional[str] = ...) -> None: ...
+
+class ModelTransfer(_message.Message):
+    __slots__ = ("transfer_id", "model_sha256", "state", "bytes_done", "size_bytes", "source_node_id", "error")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[ModelTransfer.State]
+        STARTED: _ClassVar[ModelTransfer.State]
+        PROGRESS: _ClassVar[ModelTransfer.State]
+        COMPLETED: _ClassVar[ModelTransfer.State]
+        FAILED: _ClassVar[ModelTransfer.State]
+    STATE_UNSPECIFIED: ModelTransfer.State
+    STARTED: ModelTransfer.State
+    PROGRESS: ModelTransfer.State
+    COMPLETED: ModelTransfer.State
+    FAILED: ModelTransfer.State
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    model_sha256: str
+    state: ModelTransfer.State
+    bytes_done: int
+    size_bytes: int
+    source_node_id: str
+    error: str
+    def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., state: _Optional[_Union[ModelTransfer.State, str]] = ..., bytes_done: _Optional[int] = ..., size_bytes: _Optional[int] = ..., source_node_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds", "resumed_jobs", "node_certificate_pem")

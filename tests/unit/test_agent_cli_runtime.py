@@ -12,7 +12,7 @@ from agent.control_handler import NullHandler
 from agent.handler_factory import RuntimeUnavailable, build_handler
 from agent.llama_handler import LlamaHandler
 from agent.main import build_parser, config_from_args, parse_byte_size
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL
+from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 
 
 @pytest.mark.parametrize(
@@ -50,8 +50,11 @@ def test_memory_limit_is_an_inventory_label(tmp_path: Path) -> None:
         "zone": "a",
         SLOTS_LABEL: "3",
         MEMORY_LIMIT_LABEL: str(2 << 30),
+        TRANSFER_PORT_LABEL: "50053",  # the model file server, on by default
     }
     assert MEMORY_LIMIT_LABEL not in config(tmp_path).inventory_labels()
+    off = config(tmp_path, "--transfer-port", "0").inventory_labels()
+    assert TRANSFER_PORT_LABEL not in off
 
 
 def test_memory_limit_label_is_reserved(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ def test_agent_message_oneof_members() -> None:
         "job_result",
         "runtime_fault",
         "goodbye",
+        "model_transfer",
     ]
 
 
@@ -47,6 +48,7 @@ def test_controller_message_oneof_members() -> None:
         "drain",
         "resume",
         "message_rejected",
+        "fetch_model",
     ]
 
 

@@ -1,0 +1,151 @@
+"""This node's model transfers: the file server other nodes fetch from, and the fetches the
+controller asks for (``FetchModel``).
+
+The node's certificate comes in ``Welcome`` (asked for in ``Hello``); with it the file server
+(:mod:`agent.model_server`) starts on the node's address and ``--transfer-port``, serving the
+models whose sha256 the hash cache knows. A ``FetchModel`` runs in a thread of its own, trying
+its sources in order (:mod:`agent.model_fetch`), and reports ``ModelTransfer`` STARTED, then
+PROGRESS at each quarter, then COMPLETED or FAILED. A second ``FetchModel`` for a model being
+fetched already is answered by the first one's reports.
+
+Agent code: imports only the standard library, third-party packages and ``proto``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from agent.model_fetch import Source, TransferError, fetch
+from agent.model_server import ModelFileServer
+from agent.model_store import ModelStore
+from agent.node_tls import NodeTls
+from proto import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[pb.AgentMessage], Awaitable[None]]
+#: Progress is reported at these fractions of the file.
+STEPS = (0.25, 0.5, 0.75)
+
+
+class ModelTransfers:
+    def __init__(
+        self,
+        models_dir: Path,
+        data_dir: Path,
+        host: str,
+        port: int,
+        on_model_added: Callable[[], None],
+    ) -> None:
+        self.models_dir = models_dir
+        self.tls = NodeTls(data_dir)
+        self.store = ModelStore(models_dir, data_dir, progress=None)
+        self.host, self.port = host, port
+        self.on_model_added = on_model_added
+        self.server: ModelFileServer | None = None
+        self.ca_pem = ""
+        #: Fetches running now, by model sha256.
+        self.fetching: set[str] = set()
+
+    def csr(self, node_id: str) -> str:
+        return self.tls.csr(node_id)
+
+    def welcomed(self, certificate_pem: str, ca_pem: str) -> None:
+        """Keeps the certificate the controller issued; starts the file server once."""
+        if not certificate_pem:
+            log.warning("the controller issued no node certificate: no model files served")
+            return
+        self.tls.store(certificate_pem)
+        self.ca_pem = ca_pem
+        if self.server is None and self.port:
+            try:
+                self.server = ModelFileServer(
+                    self.host, self.port, self.tls.server_context(ca_pem), ca_pem, self.resolve
+                ).start()
+                log.info("serving model files on %s:%d", self.host, self.server.port)
+            except OSError as e:
+                log.warning("cannot serve model files on %s:%d: %s", self.host, self.port, e)
+
+    def resolve(self, sha256: str) -> Path | None:
+        """The file of a model this node holds, its hash known and unchanged (never hashed
+        on a request)."""
+        return self.store.cached_path(sha256)
+
+    async def on_fetch(self, msg: pb.FetchModel, send: Send) -> None:
+        if msg.model_sha256 in self.fetching:
+            log.info("model %s is being fetched already", msg.file_name)
+            return
+        dest = self.models_dir / Path(msg.file_name).name
+        if not self.tls.ready or not self.ca_pem:
+            await send(_status(msg, pb.ModelTransfer.FAILED, 0, error="no node certificate"))
+            return
+        self.fetching.add(msg.model_sha256)
+        loop = asyncio.get_running_loop()
+        reported = [0.0]
+
+        def progress(held: int, size: int) -> None:
+            for step in STEPS:
+                if reported[0] < step <= held / max(size, 1):
+                    reported[0] = step
+                    message = _status(msg, pb.ModelTransfer.PROGRESS, held)
+                    asyncio.run_coroutine_threadsafe(_sent(send, message), loop)
+
+        try:
+            await send(_status(msg, pb.ModelTransfer.STARTED, 0))
+            error = ""
+            source_id = ""
+            for source in msg.sources:
+                source_id = source.node_id
+                try:
+                    await asyncio.to_thread(
+                        fetch,
+                        Source(source.node_id, source.host, source.port, source.ticket),
+                        msg.model_sha256,
+                        msg.size_bytes,
+                        dest,
+                        self.tls.client_context(self.ca_pem),
+                        progress=progress,
+                    )
+                except TransferError as e:
+                    error = str(e)
+                    log.warning("fetching %s from node %s failed: %s", dest.name, source_id, e)
+                    if not e.retry:
+                        break
+                    continue
+                await asyncio.to_thread(self.store.remember, dest, msg.model_sha256)
+                self.on_model_added()
+                done = _status(msg, pb.ModelTransfer.COMPLETED, msg.size_bytes, source_id)
+                await send(done)
+                return
+            failed = _status(msg, pb.ModelTransfer.FAILED, 0, source_id, error or "no source")
+            await send(failed)
+        finally:
+            self.fetching.discard(msg.model_sha256)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+async def _sent(send: Send, message: pb.AgentMessage) -> None:
+    await send(message)
+
+
+def _status(
+    msg: pb.FetchModel, state: int, done: int, source: str = "", error: str = ""
+) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        model_transfer=pb.ModelTransfer(
+            transfer_id=msg.transfer_id,
+            model_sha256=msg.model_sha256,
+            state=state,  # type: ignore[arg-type]
+            bytes_done=done,
+            size_bytes=msg.size_bytes,
+            source_node_id=source,
+            error=error,
+        )
+    )
