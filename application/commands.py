@@ -55,6 +55,41 @@ class Submission:
 
 
 @dataclass(frozen=True)
+class TransferSource:
+    """A node that holds a model file, where it serves it, and the ticket to fetch it."""
+
+    node_id: str
+    host: str
+    port: int
+    ticket: str
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """What a node is asked to fetch (``FetchModel``)."""
+
+    transfer_id: str
+    sha256: str
+    file_name: str
+    size_bytes: int
+    sources: tuple[TransferSource, ...]
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """A node's word on one of its transfers: ``started``, ``progress``, ``completed`` or
+    ``failed``."""
+
+    transfer_id: str
+    sha256: str
+    state: str
+    bytes_done: int = 0
+    size_bytes: int = 0
+    source_node_id: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class CommandResult:
     """The store position a command's events reached (for read-your-writes waits)."""
 

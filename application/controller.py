@@ -23,7 +23,15 @@ from eventsourcing.application import AggregateNotFoundError, Application
 from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import RecordConflictError, Recording
 
-from application.commands import CommandResult, Delta, Enrollment, JobOutcome, Submission
+from application.commands import (
+    CommandResult,
+    Delta,
+    Enrollment,
+    FetchRequest,
+    JobOutcome,
+    Submission,
+    TransferReport,
+)
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from domain.access_refusal import AccessRefusal
@@ -313,6 +321,32 @@ class Controller(Application[UUID]):
 
     def rpc_worker_started(self, node_id: UUID | str, job_id: str, host: str, port: int) -> int:
         return self._node_command(node_id, lambda n: n.rpc_worker_started(job_id, host, port))
+
+    def transfer_started(self, node_id: UUID | str, request: FetchRequest) -> int:
+        """MODEL_TRANSFER_STARTED: the node began fetching a model file."""
+        return self._node_command(
+            node_id,
+            lambda n: n.transfer_started(
+                request.transfer_id,
+                request.sha256,
+                request.file_name,
+                request.size_bytes,
+                [s.node_id for s in request.sources],
+            ),
+        )
+
+    def transfer_reported(self, node_id: UUID | str, report: TransferReport) -> int:
+        """MODEL_TRANSFER_PROGRESS, _COMPLETED or _FAILED, as the node reported."""
+
+        def act(node: Node) -> None:
+            if report.state == "progress":
+                node.transfer_progressed(report.transfer_id, report.bytes_done, report.size_bytes)
+            elif report.state == "completed":
+                node.transfer_completed(report.transfer_id, report.source_node_id)
+            else:
+                node.transfer_failed(report.transfer_id, report.error or "failed")
+
+        return self._node_command(node_id, act)
 
     def retire_runtime(self, node_id: UUID | str, key: str, idle_seconds: float) -> int:
         """NODE_RUNTIME_RETIRED: the node no longer serves the idle runtime ``key``."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from application.commands import FetchRequest
+
 
 @dataclass(frozen=True)
 class LiveNode:
@@ -88,6 +90,10 @@ class AgentGateway(Protocol):
         self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
     ) -> bool:
         """Starts the node's RPC worker on ``host:port`` for ``allowed_peers`` only."""
+        ...
+
+    def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
+        """Asks the node to fetch a model file (``FetchModel``)."""
         ...
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:

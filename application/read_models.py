@@ -95,6 +95,30 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
         new["rpc_workers"] = {k: v for k, v in row["rpc_workers"].items() if k != event.job_id}
     elif isinstance(event, Node.SecurityViolation):
         new["security_violations"] = row["security_violations"] + 1
+    elif isinstance(event, Node.ModelTransferStarted):
+        new["transfers"] = {
+            **(row.get("transfers") or {}),
+            event.transfer_id: {
+                "sha256": event.sha256,
+                "file_name": event.file_name,
+                "size_bytes": event.size_bytes,
+                "bytes_done": 0,
+                "sources": event.sources,
+                "started_at": at,
+            },
+        }
+    elif isinstance(event, Node.ModelTransferProgressed):
+        transfers = dict(row.get("transfers") or {})
+        if event.transfer_id in transfers:
+            transfers[event.transfer_id] = {
+                **transfers[event.transfer_id],
+                "bytes_done": event.bytes_done,
+            }
+        new["transfers"] = transfers
+    elif isinstance(event, Node.ModelTransferCompleted | Node.ModelTransferFailed):
+        new["transfers"] = {
+            k: v for k, v in (row.get("transfers") or {}).items() if k != event.transfer_id
+        }
     elif isinstance(event, Node.RuntimeRetired):
         new["runtime"] = None
         new["rpc_workers"] = {}

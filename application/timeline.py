@@ -217,6 +217,19 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"job {short(p.get('job_id'))} worker at {p.get('host')}:{p.get('port')}"
     ),
     "RPC_WORKER_STOPPED": lambda p: f"job {short(p.get('job_id'))}: {p.get('reason')}",
+    "MODEL_TRANSFER_STARTED": lambda p: (
+        f"fetching {p.get('file_name')} ({p.get('size_bytes')} bytes) from "
+        f"{', '.join(short(s) for s in p.get('sources') or []) or 'nowhere'}"
+    ),
+    "MODEL_TRANSFER_PROGRESS": lambda p: (
+        f"{p.get('bytes_done')} of {p.get('size_bytes')} bytes fetched"
+    ),
+    "MODEL_TRANSFER_COMPLETED": lambda p: (
+        f"model {str(p.get('sha256'))[:12]} fetched from {short(p.get('source_node_id'))}"
+    ),
+    "MODEL_TRANSFER_FAILED": lambda p: (
+        f"fetching model {str(p.get('sha256'))[:12]} failed: {p.get('error')}"
+    ),
     "NODE_RUNTIME_RETIRED": lambda p: (
         f"runtime {p.get('runtime_key')} retired after {p.get('idle_seconds')} s idle"
     ),

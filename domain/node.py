@@ -192,6 +192,46 @@ class Node(Aggregate):
         reason: str
         suppressed: int
 
+    class ModelTransferStarted(Event):
+        """The node began fetching a model file (its own activity, not a job's)."""
+
+        code: ClassVar[str] = "MODEL_TRANSFER_STARTED"
+        transfer_id: str
+        sha256: str
+        file_name: str
+        size_bytes: int
+        sources: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.transfers = {
+                **node.transfers,
+                self.transfer_id: {"sha256": self.sha256, "file_name": self.file_name},
+            }
+
+    class ModelTransferProgressed(Event):
+        code: ClassVar[str] = "MODEL_TRANSFER_PROGRESS"
+        transfer_id: str
+        bytes_done: int
+        size_bytes: int
+
+    class ModelTransferCompleted(Event):
+        code: ClassVar[str] = "MODEL_TRANSFER_COMPLETED"
+        transfer_id: str
+        sha256: str
+        source_node_id: str
+
+        def evolve(self, node: Node) -> None:
+            node.transfers = {k: v for k, v in node.transfers.items() if k != self.transfer_id}
+
+    class ModelTransferFailed(Event):
+        code: ClassVar[str] = "MODEL_TRANSFER_FAILED"
+        transfer_id: str
+        sha256: str
+        error: str
+
+        def evolve(self, node: Node) -> None:
+            node.transfers = {k: v for k, v in node.transfers.items() if k != self.transfer_id}
+
     class JobAssigned(Event):
         code: ClassVar[str] = "NODE_JOB_ASSIGNED"
         job_id: str
@@ -245,6 +285,8 @@ class Node(Aggregate):
         self.local_models: list[dict[str, Any]] = []
         self.error: str | None = None
         self.security_violations = 0
+        #: Model fetches under way, by transfer id.
+        self.transfers: dict[str, dict[str, str]] = {}
         #: The (warm) server this node serves, kept after its last job: ``runtime_of(plan)``.
         self.runtime: dict[str, Any] | None = None
 
@@ -406,6 +448,57 @@ class Node(Aggregate):
         if job_id not in self.rpc_workers:
             raise self._refuse("stop an RPC worker", f"no worker runs for job {job_id}")
         self.trigger_event(self.RpcWorkerStopped, state=self.state, job_id=job_id, reason=reason)
+
+    def transfer_started(
+        self, transfer_id: str, sha256: str, file_name: str, size_bytes: int, sources: list[str]
+    ) -> None:
+        if transfer_id in self.transfers:
+            raise self._refuse("start a transfer", f"transfer {transfer_id} runs already")
+        self.trigger_event(
+            self.ModelTransferStarted,
+            state=self.state,
+            transfer_id=transfer_id,
+            sha256=sha256,
+            file_name=file_name,
+            size_bytes=size_bytes,
+            sources=sources,
+        )
+
+    def _transfer(self, transfer_id: str, what: str) -> dict[str, str]:
+        transfer = self.transfers.get(transfer_id)
+        if transfer is None:
+            raise self._refuse(what, f"no transfer {transfer_id} runs")
+        return transfer
+
+    def transfer_progressed(self, transfer_id: str, bytes_done: int, size_bytes: int) -> None:
+        self._transfer(transfer_id, "record transfer progress")
+        self.trigger_event(
+            self.ModelTransferProgressed,
+            state=self.state,
+            transfer_id=transfer_id,
+            bytes_done=bytes_done,
+            size_bytes=size_bytes,
+        )
+
+    def transfer_completed(self, transfer_id: str, source_node_id: str) -> None:
+        transfer = self._transfer(transfer_id, "complete a transfer")
+        self.trigger_event(
+            self.ModelTransferCompleted,
+            state=self.state,
+            transfer_id=transfer_id,
+            sha256=transfer["sha256"],
+            source_node_id=source_node_id,
+        )
+
+    def transfer_failed(self, transfer_id: str, error: str) -> None:
+        transfer = self._transfer(transfer_id, "fail a transfer")
+        self.trigger_event(
+            self.ModelTransferFailed,
+            state=self.state,
+            transfer_id=transfer_id,
+            sha256=transfer["sha256"],
+            error=error,
+        )
 
     def retire_runtime(self, key: str, idle_seconds: float) -> None:
         """The node stops serving the runtime ``key`` (its RPC worker is stopped): only when

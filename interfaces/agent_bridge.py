@@ -15,8 +15,9 @@ from application.agent_messages import (
     WorkerStatus,
     WorkerStopped,
 )
-from application.commands import Delta
+from application.commands import Delta, FetchRequest, TransferReport
 from application.job_manager import JobManager
+from application.model_transfers import TransferCoordinator
 from application.ports import PrimaryAssignment
 from interfaces.grpc_server import AgentConnections
 from proto import control_pb2 as pb
@@ -39,6 +40,19 @@ class ProtoAgentGateway:
         )
         message = pb.ControllerMessage(start_rpc_worker=start)
         return self.connections.send(node_id, message)
+
+    def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
+        fetch = pb.FetchModel(
+            transfer_id=request.transfer_id,
+            model_sha256=request.sha256,
+            file_name=request.file_name,
+            size_bytes=request.size_bytes,
+            sources=[
+                pb.TransferSource(node_id=s.node_id, host=s.host, port=s.port, ticket=s.ticket)
+                for s in request.sources
+            ],
+        )
+        return self.connections.send(node_id, pb.ControllerMessage(fetch_model=fetch))
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
         stop = pb.StopRpcWorker(reason=reason)
@@ -91,17 +105,49 @@ class ProtoAgentGateway:
         return self.connections.send(node_id, message)
 
 
-class JobUplink:
-    """The servicer's :class:`interfaces.grpc_server.UplinkHandler`: job messages up."""
+#: ModelTransfer.State → TransferReport.state.
+_TRANSFER_STATES = {
+    pb.ModelTransfer.STARTED: "started",
+    pb.ModelTransfer.PROGRESS: "progress",
+    pb.ModelTransfer.COMPLETED: "completed",
+    pb.ModelTransfer.FAILED: "failed",
+}
 
-    def __init__(self, jobs: JobManager) -> None:
+
+class JobUplink:
+    """The servicer's :class:`interfaces.grpc_server.UplinkHandler`: job messages up, and
+    model transfer reports."""
+
+    def __init__(self, jobs: JobManager, transfers: TransferCoordinator | None = None) -> None:
         self.jobs = jobs
+        self.transfers = transfers
 
     async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> Rejection | None:
+        if message.WhichOneof("payload") == "model_transfer":
+            return await self._transfer(node_id, message.model_transfer)
         typed = job_message(message)
         if typed is None or isinstance(typed, Rejection):
             return typed
         return await self.jobs.handle(node_id, typed)
+
+    async def _transfer(self, node_id: str, report: pb.ModelTransfer) -> Rejection | None:
+        state = _TRANSFER_STATES.get(report.state)
+        if state is None or not report.transfer_id:
+            return Rejection("a model transfer report without a state or transfer id")
+        if self.transfers is not None:
+            await self.transfers.reported(
+                node_id,
+                TransferReport(
+                    transfer_id=report.transfer_id,
+                    sha256=report.model_sha256,
+                    state=state,
+                    bytes_done=int(report.bytes_done),
+                    size_bytes=int(report.size_bytes),
+                    source_node_id=report.source_node_id,
+                    error=report.error,
+                ),
+            )
+        return None
 
     async def on_node_disconnected(self, node_id: str) -> None:
         self.jobs.node_disconnected(node_id)

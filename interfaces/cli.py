@@ -133,6 +133,41 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_pull(args: argparse.Namespace) -> int:
+    """Asks the running controller (its admin API) to have nodes fetch a model."""
+    import httpx
+
+    key = os.environ.get("ADMIN_API_KEY", "")
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    verify: str | bool = os.environ.get("SSL_CERT_FILE") or True
+    try:
+        answer = httpx.post(
+            f"{args.url.rstrip('/')}/api/admin/models/pull",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": args.name, "nodes": nodes},
+            timeout=30,
+            verify=verify,
+        )
+    except httpx.HTTPError as e:
+        raise CliError(f"cannot reach the controller at {args.url}: {e}") from e
+    if answer.status_code != 202:
+        try:
+            message = answer.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = answer.text[:200]
+        raise CliError(f"pull refused ({answer.status_code}): {message}")
+    transfers = answer.json()["transfers"]
+    for t in transfers:
+        print(
+            f"node {t['node_id']} fetches {args.name} from {', '.join(t['sources'])}"
+            f" (transfer {t['transfer_id']})"
+        )
+    if not transfers:
+        print(f"every node named holds {args.name} already")
+    print("dacp diagnose NODE shows how it goes (MODEL_TRANSFER_*)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
 
@@ -205,6 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
     reg.set_defaults(func=_cmd_models_register)
+    pull = models_sub.add_parser(
+        "pull", help="have nodes fetch a model from nodes that hold it (via the admin API)"
+    )
+    pull.add_argument("name", help="the registered model")
+    pull.add_argument("--nodes", required=True, help="comma-separated node names or ids")
+    pull.add_argument(
+        "--url",
+        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
+        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
+    )
+    pull.set_defaults(func=_cmd_models_pull)
 
     events_cli.register(sub)
     nodes_cli.register(sub)

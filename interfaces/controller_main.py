@@ -20,6 +20,7 @@ from application.background import BackgroundTasks
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
+from application.model_transfers import TicketSigner, TransferCoordinator
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from application.worker_reaper import WorkerReaper
@@ -37,6 +38,7 @@ from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
 from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
 from proto import control_pb2_grpc as pb_grpc
+from proto.transfer_ticket import TICKET_TTL_SECONDS, Ticket, sign_ticket
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,18 @@ async def _sweep_forever(monitor: HealthMonitor, jobs: JobManager) -> None:
             log.exception("health sweep failed")
 
 
+def ticket_signer(ca_key_pem: bytes | None) -> TicketSigner | None:
+    """Transfer tickets signed with the controller's CA key (None without one)."""
+    if ca_key_pem is None:
+        return None
+    key = ca_key_pem
+
+    def sign(sha256: str, node_id: str) -> str:
+        return sign_ticket(key, Ticket(sha256, node_id, time.time() + TICKET_TTL_SECONDS))
+
+    return sign
+
+
 def node_certificates(tls: ServerTls | None) -> NodeCertificates | None:
     """What issues node certificates: the controller's own CA, when it has its key."""
     if tls is None or tls.ca_key_pem is None:
@@ -206,9 +220,17 @@ async def start_controller(settings: Settings) -> RunningController:
         deadlines=settings.deadlines(),
     )
     services.extras["jobs"] = jobs
+    transfers = TransferCoordinator(
+        services.app,
+        node_views,
+        gateway,
+        ticket_signer(services.tls.ca_key_pem if services.tls else None),
+        on_model_added=jobs.capacity_changed,
+    )
+    services.extras["transfers"] = transfers
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
-    servicer.uplink = JobUplink(jobs)
+    servicer.uplink = JobUplink(jobs, transfers)
     services.follower.add_event_listener(_revocations(services, jobs, loop))
     services.app.owner = str(uuid.uuid4())
     await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)

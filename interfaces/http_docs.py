@@ -14,7 +14,7 @@ and ``tests/integration/test_api_fuzz.py`` checks real responses against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
@@ -117,8 +117,20 @@ class RegisteredModelRow(TypedDict):
     context_size: int
     kind: Literal["chat", "embedding"]
     pooling: Literal["", "mean", "cls", "last"]
+    #: The nodes that report the file (in the list only).
+    held_by: NotRequired[list[str]]
     registered_at: str
     updated_at: str
+
+
+class ModelPullRow(TypedDict):
+    node_id: str
+    transfer_id: str
+    sources: list[str]
+
+
+class ModelPulls(TypedDict):
+    transfers: list[ModelPullRow]
 
 
 class RegisteredModels(TypedDict):

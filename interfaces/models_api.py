@@ -11,6 +11,7 @@ from litestar import get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from application.model_transfers import TransferRefused
 from domain.model import (
     DEFAULT_CONTEXT_SIZE,
     EMBEDDING,
@@ -25,12 +26,13 @@ from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
     ApiOperation,
+    ModelPulls,
     RegisteredModelRow,
     RegisteredModels,
     errors,
     success,
 )
-from interfaces.http_errors import ApiError
+from interfaces.http_errors import ApiError, not_running
 from interfaces.openai_fields import INVALID_COMBINATION
 
 
@@ -48,6 +50,19 @@ class ModelRegistration(msgspec.Struct):
     kind: Literal["chat", "embedding"] = "chat"
     #: An embedding model's pooling ("": the model's own).
     pooling: Literal["", "mean", "cls", "last"] = ""
+
+
+NodeRef = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class ModelPull(msgspec.Struct):
+    """Which model to fetch onto which nodes (names or ids)."""
+
+    model: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
+    nodes: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=128)]],
+        msgspec.Meta(min_length=1, max_length=256),
+    ]
 
 
 class AdminModelRoutes(Routes):
@@ -99,5 +114,59 @@ class AdminModelRoutes(Routes):
         },
     )
     async def list_models(self, state: State) -> dict[str, Any]:
-        rows = await asyncio.to_thread(services(state).read_model.list_models)
-        return {"object": "list", "data": rows}
+        svc = services(state)
+        rows, nodes = await asyncio.gather(
+            asyncio.to_thread(svc.read_model.list_models),
+            asyncio.to_thread(svc.read_model.list_nodes),
+        )
+        held: dict[str, list[str]] = {}
+        for node in nodes:
+            for local in node.get("local_models") or ():
+                held.setdefault(str(local.get("sha256")), []).append(node["name"])
+        return {
+            "object": "list",
+            "data": [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows],
+        }
+
+    @post(
+        "/pull",
+        status_code=202,
+        summary="Fetch a model onto nodes from nodes that hold it (transfers run in the "
+        "background: MODEL_TRANSFER_* events)",
+        operation_class=ApiOperation,
+        responses={
+            **success(ModelPulls, "The transfers asked for (none for nodes that hold it)", 202),
+            **errors(
+                400,
+                *ADMIN_KEY_ERRORS,
+                (404, "Unknown model or node (`model_not_found`, `node_not_found`)"),
+                (409, "No node can serve the model, or a node is not connected (`no_source`)"),
+                503,
+            ),
+        },
+    )
+    async def pull(self, state: State, data: JSONBody[ModelPull]) -> dict[str, Any]:
+        svc = services(state)
+        transfers = svc.extras.get("transfers")
+        if transfers is None:
+            raise not_running("the transfer coordinator is not running")
+        model = await asyncio.to_thread(svc.read_model.get_model, data.model)
+        if model is None:
+            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
+        nodes = await asyncio.to_thread(svc.read_model.list_nodes)
+        ids = []
+        for wanted in data.nodes:
+            match = [n for n in nodes if wanted in (n["node_id"], n["name"])]
+            if not match:
+                raise ApiError(404, f"no node named {wanted}", param="nodes", code="node_not_found")
+            ids.append(match[0]["node_id"])
+        try:
+            pulls = transfers.pull(model, ids)
+        except TransferRefused as e:
+            raise ApiError(409, str(e), code="no_source") from e
+        return {
+            "transfers": [
+                {"node_id": p.node_id, "transfer_id": p.transfer_id, "sources": list(p.sources)}
+                for p in pulls
+            ]
+        }

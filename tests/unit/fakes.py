@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from application.commands import FetchRequest
 from application.controller import Controller
 from application.ports import PrimaryAssignment
 from application.read_models import eligibility_of, project_job, project_model, project_node
@@ -96,6 +97,8 @@ class FakeAgentGateway:
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes told to stop their RPC worker, with the reason.
     worker_stops: list[tuple[str, str]] = field(default_factory=list)
+    #: Nodes asked to fetch a model file.
+    fetches: list[tuple[str, FetchRequest]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set on every RPC worker start.
@@ -110,6 +113,10 @@ class FakeAgentGateway:
         self.workers.append((node_id, job_id))
         self.allowed_peers.append(allowed_peers)
         self.worker_asked.set()
+        return self.is_connected(node_id)
+
+    def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
+        self.fetches.append((node_id, request))
         return self.is_connected(node_id)
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
