@@ -82,6 +82,11 @@ class ModelTransfers:
         if not self.tls.ready or not self.ca_pem:
             await send(_status(msg, pb.ModelTransfer.FAILED, 0, error="no node certificate"))
             return
+        if self.store.cached_path(msg.model_sha256) is not None:  # fetched just before
+            await send(_status(msg, pb.ModelTransfer.STARTED, 0))
+            await send(_status(msg, pb.ModelTransfer.COMPLETED, msg.size_bytes))
+            self.on_model_added()
+            return
         self.fetching.add(msg.model_sha256)
         loop = asyncio.get_running_loop()
         reported = [0.0]

@@ -44,7 +44,14 @@ from application.deadlines import Deadlines
 from application.dispatch_batcher import DispatchBatcher
 from application.errors import NotFound
 from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
-from application.ports import AgentGateway, Metrics, NullMetrics, PrimaryAssignment, RpcPeer
+from application.ports import (
+    AgentGateway,
+    Metrics,
+    ModelFetcher,
+    NullMetrics,
+    PrimaryAssignment,
+    RpcPeer,
+)
 from application.scheduler import Scheduler
 from application.store_guard import is_outage
 from application.token_recorder import TokenChunkRecorder
@@ -88,8 +95,11 @@ class JobManager:
         queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
         deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fetcher: ModelFetcher | None = None,
     ) -> None:
         self.metrics: Metrics = metrics or NullMetrics()
+        #: Fetches a model onto a node that lacks it when no holder has room (None: never).
+        self.fetcher = fetcher
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self.queue = queue if queue is not None else AdmissionQueue()
         self.queue_timeout = queue_timeout
@@ -399,7 +409,9 @@ class JobManager:
             connected=self.gateway.is_connected,
             assume_idle=True,
         )
-        return Unplaced(reason, transient=idle.plan is not None)
+        # No room where the file is: a node that lacks it may fetch it and run the job.
+        fetching = self.fetcher is not None and self.fetcher.fetch_for(run.model_row)
+        return Unplaced(reason, transient=idle.plan is not None or fetching)
 
     async def _validate(self, run: JobRun, plan: ExecutionPlan) -> tuple[str, str] | None:
         """Starts RPC workers and lets the primary validate; (reason, node to blame) or None."""

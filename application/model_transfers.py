@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -32,7 +33,18 @@ log = logging.getLogger(__name__)
 
 #: Signs a ticket for (model sha256, fetching node id).
 TicketSigner = Callable[[str, str], str]
-_SERVING = {NodeState.READY.value, NodeState.BUSY.value, NodeState.DEGRADED.value}
+#: A plan for a model as if some nodes held its file: (model, those nodes) → the primary's
+#: node id, or None when even that gives no plan.
+PrimaryIfHeld = Callable[[dict[str, Any], frozenset[str]], str | None]
+#: How long a finished fetch counts as under way, until the node reports the file.
+REPORT_GRACE_SECONDS = 30.0
+#: Nodes in these states serve their files (a draining node takes no jobs, but serves files).
+_SERVING = {
+    NodeState.READY.value,
+    NodeState.BUSY.value,
+    NodeState.DEGRADED.value,
+    NodeState.DRAINING.value,
+}
 
 
 class TransferRefused(Exception):
@@ -61,6 +73,8 @@ class TransferCoordinator:
         gateway: AgentGateway,
         signer: TicketSigner | None,
         on_model_added: Callable[[], None] = lambda: None,
+        primary_if_held: PrimaryIfHeld | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.nodes = nodes
@@ -71,6 +85,10 @@ class TransferCoordinator:
         self.running: dict[str, tuple[str, FetchRequest]] = {}
         #: Files each source node is sending now.
         self.uploads: Counter[str] = Counter()
+        self.primary_if_held = primary_if_held
+        self.clock = clock
+        #: (node, sha256) → when its fetch completed (the node's report may still be on its way).
+        self.completed: dict[tuple[str, str], float] = {}
 
     def holders(self, sha256: str) -> list[dict[str, Any]]:
         """Nodes in service that hold the model and serve model files."""
@@ -104,6 +122,44 @@ class TransferCoordinator:
                 raise TransferRefused(f"node {node_id} is not connected to this controller")
             pulls.append(self._ask(node_id, model, holders, size))
         return pulls
+
+    def fetch_for(self, model: dict[str, Any]) -> bool:
+        """Whether a fetch of ``model`` is under way, or starts now, onto a node that could then
+        run its jobs (as their primary): jobs that cannot start wait for it in the queue."""
+        sha256 = model["sha256"]
+        now = self.clock()
+        self.completed = {k: t for k, t in self.completed.items() if now - t < REPORT_GRACE_SECONDS}
+        if any(r[1].sha256 == sha256 for r in self.running.values()):
+            return True
+        if any(sha == sha256 for _, sha in self.completed):
+            return True
+        if self.signer is None or self.primary_if_held is None:
+            return False
+        holders = self.holders(sha256)
+        if not holders:
+            return False
+        held = {h["node_id"] for h in holders}
+        targets = [
+            n
+            for n in self.nodes.list_nodes()
+            if n["state"] == NodeState.READY.value
+            and not n["current_jobs"]
+            and not n.get("drain_requested")
+            and n["node_id"] not in held
+            and self.gateway.is_connected(n["node_id"])
+        ]
+        for target in targets:
+            node_id = target["node_id"]
+            if self.primary_if_held(model, frozenset({node_id})) != node_id:
+                continue
+            try:
+                self.pull(model, [node_id])
+            except TransferRefused as e:
+                log.info("cannot fetch %s onto node %s: %s", model["name"], node_id, e)
+                continue
+            log.info("jobs for %s wait while node %s fetches it", model["name"], node_id)
+            return True
+        return False
 
     def _ask(
         self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]], size: int
@@ -147,7 +203,9 @@ class TransferCoordinator:
                 await asyncio.to_thread(self.app.transfer_started, node_id, running[1])
                 return
             if report.state in ("completed", "failed"):
-                self._ended(report.transfer_id)
+                ended = self._ended(report.transfer_id)
+                if ended is not None and report.state == "completed":
+                    self.completed[(node_id, ended[1].sha256)] = self.clock()
             await asyncio.to_thread(self.app.transfer_reported, node_id, report)
         except (DomainError, NotFound) as e:
             log.info("transfer %s on node %s: %s", report.transfer_id, node_id, e)

@@ -105,6 +105,15 @@ class AgentGateway(Protocol):
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool: ...
 
 
+class ModelFetcher(Protocol):
+    """Fetches a model onto a node that could then run its jobs
+    (:class:`application.model_transfers.TransferCoordinator`)."""
+
+    def fetch_for(self, model: dict[str, Any]) -> bool:
+        """Whether such a fetch is under way or starts now (jobs then wait for it)."""
+        ...
+
+
 class Metrics(Protocol):
     """Latency observations the application makes on its hot paths (Prometheus adapter)."""
 

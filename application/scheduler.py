@@ -102,14 +102,20 @@ class Scheduler:
         self._candidates: dict[str, tuple[Any, LiveNode | None, str, Candidate | None]] = {}
 
     def _candidate(
-        self, row: dict[str, Any], live: LiveNode | None, sha256: str, assume_idle: bool
+        self,
+        row: dict[str, Any],
+        live: LiveNode | None,
+        sha256: str,
+        assume_idle: bool,
+        pretend_holding: frozenset[str] = frozenset(),
     ) -> Candidate | None:
         """The node as a cold plan sees it (heartbeat assumed fresh), or None: ineligible.
 
         Rows and live entries are replaced, never changed, so the candidate built for the same
         row, live entry and model before is still right: most placements build none.
         """
-        seen = None if assume_idle else self._candidates.get(row["node_id"])
+        fresh = assume_idle or bool(pretend_holding)
+        seen = None if fresh else self._candidates.get(row["node_id"])
         if seen is not None and seen[0] is row and seen[1] is live and seen[2] == sha256:
             return seen[3]
         eligible = (idle_eligibility if assume_idle else eligibility_of)(row)
@@ -124,12 +130,12 @@ class Scheduler:
                 usable_memory_bytes=usable_memory(eligible, row, live),
                 # A cold server needs idle nodes: a node with jobs serves their runtime.
                 free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
-                has_model=sha256 in eligible["local_models"],
+                has_model=sha256 in eligible["local_models"] or row["node_id"] in pretend_holding,
                 heartbeat_fresh=True,
                 slot_cap=int(eligible["slots"]),
                 warm=bool(row.get("runtime")),
             )
-        if not assume_idle:
+        if not fresh:
             self._candidates[row["node_id"]] = (row, live, sha256, candidate)
         return candidate
 
@@ -140,8 +146,12 @@ class Scheduler:
         *,
         connected: Callable[[str], bool] | None = None,
         assume_idle: bool = False,
+        pretend_holding: frozenset[str] = frozenset(),
     ) -> PlacementResult:
         """A plan for ``model`` now, or why there is none.
+
+        ``pretend_holding`` plans as if those nodes held the model's file: whether fetching
+        it there would let the job run.
 
         ``connected`` narrows the candidates to nodes whose agents hold a control stream to
         this controller (a controller can only dispatch to those). ``assume_idle`` plans as if
@@ -169,7 +179,7 @@ class Scheduler:
             )
 
         context_size = min(int(model["context_size"]), needs.context_length_max)
-        if not assume_idle:
+        if not assume_idle and not pretend_holding:
             warm = warm_choice(
                 nodes,
                 model_name=model["name"],
@@ -184,7 +194,7 @@ class Scheduler:
         sha256 = model["sha256"]
         for node_id, node in nodes.items():
             entry = live.get(node_id)
-            candidate = self._candidate(node, entry, sha256, assume_idle)
+            candidate = self._candidate(node, entry, sha256, assume_idle, pretend_holding)
             if candidate is None or candidate.free_slots <= 0:
                 continue  # ineligible either way; the planner need not look at it
             if not (

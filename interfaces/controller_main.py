@@ -202,14 +202,27 @@ async def start_controller(settings: Settings) -> RunningController:
     recorder = TokenChunkRecorder(services.app, settings.token_record_interval)
     recorder.start()
     gateway = ProtoAgentGateway(services.connections)
+    scheduler = Scheduler(
+        node_views,
+        services.live,
+        SchedulerConfig(settings.allowed_peer_cidrs),
+        catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
+    )
+
+    def primary_if_held(model: dict[str, Any], nodes: frozenset[str]) -> str | None:
+        placed = scheduler.place(model, connected=gateway.is_connected, pretend_holding=nodes)
+        return placed.plan.primary.node_id if placed.plan is not None else None
+
+    transfers = TransferCoordinator(
+        services.app,
+        node_views,
+        gateway,
+        ticket_signer(services.tls.ca_key_pem if services.tls else None),
+        primary_if_held=primary_if_held,
+    )
     jobs = JobManager(
         services.app,
-        Scheduler(
-            node_views,
-            services.live,
-            SchedulerConfig(settings.allowed_peer_cidrs),
-            catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
-        ),
+        scheduler,
         gateway,
         recorder,
         worker_timeout=settings.rpc_worker_timeout,
@@ -218,15 +231,10 @@ async def start_controller(settings: Settings) -> RunningController:
         queue=AdmissionQueue(settings.queue_max),
         queue_timeout=settings.queue_timeout,
         deadlines=settings.deadlines(),
+        fetcher=transfers,
     )
     services.extras["jobs"] = jobs
-    transfers = TransferCoordinator(
-        services.app,
-        node_views,
-        gateway,
-        ticket_signer(services.tls.ca_key_pem if services.tls else None),
-        on_model_added=jobs.capacity_changed,
-    )
+    transfers.on_model_added = jobs.capacity_changed
     services.extras["transfers"] = transfers
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
