@@ -14,7 +14,7 @@ and ``tests/integration/test_api_fuzz.py`` checks real responses against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, TypedDict
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
@@ -117,8 +117,8 @@ class RegisteredModelRow(TypedDict):
     context_size: int
     kind: Literal["chat", "embedding"]
     pooling: Literal["", "mean", "cls", "last"]
-    #: The nodes that report the file (in the list only).
-    held_by: NotRequired[list[str]]
+    #: The nodes that report the file.
+    held_by: list[str]
     registered_at: str
     updated_at: str
 

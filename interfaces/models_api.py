@@ -52,17 +52,22 @@ class ModelRegistration(msgspec.Struct):
     pooling: Literal["", "mean", "cls", "last"] = ""
 
 
-NodeRef = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-
-
 class ModelPull(msgspec.Struct):
     """Which model to fetch onto which nodes (names or ids)."""
 
     model: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
-    nodes: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=1, max_length=128)]],
-        msgspec.Meta(min_length=1, max_length=256),
-    ]
+    #: Names or ids; one that no node has is answered 404.
+    nodes: Annotated[list[str], msgspec.Meta(min_length=1, max_length=256)]
+
+
+async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model rows with the names of the nodes that report each file (``held_by``)."""
+    nodes = await asyncio.to_thread(svc.read_model.list_nodes)
+    held: dict[str, list[str]] = {}
+    for node in nodes:
+        for local in node.get("local_models") or ():
+            held.setdefault(str(local.get("sha256")), []).append(node["name"])
+    return [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows]
 
 
 class AdminModelRoutes(Routes):
@@ -102,7 +107,7 @@ class AdminModelRoutes(Routes):
         await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)
         row = await asyncio.to_thread(svc.read_model.get_model, data.name)
         assert row is not None
-        return row
+        return (await _with_holders(svc, [row]))[0]
 
     @get(
         "/",
@@ -115,18 +120,8 @@ class AdminModelRoutes(Routes):
     )
     async def list_models(self, state: State) -> dict[str, Any]:
         svc = services(state)
-        rows, nodes = await asyncio.gather(
-            asyncio.to_thread(svc.read_model.list_models),
-            asyncio.to_thread(svc.read_model.list_nodes),
-        )
-        held: dict[str, list[str]] = {}
-        for node in nodes:
-            for local in node.get("local_models") or ():
-                held.setdefault(str(local.get("sha256")), []).append(node["name"])
-        return {
-            "object": "list",
-            "data": [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows],
-        }
+        rows = await asyncio.to_thread(svc.read_model.list_models)
+        return {"object": "list", "data": await _with_holders(svc, rows)}
 
     @post(
         "/pull",

@@ -1,0 +1,128 @@
+"""Which node fetches a model from where (application/model_transfers.py), on an in-memory
+store with a fake agent gateway: sources that hold the file and serve files, the least busy
+first; tickets for the fetching node; events as the node reports; on-demand fetches only onto
+a node that could then run the job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from application.commands import TransferReport
+from application.model_transfers import TransferCoordinator, TransferRefused
+from domain.catalog import code_of
+from proto import TRANSFER_PORT_LABEL
+from tests.unit.job_cluster import MODEL, Cluster
+
+
+def coordinator(
+    cluster: Cluster, primary_if_held: Any = None, *, signer: bool = True
+) -> TransferCoordinator:
+    return TransferCoordinator(
+        cluster.app,
+        cluster.read,
+        cluster.gateway,
+        (lambda sha, node: f"ticket:{sha[:4]}:{node}") if signer else None,
+        primary_if_held=primary_if_held,
+        clock=lambda: 100.0,
+    )
+
+
+def serving(cluster: Cluster, *names: str) -> list[str]:
+    """Nodes that hold the model and serve files (the transfer port label)."""
+    ids = []
+    for name in names:
+        node_id = cluster.add_node(name)
+        cluster.read.catch_up()
+        cluster.read.nodes[node_id]["labels"] = {TRANSFER_PORT_LABEL: "50053"}
+        ids.append(node_id)
+    return ids
+
+
+def lacking(cluster: Cluster, name: str) -> str:
+    return cluster.add_node(name, holds_model=False)
+
+
+async def test_a_pull_asks_the_node_with_tickets_for_it_least_busy_source_first() -> None:
+    cluster = Cluster(nodes=0)
+    a, b = serving(cluster, "a", "b")
+    c, d = lacking(cluster, "c"), lacking(cluster, "d")
+    transfers = coordinator(cluster)
+    first = transfers.pull(MODEL, [c])
+    second = transfers.pull(MODEL, [d, a])  # a holds it already: left alone
+    assert [p.node_id for p in first + second] == [c, d]
+    (node, request), (node2, request2) = cluster.gateway.fetches
+    assert (node, node2) == (c, d)
+    # c's fetch keeps the first source busy: d starts with the other.
+    assert request.sources[0].node_id != request2.sources[0].node_id
+    assert {s.node_id for s in request.sources} == {a, b}
+    assert all(s.ticket.endswith(c) for s in request.sources)
+    assert request.size_bytes == 100 << 20 and request.file_name == MODEL["file_name"]
+    assert transfers.pull(MODEL, [c]) == []  # being fetched already
+
+
+async def test_reports_become_events_on_the_fetching_node() -> None:
+    cluster = Cluster(nodes=0)
+    (a,) = serving(cluster, "a")
+    c = lacking(cluster, "c")
+    added: list[bool] = []
+    transfers = coordinator(cluster)
+    transfers.on_model_added = lambda: added.append(True)
+    (pull,) = transfers.pull(MODEL, [c])
+    for state, done in (("started", 0), ("progress", 50), ("completed", 100)):
+        report = TransferReport(pull.transfer_id, MODEL["sha256"], state, done, 100, a)
+        await transfers.reported(c, report)
+    codes = [code_of(e) for e in cluster._events(c)]
+    assert codes[-3:] == [
+        "MODEL_TRANSFER_STARTED",
+        "MODEL_TRANSFER_PROGRESS",
+        "MODEL_TRANSFER_COMPLETED",
+    ]
+    assert added == [True] and transfers.running == {}
+    # A report about a transfer nobody asked for is not recorded.
+    await transfers.reported(c, TransferReport("other", MODEL["sha256"], "started"))
+    assert len(cluster._events(c)) == len(codes)
+
+
+async def test_a_pull_that_cannot_happen_is_refused() -> None:
+    cluster = Cluster(nodes=0)
+    c = lacking(cluster, "c")
+    with pytest.raises(TransferRefused, match="no node in service holds"):
+        coordinator(cluster).pull(MODEL, [c])
+    serving(cluster, "a")
+    with pytest.raises(TransferRefused, match="cannot sign"):
+        coordinator(cluster, signer=False).pull(MODEL, [c])
+    cluster.gateway.disconnected.add(c)
+    with pytest.raises(TransferRefused, match="not connected"):
+        coordinator(cluster).pull(MODEL, [c])
+
+
+async def test_an_on_demand_fetch_goes_only_where_the_job_could_then_run() -> None:
+    cluster = Cluster(nodes=0)
+    serving(cluster, "a")
+    c, d = lacking(cluster, "c"), lacking(cluster, "d")
+    asked: list[frozenset[str]] = []
+
+    def primary_if_held(model: dict[str, Any], nodes: frozenset[str]) -> str | None:
+        asked.append(nodes)
+        return d if d in nodes else None  # c is too small to be a primary
+
+    transfers = coordinator(cluster, primary_if_held)
+    assert transfers.fetch_for(MODEL)
+    assert [node for node, _ in cluster.gateway.fetches] == [d]
+    assert frozenset({c}) in asked
+    assert transfers.fetch_for(MODEL)  # under way: the jobs wait
+    assert len(cluster.gateway.fetches) == 1
+    (transfer_id,) = transfers.running
+    await transfers.reported(d, TransferReport(transfer_id, MODEL["sha256"], "failed", error="x"))
+    assert not transfers.running
+
+
+async def test_no_on_demand_fetch_when_nobody_could_run_the_job() -> None:
+    cluster = Cluster(nodes=0)
+    serving(cluster, "a")
+    lacking(cluster, "c")
+    assert not coordinator(cluster, lambda model, nodes: None).fetch_for(MODEL)
+    assert cluster.gateway.fetches == []
+    assert not coordinator(cluster, None).fetch_for(MODEL)
