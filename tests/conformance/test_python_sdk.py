@@ -255,6 +255,7 @@ def test_penalties_seed_and_stop_take_effect(client: openai.OpenAI) -> None:
         return answer.choices[0].message.content or ""
 
     plain = text(temperature=0)
+    assert text(temperature=1.5, top_p=0.001) == plain  # only the likeliest token is left
     assert text(temperature=0, frequency_penalty=2.0) != plain
     assert text(temperature=0, presence_penalty=2.0) != plain
     assert text(temperature=1.5, seed=7) == text(temperature=1.5, seed=7)
@@ -330,6 +331,7 @@ def test_user_and_metadata_are_recorded_with_the_job(
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=2,
         user="user-42",
+        safety_identifier="hashed-user-42",
         metadata={"team": "search"},
         store=False,
     )
@@ -341,6 +343,7 @@ def test_user_and_metadata_are_recorded_with_the_job(
         timeout=10,
     ).json()
     assert job["params"]["user"] == "user-42"
+    assert job["params"]["safety_identifier"] == "hashed-user-42"
     assert job["params"]["metadata"] == {"team": "search"}
 
 

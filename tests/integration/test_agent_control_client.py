@@ -25,6 +25,7 @@ import pytest
 from agent import AGENT_VERSION
 from agent.agent_config import (
     DEFAULT_SLOTS,
+    DEFAULT_TRANSFER_PORT,
     Backoff,
     ConfigError,
     EnrollmentRefused,
@@ -36,7 +37,7 @@ from agent.control_handler import ControlHandler, NullHandler
 from agent.controller_channel import CONNECTION_HINT
 from agent.handler_factory import build_handler
 from agent.identity import NodeIdentity, identity_path, load_identity, save_identity
-from proto import SLOTS_LABEL
+from proto import SLOTS_LABEL, TRANSFER_PORT_LABEL
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 from tests.integration.fake_control_plane import (
@@ -503,7 +504,11 @@ async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(
     assert "agent stopped" in stderr.decode()
     [request] = fake.enroll_requests
     assert request.node_name == "cli-node"
-    assert dict(request.inventory.labels) == {"rack": "r1", SLOTS_LABEL: str(DEFAULT_SLOTS)}
+    assert dict(request.inventory.labels) == {
+        "rack": "r1",
+        SLOTS_LABEL: str(DEFAULT_SLOTS),
+        TRANSFER_PORT_LABEL: str(DEFAULT_TRANSFER_PORT),  # the CLI serves model files
+    }
     stored = load_identity(data_dir)
     assert stored is not None and stored.node_id == fake.streams[0].node_id
 

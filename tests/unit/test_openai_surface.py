@@ -146,8 +146,9 @@ def test_the_tool_history_is_kept_whole() -> None:
 
 
 def test_auto_tools_go_to_the_template_and_forced_ones_to_a_grammar() -> None:
-    auto = parse_chat_request(chat(tools=[WEATHER], tool_choice="auto"))
+    auto = parse_chat_request(chat(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False))
     assert auto.params["options"]["tools"] == [WEATHER]
+    assert auto.params["options"]["parallel_tool_calls"] is False
     assert auto.params["forced_tools"] is None
     forced = parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
     assert "tools" not in forced.params["options"] and forced.params["forced_tools"] == [
