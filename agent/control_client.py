@@ -128,6 +128,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             config.advertise_address,
             config.transfer_port,
             on_model_added=self._recheck.set,
+            release=getattr(handler, "release_model", None),
         )
         self._channel: grpc.aio.Channel | None = None
         self._dispatch_tasks: set[asyncio.Task[None]] = set()

@@ -106,6 +106,8 @@ class JobTraffic:
             coro = handler.on_stop_rpc_worker(message.stop_rpc_worker, send)
         elif kind == "fetch_model":
             coro = self.transfers.on_fetch(message.fetch_model, send)
+        elif kind == "evict_model":
+            coro = self.transfers.on_evict(message.evict_model, send)
         elif kind == "cancel_job":
             coro = handler.on_cancel(message.cancel_job, send)
         elif kind == "drain":

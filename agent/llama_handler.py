@@ -355,6 +355,17 @@ class LlamaHandler(RpcWorkerHost):
         self._server_users += 1
         self._server_spec = spec
 
+    async def release_model(self, path: Path) -> bool:
+        """Lets the model file at ``path`` go: stops the llama-server that has it loaded when
+        no job uses that server; False while one does."""
+        server = self.runtime.server
+        if server is None or Path(server.spec.model_path) != path.resolve():
+            return True
+        if self._server_users > 0:
+            return False
+        await asyncio.to_thread(self.runtime.stop_server)
+        return True
+
     def _release_server(self) -> None:
         self._server_users = max(0, self._server_users - 1)
 

@@ -39,12 +39,16 @@ class ModelTransfers:
         host: str,
         port: int,
         on_model_added: Callable[[], None],
+        release: Callable[[Path], Awaitable[bool]] | None = None,
     ) -> None:
         self.models_dir = models_dir
         self.tls = NodeTls(data_dir)
         self.store = ModelStore(models_dir, data_dir, progress=None)
         self.host, self.port = host, port
         self.on_model_added = on_model_added
+        #: Lets a model file go (stops an idle llama-server that has it loaded); False while a
+        #: job uses it. None: nothing here loads models.
+        self.release = release
         self.server: ModelFileServer | None = None
         self.ca_pem = ""
         #: Fetches running now, by model sha256.
@@ -129,6 +133,33 @@ class ModelTransfers:
             await send(failed)
         finally:
             self.fetching.discard(msg.model_sha256)
+
+    async def on_evict(self, msg: pb.EvictModel, send: Send) -> None:
+        """Deletes a model file, unless a job uses it or it is being fetched."""
+        path = self.store.cached_path(msg.model_sha256)
+
+        async def answer(ok: bool, error: str = "") -> None:
+            evicted = pb.ModelEvicted(
+                model_sha256=msg.model_sha256,
+                ok=ok,
+                file_name=path.name if path else "",
+                error=error,
+            )
+            await send(pb.AgentMessage(model_evicted=evicted))
+
+        if path is None:
+            await answer(False, "this node does not hold that model")
+            return
+        if msg.model_sha256 in self.fetching:
+            await answer(False, "the model is being fetched")
+            return
+        if self.release is not None and not await self.release(path):
+            await answer(False, "a job uses the model now")
+            return
+        path.unlink()
+        log.info("evicted model %s (%s)", path.name, msg.model_sha256[:12])
+        self.on_model_added()  # the models changed: report them at once
+        await answer(True)
 
     def close(self) -> None:
         if self.server is not None:

@@ -348,6 +348,10 @@ class Controller(Application[UUID]):
 
         return self._node_command(node_id, act)
 
+    def model_evicted(self, node_id: UUID | str, sha256: str, file_name: str) -> int:
+        """MODEL_EVICTED: the node deleted a model file, as an operator asked."""
+        return self._node_command(node_id, lambda n: n.model_evicted(sha256, file_name))
+
     def retire_runtime(self, node_id: UUID | str, key: str, idle_seconds: float) -> int:
         """NODE_RUNTIME_RETIRED: the node no longer serves the idle runtime ``key``."""
         return self._node_command(node_id, lambda n: n.retire_runtime(key, idle_seconds))

@@ -89,6 +89,8 @@ class TransferCoordinator:
         self.clock = clock
         #: (node, sha256) → when its fetch completed (the node's report may still be on its way).
         self.completed: dict[tuple[str, str], float] = {}
+        #: Evictions waiting for the node's answer: (node, sha256) → (ok, file name, error).
+        self.evictions: dict[tuple[str, str], asyncio.Future[tuple[bool, str, str]]] = {}
 
     def holders(self, sha256: str) -> list[dict[str, Any]]:
         """Nodes in service that hold the model and serve model files."""
@@ -160,6 +162,44 @@ class TransferCoordinator:
             log.info("jobs for %s wait while node %s fetches it", model["name"], node_id)
             return True
         return False
+
+    async def evict(self, node_id: str, model: dict[str, Any], timeout: float = 30.0) -> str:
+        """Has the node delete the model's file; returns the file's name. Raises
+        :class:`TransferRefused` when it is in use or the node does not answer."""
+        sha256 = model["sha256"]
+        node = next((n for n in self.nodes.list_nodes() if n["node_id"] == node_id), None)
+        if node is None or not _size_of(node, sha256):
+            raise TransferRefused(f"node {node_id} does not hold model {model['name']}")
+        if (
+            node["current_jobs"]
+            and (node.get("runtime") or {}).get("plan", {}).get("model_sha256") == sha256
+        ):
+            raise TransferRefused(f"jobs on node {node['name']} use model {model['name']} now")
+        if any(r[0] == node_id and r[1].sha256 == sha256 for r in self.running.values()):
+            raise TransferRefused(f"node {node['name']} is fetching model {model['name']}")
+        answer: asyncio.Future[tuple[bool, str, str]] = asyncio.get_running_loop().create_future()
+        self.evictions[(node_id, sha256)] = answer
+        try:
+            if not self.gateway.evict_model(node_id, sha256):
+                raise TransferRefused(f"node {node['name']} is not connected to this controller")
+            try:
+                ok, file_name, error = await asyncio.wait_for(answer, timeout)
+            except TimeoutError:
+                raise TransferRefused(f"node {node['name']} did not answer") from None
+        finally:
+            self.evictions.pop((node_id, sha256), None)
+        if not ok:
+            raise TransferRefused(f"node {node['name']} keeps model {model['name']}: {error}")
+        await asyncio.to_thread(self.app.model_evicted, node_id, sha256, file_name)
+        return file_name
+
+    async def evicted(
+        self, node_id: str, sha256: str, ok: bool, file_name: str, error: str
+    ) -> None:
+        """A node's answer to an eviction."""
+        waiting = self.evictions.get((node_id, sha256))
+        if waiting is not None and not waiting.done():
+            waiting.set_result((ok, file_name, error))
 
     def _ask(
         self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]], size: int

@@ -96,6 +96,10 @@ class AgentGateway(Protocol):
         """Asks the node to fetch a model file (``FetchModel``)."""
         ...
 
+    def evict_model(self, node_id: str, sha256: str) -> bool:
+        """Asks the node to delete a model file (``EvictModel``)."""
+        ...
+
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
         """Stops the node's RPC worker: no runtime needs it any more."""
         ...

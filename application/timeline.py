@@ -230,6 +230,7 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "MODEL_TRANSFER_FAILED": lambda p: (
         f"fetching model {str(p.get('sha256'))[:12]} failed: {p.get('error')}"
     ),
+    "MODEL_EVICTED": lambda p: f"model file {p.get('file_name')} deleted (evicted)",
     "NODE_RUNTIME_RETIRED": lambda p: (
         f"runtime {p.get('runtime_key')} retired after {p.get('idle_seconds')} s idle"
     ),

@@ -30,6 +30,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.ModelTransferProgressed,
     Node.ModelTransferCompleted,
     Node.ModelTransferFailed,
+    Node.ModelEvicted,
     Node.SecurityViolation,
     Node.MessageRejected,
     Node.Revoked,

@@ -232,6 +232,13 @@ class Node(Aggregate):
         def evolve(self, node: Node) -> None:
             node.transfers = {k: v for k, v in node.transfers.items() if k != self.transfer_id}
 
+    class ModelEvicted(Event):
+        """An operator had a model file deleted from the node's models directory."""
+
+        code: ClassVar[str] = "MODEL_EVICTED"
+        sha256: str
+        file_name: str
+
     class JobAssigned(Event):
         code: ClassVar[str] = "NODE_JOB_ASSIGNED"
         job_id: str
@@ -499,6 +506,9 @@ class Node(Aggregate):
             sha256=transfer["sha256"],
             error=error,
         )
+
+    def model_evicted(self, sha256: str, file_name: str) -> None:
+        self.trigger_event(self.ModelEvicted, state=self.state, sha256=sha256, file_name=file_name)
 
     def retire_runtime(self, key: str, idle_seconds: float) -> None:
         """The node stops serving the runtime ``key`` (its RPC worker is stopped): only when

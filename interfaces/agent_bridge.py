@@ -54,6 +54,10 @@ class ProtoAgentGateway:
         )
         return self.connections.send(node_id, pb.ControllerMessage(fetch_model=fetch))
 
+    def evict_model(self, node_id: str, sha256: str) -> bool:
+        evict = pb.EvictModel(model_sha256=sha256)
+        return self.connections.send(node_id, pb.ControllerMessage(evict_model=evict))
+
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
         stop = pb.StopRpcWorker(reason=reason)
         return self.connections.send(node_id, pb.ControllerMessage(stop_rpc_worker=stop))
@@ -123,8 +127,16 @@ class JobUplink:
         self.transfers = transfers
 
     async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> Rejection | None:
-        if message.WhichOneof("payload") == "model_transfer":
+        kind = message.WhichOneof("payload")
+        if kind == "model_transfer":
             return await self._transfer(node_id, message.model_transfer)
+        if kind == "model_evicted":
+            evicted = message.model_evicted
+            if self.transfers is not None:
+                await self.transfers.evicted(
+                    node_id, evicted.model_sha256, evicted.ok, evicted.file_name, evicted.error
+                )
+            return None
         typed = job_message(message)
         if typed is None or isinstance(typed, Rejection):
             return typed

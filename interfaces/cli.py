@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -133,30 +133,45 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_models_pull(args: argparse.Namespace) -> int:
-    """Asks the running controller (its admin API) to have nodes fetch a model."""
+def _admin_post(url: str, path: str, body: dict[str, object], expected: int) -> Any:
+    """POSTs to the running controller's admin API (ADMIN_API_KEY; SSL_CERT_FILE over
+    HTTPS); the answer's JSON, or a :class:`CliError` with its message."""
     import httpx
 
     key = os.environ.get("ADMIN_API_KEY", "")
-    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     verify: str | bool = os.environ.get("SSL_CERT_FILE") or True
     try:
         answer = httpx.post(
-            f"{args.url.rstrip('/')}/api/admin/models/pull",
+            f"{url.rstrip('/')}{path}",
             headers={"Authorization": f"Bearer {key}"},
-            json={"model": args.name, "nodes": nodes},
-            timeout=30,
+            json=body,
+            timeout=60,
             verify=verify,
         )
     except httpx.HTTPError as e:
-        raise CliError(f"cannot reach the controller at {args.url}: {e}") from e
-    if answer.status_code != 202:
+        raise CliError(f"cannot reach the controller at {url}: {e}") from e
+    if answer.status_code != expected:
         try:
             message = answer.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = answer.text[:200]
-        raise CliError(f"pull refused ({answer.status_code}): {message}")
-    transfers = answer.json()["transfers"]
+        raise CliError(f"refused ({answer.status_code}): {message}")
+    return answer.json()
+
+
+def _cmd_models_evict(args: argparse.Namespace) -> int:
+    gone = _admin_post(
+        args.url, "/api/admin/models/evict", {"model": args.name, "node": args.node}, 200
+    )
+    print(f"deleted {gone['file_name']} from node {args.node}")
+    return 0
+
+
+def _cmd_models_pull(args: argparse.Namespace) -> int:
+    """Asks the running controller (its admin API) to have nodes fetch a model."""
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    body: dict[str, object] = {"model": args.name, "nodes": nodes}
+    transfers = _admin_post(args.url, "/api/admin/models/pull", body, 202)["transfers"]
     for t in transfers:
         print(
             f"node {t['node_id']} fetches {args.name} from {', '.join(t['sources'])}"
@@ -251,6 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
     )
     pull.set_defaults(func=_cmd_models_pull)
+    evict = models_sub.add_parser(
+        "evict", help="delete a model's file from a node's disk (refused while jobs use it)"
+    )
+    evict.add_argument("name", help="the registered model")
+    evict.add_argument("--node", required=True, help="the node's name or id")
+    evict.add_argument(
+        "--url",
+        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
+        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
+    )
+    evict.set_defaults(func=_cmd_models_evict)
 
     events_cli.register(sub)
     nodes_cli.register(sub)

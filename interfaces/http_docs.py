@@ -129,6 +129,12 @@ class ModelPullRow(TypedDict):
     sources: list[str]
 
 
+class ModelEvictionRow(TypedDict):
+    node_id: str
+    model: str
+    file_name: str
+
+
 class ModelPulls(TypedDict):
     transfers: list[ModelPullRow]
 

@@ -26,6 +26,7 @@ from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
     ApiOperation,
+    ModelEvictionRow,
     ModelPulls,
     RegisteredModelRow,
     RegisteredModels,
@@ -68,6 +69,13 @@ async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, 
         for local in node.get("local_models") or ():
             held.setdefault(str(local.get("sha256")), []).append(node["name"])
     return [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows]
+
+
+class ModelEviction(msgspec.Struct):
+    """Which model to delete from which node's disk (a name or id)."""
+
+    model: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
+    node: str
 
 
 class AdminModelRoutes(Routes):
@@ -165,3 +173,39 @@ class AdminModelRoutes(Routes):
                 for p in pulls
             ]
         }
+
+    @post(
+        "/evict",
+        status_code=200,
+        summary="Delete a model's file from a node's disk (refused while jobs use it; an idle "
+        "llama-server that has it loaded is stopped first)",
+        operation_class=ApiOperation,
+        responses={
+            **success(ModelEvictionRow, "The file is gone (MODEL_EVICTED)"),
+            **errors(
+                400,
+                *ADMIN_KEY_ERRORS,
+                (404, "Unknown model or node (`model_not_found`, `node_not_found`)"),
+                (409, "Jobs use it, it is being fetched, or the node is away (`model_in_use`)"),
+                503,
+            ),
+        },
+    )
+    async def evict(self, state: State, data: JSONBody[ModelEviction]) -> dict[str, Any]:
+        svc = services(state)
+        transfers = svc.extras.get("transfers")
+        if transfers is None:
+            raise not_running("the transfer coordinator is not running")
+        model = await asyncio.to_thread(svc.read_model.get_model, data.model)
+        if model is None:
+            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
+        nodes = await asyncio.to_thread(svc.read_model.list_nodes)
+        match = [n for n in nodes if data.node in (n["node_id"], n["name"])]
+        if not match:
+            raise ApiError(404, f"no node named {data.node}", param="node", code="node_not_found")
+        node_id = match[0]["node_id"]
+        try:
+            file_name = await transfers.evict(node_id, model)
+        except TransferRefused as e:
+            raise ApiError(409, str(e), code="model_in_use") from e
+        return {"node_id": node_id, "model": data.model, "file_name": file_name}

@@ -5,6 +5,9 @@ primary, agent-a drained. Real controller (Postgres), real agents, real llama.cp
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -120,6 +123,33 @@ def test_a_pulled_model_is_fetched_verified_and_served(cluster: LocalCluster) ->
     job_id = str(UUID(answer.id.removeprefix("chatcmpl-")))
     job = httpx.get(f"{cluster.url}/api/admin/jobs/{job_id}", headers=admin(cluster), timeout=10)
     assert job.json()["plan"]["primary"]["node_id"] == b_id
+
+    # The operator deletes it from agent-b again: its idle llama-server lets the file go.
+    evicted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "interfaces.cli",
+            "models",
+            "evict",
+            MODEL_NAME,
+            "--node",
+            "agent-b",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DACP_URL": cluster.url, "ADMIN_API_KEY": cluster.admin_api_key},
+    )
+    assert evicted.returncode == 0, evicted.stderr
+    assert f"deleted {paths.MODEL_FILE_NAME} from node agent-b" in evicted.stdout
+    assert not fetched.exists()
+    wait_for(lambda: not holds())
+    store = Controller(env=env)
+    try:
+        assert "MODEL_EVICTED" in [code_of(e) for e in store.events.get(UUID(b_id))]
+    finally:
+        store.close()
 
 
 def test_a_pull_that_cannot_happen_says_why(cluster: LocalCluster) -> None:

@@ -97,6 +97,8 @@ class FakeAgentGateway:
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes told to stop their RPC worker, with the reason.
     worker_stops: list[tuple[str, str]] = field(default_factory=list)
+    #: Nodes asked to delete a model file.
+    evictions: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes asked to fetch a model file.
     fetches: list[tuple[str, FetchRequest]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
@@ -117,6 +119,10 @@ class FakeAgentGateway:
 
     def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
         self.fetches.append((node_id, request))
+        return self.is_connected(node_id)
+
+    def evict_model(self, node_id: str, sha256: str) -> bool:
+        self.evictions.append((node_id, sha256))
         return self.is_connected(node_id)
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:

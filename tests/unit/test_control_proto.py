@@ -34,6 +34,7 @@ def test_agent_message_oneof_members() -> None:
         "runtime_fault",
         "goodbye",
         "model_transfer",
+        "model_evicted",
     ]
 
 
@@ -49,6 +50,7 @@ def test_controller_message_oneof_members() -> None:
         "resume",
         "message_rejected",
         "fetch_model",
+        "evict_model",
     ]
 
 

@@ -5,6 +5,7 @@ a node that could then run the job."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -126,3 +127,37 @@ async def test_no_on_demand_fetch_when_nobody_could_run_the_job() -> None:
     assert not coordinator(cluster, lambda model, nodes: None).fetch_for(MODEL)
     assert cluster.gateway.fetches == []
     assert not coordinator(cluster, None).fetch_for(MODEL)
+
+
+async def test_an_eviction_waits_for_the_nodes_word_and_is_recorded() -> None:
+    cluster = Cluster(nodes=0)
+    (a,) = serving(cluster, "a")
+    transfers = coordinator(cluster)
+    evicting = asyncio.create_task(transfers.evict(a, MODEL))
+    while not cluster.gateway.evictions:
+        await asyncio.sleep(0)
+    assert cluster.gateway.evictions == [(a, MODEL["sha256"])]
+    await transfers.evicted(a, MODEL["sha256"], True, "m.gguf", "")
+    assert await evicting == "m.gguf"
+    assert code_of(cluster._events(a)[-1]) == "MODEL_EVICTED"
+
+
+async def test_an_eviction_is_refused_while_jobs_use_the_model_or_the_node_says_no() -> None:
+    cluster = Cluster(nodes=0)
+    (a,) = serving(cluster, "a")
+    transfers = coordinator(cluster)
+    with pytest.raises(TransferRefused, match="does not hold"):
+        await transfers.evict(lacking(cluster, "c"), MODEL)
+    cluster.read.nodes[a]["current_jobs"] = ["job-1"]
+    cluster.read.nodes[a]["runtime"] = {"key": "k", "plan": {"model_sha256": MODEL["sha256"]}}
+    with pytest.raises(TransferRefused, match="use model"):
+        await transfers.evict(a, MODEL)
+    assert cluster.gateway.evictions == []
+    cluster.read.nodes[a]["current_jobs"] = []
+    evicting = asyncio.create_task(transfers.evict(a, MODEL))
+    while not cluster.gateway.evictions:
+        await asyncio.sleep(0)
+    await transfers.evicted(a, MODEL["sha256"], False, "m.gguf", "a job uses the model now")
+    with pytest.raises(TransferRefused, match="a job uses the model now"):
+        await evicting
+    assert "MODEL_EVICTED" not in [code_of(e) for e in cluster._events(a)]
