@@ -38,6 +38,8 @@ TicketSigner = Callable[[str, str], str]
 PrimaryIfHeld = Callable[[dict[str, Any], frozenset[str]], str | None]
 #: How long a finished fetch counts as under way, until the node reports the file.
 REPORT_GRACE_SECONDS = 30.0
+#: Nodes looked at, at most, for an on-demand fetch.
+MAX_FETCH_TARGETS = 8
 #: Nodes in these states serve their files (a draining node takes no jobs, but serves files).
 _SERVING = {
     NodeState.READY.value,
@@ -150,7 +152,9 @@ class TransferCoordinator:
             and n["node_id"] not in held
             and self.gateway.is_connected(n["node_id"])
         ]
-        for target in targets:
+        # The roomiest few: each look is a placement over every node.
+        targets.sort(key=lambda n: -int((n.get("resources") or {}).get("ram_free_bytes") or 0))
+        for target in targets[:MAX_FETCH_TARGETS]:
             node_id = target["node_id"]
             if self.primary_if_held(model, frozenset({node_id})) != node_id:
                 continue

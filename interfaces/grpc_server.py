@@ -320,9 +320,9 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         if not csr_pem:
             return ""
         if self.node_certificates is None:
-            log.warning(
-                "node %s asked for a certificate; this controller cannot issue one "
-                "(its TLS files are the operator's, without the CA key)",
+            log.info(
+                "node %s asked for a certificate; this controller cannot issue one (no TLS, "
+                "or its TLS files are the operator's, without the CA key)",
                 node_id,
             )
             return ""
