@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from proto.transfer_ticket import MODELS_PATH, node_tls_name
 
@@ -61,6 +62,12 @@ class Source:
     host: str
     port: int
     ticket: str
+    #: Instead of a node: an http(s) URL of the file (no ticket; system CAs for https).
+    url: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.url or f"node {self.node_id}"
 
 
 def partial_path(dest: Path) -> Path:
@@ -90,6 +97,20 @@ def _check_room(dest: Path, size: int, held: int) -> None:
         )
 
 
+def _connect_url(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """A connection to an http(s) URL and the path to ask for."""
+    parts = urlsplit(url)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    if parts.scheme == "https":
+        secure = http.client.HTTPSConnection(
+            parts.hostname or "", parts.port, timeout=timeout, context=ssl.create_default_context()
+        )
+        return secure, path
+    return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout), path
+
+
 def _connect(source: Source, context: ssl.SSLContext, timeout: float) -> http.client.HTTPConnection:
     raw = socket.create_connection((source.host, source.port), timeout=timeout)
     try:
@@ -112,63 +133,63 @@ def fetch(
     progress: Progress | None = None,
     timeout: float = 30.0,
 ) -> Path:
-    """Fetches the model into ``dest`` (resuming ``dest.partial``); returns ``dest``."""
+    """Fetches the model into ``dest`` (resuming ``dest.partial``); returns ``dest``.
+    ``size`` 0 means not known: the answer's length says (a URL source)."""
     partial = partial_path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     hasher = hashlib.sha256()
     held = _hash_existing(partial, hasher) if partial.exists() else 0
-    if held > size:
+    if size and held > size:
         partial.unlink()
         hasher, held = hashlib.sha256(), 0
-    _check_room(dest, size, held)
+    if size:
+        _check_room(dest, size, held)
     started = time.monotonic()
     try:
-        connection = _connect(source, context, timeout)
-    except (OSError, ssl.SSLError) as e:
-        raise TransferError(
-            f"cannot reach node {source.node_id} at {source.host}:{source.port}: {e}"
-        ) from e
+        if source.url:
+            connection, path = _connect_url(source.url, timeout)
+            headers: dict[str, str] = {}
+        else:
+            connection = _connect(source, context, timeout)
+            path, headers = MODELS_PATH + sha256, {"Authorization": f"Bearer {source.ticket}"}
+    except (OSError, ssl.SSLError, ValueError) as e:
+        where = source.url or f"node {source.node_id} at {source.host}:{source.port}"
+        raise TransferError(f"cannot reach {where}: {e}") from e
     try:
-        headers = {"Authorization": f"Bearer {source.ticket}"}
         if held:
             headers["Range"] = f"bytes={held}-"
-        connection.request("GET", MODELS_PATH + sha256, headers=headers)
+        connection.request("GET", path, headers=headers)
         response = connection.getresponse()
         if response.status not in (200, 206):
             detail = response.read(500).decode(errors="replace").strip()
             raise TransferError(
-                f"node {source.node_id} refused the transfer ({response.status}): {detail}",
+                f"{source.label} refused the transfer ({response.status}): {detail}",
                 retry=response.status >= 500,
             )
         if response.status == 200 and held:  # the range was not honoured: start over
             hasher, held = hashlib.sha256(), 0
+        if not size:
+            size = held + int(response.getheader("Content-Length") or 0)
+            _check_room(dest, size, held)
         held = _receive(response, partial, held, size, hasher, progress)
     except (OSError, http.client.HTTPException) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             partial.unlink(missing_ok=True)
-            raise TransferError(
-                f"the models disk filled up while fetching {dest.name}", retry=False
-            ) from e
-        raise TransferError(
-            f"transfer from node {source.node_id} cut after {held} bytes: {e}"
-        ) from e
+            why = f"the models disk filled up while fetching {dest.name}"
+            raise TransferError(why, retry=False) from e
+        raise TransferError(f"transfer from {source.label} cut after {held} bytes: {e}") from e
     finally:
         connection.close()
     if held != size or hasher.hexdigest() != sha256:
         partial.unlink(missing_ok=True)
         raise TransferError(
-            f"{dest.name} from node {source.node_id} does not match its sha256 "
+            f"{dest.name} from {source.label} does not match its sha256 "
             f"({held} of {size} bytes); it is removed and fetched again"
         )
     os.replace(partial, dest)
     seconds = max(time.monotonic() - started, 1e-6)
-    log.info(
-        "fetched %s from node %s: %d bytes at %.0f MB/s",
-        dest.name,
-        source.node_id,
-        size,
-        size / seconds / 1e6,
-    )
+    rate = size / seconds / 1e6
+    log.info("fetched %s from %s: %d bytes at %.0f MB/s", dest.name, source.label, size, rate)
     return dest
 
 

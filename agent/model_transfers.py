@@ -111,7 +111,7 @@ class ModelTransfers:
                 try:
                     await asyncio.to_thread(
                         fetch,
-                        Source(source.node_id, source.host, source.port, source.ticket),
+                        Source(source.node_id, source.host, source.port, source.ticket, source.url),
                         msg.model_sha256,
                         msg.size_bytes,
                         dest,

@@ -62,6 +62,8 @@ class TransferSource:
     host: str
     port: int
     ticket: str
+    #: Instead of a node: an http(s) URL of the file.
+    url: str = ""
 
 
 @dataclass(frozen=True)

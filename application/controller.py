@@ -331,7 +331,7 @@ class Controller(Application[UUID]):
                 request.sha256,
                 request.file_name,
                 request.size_bytes,
-                [s.node_id for s in request.sources],
+                [s.node_id or s.url for s in request.sources],
             ),
         )
 
@@ -449,6 +449,32 @@ class Controller(Application[UUID]):
                     RegisteredModel.register(name, sha256, file_name, context_size, kind, pooling)
                 ]
             model.update(sha256, file_name, context_size, kind, pooling)
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
+
+    def add_model_source(self, name: str, url: str) -> CommandResult:
+        """MODEL_SOURCE_ADDED: an http(s) URL of the model's file (none for a known one)."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                raise NotFound("model", name) from None
+            model.add_source(url)
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
+
+    def remove_model_source(self, name: str, url: str) -> CommandResult:
+        """MODEL_SOURCE_REMOVED."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                raise NotFound("model", name) from None
+            model.remove_source(url)
             return [model]
 
         return CommandResult(self._run(command), model_id(name))

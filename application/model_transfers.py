@@ -113,9 +113,12 @@ class TransferCoordinator:
             )
         sha256 = model["sha256"]
         holders = self.holders(sha256)
-        if not holders:
-            raise TransferRefused(f"no node in service holds model {model['name']} to fetch from")
-        size = _size_of(holders[0], sha256)
+        if not holders and not model.get("sources"):
+            raise TransferRefused(
+                f"no node in service holds model {model['name']} to fetch from, and it has "
+                "no http(s) source"
+            )
+        size = _size_of(holders[0], sha256) if holders else 0  # a URL's answer says
         pulls = []
         for node_id in node_ids:
             if any(h["node_id"] == node_id for h in holders):
@@ -218,7 +221,7 @@ class TransferCoordinator:
                 self.signer(model["sha256"], node_id),
             )
             for h in ordered
-        )
+        ) + tuple(TransferSource("", "", 0, "", url) for url in model.get("sources") or ())
         request = FetchRequest(
             str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources
         )
@@ -227,8 +230,9 @@ class TransferCoordinator:
         if not self.gateway.fetch_model(node_id, request):
             self._ended(request.transfer_id)
             raise TransferRefused(f"node {node_id} is not connected to this controller")
-        log.info("node %s fetches %s from %s", node_id, model["file_name"], sources[0].node_id)
-        return Pull(node_id, request.transfer_id, tuple(s.node_id for s in sources))
+        first = sources[0].node_id or sources[0].url
+        log.info("node %s fetches %s from %s", node_id, model["file_name"], first)
+        return Pull(node_id, request.transfer_id, tuple(s.node_id or s.url for s in sources))
 
     def _ended(self, transfer_id: str) -> tuple[str, FetchRequest] | None:
         ended = self.running.pop(transfer_id, None)

@@ -254,9 +254,15 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "context_size": event.context_size,
             "kind": use_of(event)[0],
             "pooling": use_of(event)[1],
+            "sources": [],
             "registered_at": at,
             "updated_at": at,
         }
+    if isinstance(event, RegisteredModel.SourceAdded) and row is not None:
+        return {**row, "sources": [*(row.get("sources") or []), event.url], "updated_at": at}
+    if isinstance(event, RegisteredModel.SourceRemoved) and row is not None:
+        sources = [u for u in row.get("sources") or [] if u != event.url]
+        return {**row, "sources": sources, "updated_at": at}
     if isinstance(event, RegisteredModel.Updated) and row is not None:
         return {
             **row,

@@ -55,6 +55,8 @@ OTHER_EVENTS: tuple[type, ...] = (
     AccessRefusal.Refused,
     RegisteredModel.Registered,
     RegisteredModel.Updated,
+    RegisteredModel.SourceAdded,
+    RegisteredModel.SourceRemoved,
     TokenRedemption.Redeemed,
     IssuedToken.Minted,
     IssuedToken.Revoked,

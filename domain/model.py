@@ -21,6 +21,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(MODEL_NAME_PATTERN)
 _FILE_NAME = re.compile(FILE_NAME_PATTERN)
 DEFAULT_CONTEXT_SIZE = 2048
+MAX_URL_CHARS = 2048
+#: An http(s) URL of a model file: a host name or address, an optional port and path.
+#: (printable ASCII: what Python's and JSON Schema's regular expressions read alike)
+SOURCE_URL_PATTERN = r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?([/?#][!-~]*)?$"
+_SOURCE_URL = re.compile(SOURCE_URL_PATTERN)
 #: What a model serves: chat and legacy completions, or embeddings (its server runs with
 #: ``--embeddings``; ``pooling`` picks how token vectors become one, "" = the model's own).
 CHAT = "chat"
@@ -93,6 +98,22 @@ class RegisteredModel(Aggregate):
             aggregate.context_size = self.context_size
             aggregate.kind, aggregate.pooling = use_of(self)
 
+    class SourceAdded(Event):
+        """An http(s) URL the model's file can be fetched from (checked by its sha256)."""
+
+        code: ClassVar[str] = "MODEL_SOURCE_ADDED"
+        url: str
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.sources = [*getattr(aggregate, "sources", []), self.url]
+
+    class SourceRemoved(Event):
+        code: ClassVar[str] = "MODEL_SOURCE_REMOVED"
+        url: str
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.sources = [u for u in getattr(aggregate, "sources", []) if u != self.url]
+
     def __init__(
         self,
         name: str,
@@ -102,6 +123,8 @@ class RegisteredModel(Aggregate):
         kind: str = CHAT,
         pooling: str = "",
     ) -> None:
+        #: http(s) URLs the file can be fetched from, besides the nodes that hold it.
+        self.sources: list[str] = []
         self.name = name
         self.sha256 = sha256
         self.file_name = file_name
@@ -157,6 +180,27 @@ class RegisteredModel(Aggregate):
             pooling=pooling,
         )
         return True
+
+    def add_source(self, url: str) -> bool:
+        """Records an http(s) URL of the file; False when it is known already."""
+        validate_source(url)
+        if url in getattr(self, "sources", []):
+            return False
+        self.trigger_event(self.SourceAdded, url=url)
+        return True
+
+    def remove_source(self, url: str) -> None:
+        if url not in getattr(self, "sources", []):
+            raise InvalidCommand(f"model {self.name} has no source {url!r}")
+        self.trigger_event(self.SourceRemoved, url=url)
+
+
+def validate_source(url: str) -> None:
+    if _SOURCE_URL.fullmatch(url) is None or len(url) > MAX_URL_CHARS:
+        raise InvalidCommand(
+            f"a model source is an http(s) URL of at most {MAX_URL_CHARS} characters, "
+            f"got {url[:80]!r}"
+        )
 
 
 def use_of(event: object) -> tuple[str, str]:

@@ -48,7 +48,9 @@ class ProtoAgentGateway:
             file_name=request.file_name,
             size_bytes=request.size_bytes,
             sources=[
-                pb.TransferSource(node_id=s.node_id, host=s.host, port=s.port, ticket=s.ticket)
+                pb.TransferSource(
+                    node_id=s.node_id, host=s.host, port=s.port, ticket=s.ticket, url=s.url
+                )
                 for s in request.sources
             ],
         )

@@ -159,6 +159,25 @@ def _admin_post(url: str, path: str, body: dict[str, object], expected: int) -> 
     return answer.json()
 
 
+def _cmd_models_source(args: argparse.Namespace) -> int:
+    from application.errors import NotFound
+    from domain.errors import DomainError
+
+    app = _open_app(args)
+    try:
+        if args.action == "add":
+            app.add_model_source(args.name, args.url)
+        else:
+            app.remove_model_source(args.name, args.url)
+    except (DomainError, NotFound) as e:
+        raise CliError(f"cannot {args.action} the source of {args.name}: {e}") from e
+    finally:
+        app.close()
+    verb = "added to" if args.action == "add" else "removed from"
+    print(f"{args.url} {verb} the sources of model {args.name}")
+    return 0
+
+
 def _cmd_models_evict(args: argparse.Namespace) -> int:
     gone = _admin_post(
         args.url, "/api/admin/models/evict", {"model": args.name, "node": args.node}, 200
@@ -266,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
     )
     pull.set_defaults(func=_cmd_models_pull)
+    source = models_sub.add_parser(
+        "source", help="add or remove an http(s) URL a model's file can be fetched from"
+    )
+    source.add_argument("action", choices=("add", "remove"))
+    source.add_argument("name", help="the registered model")
+    source.add_argument("url", help="http(s)://HOST[:PORT]/PATH of the GGUF file")
+    source.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
+    source.set_defaults(func=_cmd_models_source)
     evict = models_sub.add_parser(
         "evict", help="delete a model's file from a node's disk (refused while jobs use it)"
     )

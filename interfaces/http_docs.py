@@ -117,6 +117,8 @@ class RegisteredModelRow(TypedDict):
     context_size: int
     kind: Literal["chat", "embedding"]
     pooling: Literal["", "mean", "cls", "last"]
+    #: http(s) URLs the file can be fetched from.
+    sources: list[str]
     #: The nodes that report the file.
     held_by: list[str]
     registered_at: str

@@ -17,9 +17,11 @@ from domain.model import (
     EMBEDDING,
     FILE_NAME_PATTERN,
     MAX_CONTEXT_SIZE,
+    MAX_URL_CHARS,
     MIN_CONTEXT_SIZE,
     MODEL_NAME_PATTERN,
     SHA256_PATTERN,
+    SOURCE_URL_PATTERN,
 )
 from interfaces.admin_api import READ_YOUR_WRITES_TIMEOUT, services
 from interfaces.http_auth import admin_guard
@@ -69,6 +71,13 @@ async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, 
         for local in node.get("local_models") or ():
             held.setdefault(str(local.get("sha256")), []).append(node["name"])
     return [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows]
+
+
+class ModelSource(msgspec.Struct):
+    """An http(s) URL of a registered model's file."""
+
+    model: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
+    url: Annotated[str, msgspec.Meta(pattern=SOURCE_URL_PATTERN, max_length=MAX_URL_CHARS)]
 
 
 class ModelEviction(msgspec.Struct):
@@ -209,3 +218,47 @@ class AdminModelRoutes(Routes):
         except TransferRefused as e:
             raise ApiError(409, str(e), code="model_in_use") from e
         return {"node_id": node_id, "model": data.model, "file_name": file_name}
+
+    @post(
+        "/sources",
+        status_code=201,
+        summary="Add an http(s) URL the model's file can be fetched from (MODEL_SOURCE_ADDED)",
+        operation_class=ApiOperation,
+        responses={
+            **success(RegisteredModelRow, "The model with its sources", 201),
+            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown model (`model_not_found`)"), 503),
+        },
+    )
+    async def add_source(self, state: State, data: JSONBody[ModelSource]) -> dict[str, Any]:
+        return await self._source(state, data, add=True)
+
+    @post(
+        "/sources/remove",
+        status_code=200,
+        summary="Remove one of the model's http(s) sources (MODEL_SOURCE_REMOVED)",
+        operation_class=ApiOperation,
+        responses={
+            **success(RegisteredModelRow, "The model with its sources"),
+            **errors(
+                400, *ADMIN_KEY_ERRORS, (404, "Unknown model or source (`model_not_found`)"), 503
+            ),
+        },
+    )
+    async def remove_source(self, state: State, data: JSONBody[ModelSource]) -> dict[str, Any]:
+        return await self._source(state, data, add=False)
+
+    async def _source(self, state: State, data: ModelSource, *, add: bool) -> dict[str, Any]:
+        svc = services(state)
+        model = await asyncio.to_thread(svc.read_model.get_model, data.model)
+        if model is None:
+            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
+        if not add and data.url not in (model.get("sources") or []):
+            raise ApiError(
+                404, f"model {data.model} has no source {data.url}", code="model_not_found"
+            )
+        command = svc.app.add_model_source if add else svc.app.remove_model_source
+        result = await asyncio.to_thread(command, data.model, data.url)
+        await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)
+        row = await asyncio.to_thread(svc.read_model.get_model, data.model)
+        assert row is not None
+        return (await _with_holders(svc, [row]))[0]

@@ -335,16 +335,18 @@ class FetchModel(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., file_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[TransferSource, _Mapping]]] = ...) -> None: ...
 
 class TransferSource(_message.Message):
-    __slots__ = ("node_id", "host", "port", "ticket")
+    __slots__ = ("node_id", "host", "port", "ticket", "url")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host: str
     port: int
     ticket: str
-    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ticket: _Optional[str] = ...) -> None: ...
+    url: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ticket: _Optional[str] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ModelTransfer(_message.Message):
     __slots__ = ("transfer_id", "model_sha256", "state", "bytes_done", "size_bytes", "source_node_id", "error")

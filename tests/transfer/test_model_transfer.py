@@ -9,10 +9,12 @@ import hashlib
 import os
 import ssl
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,49 @@ def test_tickets_verify_only_with_the_signing_ca(pair: Pair, tmp_path: Path) -> 
     other = load_or_create(tmp_path / "other-tls")
     with pytest.raises(TicketError):
         verify_ticket(ticket, other.ca_pem, time.time())
+
+
+class _RangeFiles(BaseHTTPRequestHandler):
+    """A plain HTTP file server of the operator's network, with byte ranges."""
+
+    protocol_version = "HTTP/1.1"
+    path_to_file: Path
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        data = self.path_to_file.read_bytes()
+        start = 0
+        if wanted := self.headers.get("Range"):
+            start = int(wanted.removeprefix("bytes=").removesuffix("-"))
+            self.send_response(206)
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        self.wfile.write(data[start:])
+
+
+@pytest.fixture
+def url_server(pair: Pair) -> Iterator[str]:
+    handler = type("Files", (_RangeFiles,), {"path_to_file": pair.path})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/models/model.gguf"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_model_is_fetched_from_an_http_source_its_size_learnt_and_resumed(
+    pair: Pair, url_server: str, tmp_path: Path
+) -> None:
+    dest = tmp_path / "b-models" / "model.gguf"
+    dest.parent.mkdir()
+    partial_path(dest).write_bytes(pair.path.read_bytes()[: 5 << 20])  # a cut attempt
+    source = Source("", "", 0, "", url_server)
+    fetch(source, pair.sha256, 0, dest, pair.b_tls.client_context(pair.ca_pem))
+    assert dest.read_bytes() == pair.path.read_bytes()
+    bad = Source("", "", 0, "", "http://127.0.0.1:99999/model.gguf")  # no such port
+    with pytest.raises(TransferError, match="cannot reach"):
+        fetch(bad, pair.sha256, 0, tmp_path / "c" / "model.gguf", ssl.create_default_context())

@@ -13,6 +13,8 @@ import pytest
 from application.commands import TransferReport
 from application.model_transfers import TransferCoordinator, TransferRefused
 from domain.catalog import code_of
+from domain.errors import InvalidCommand
+from domain.model import validate_source
 from proto import TRANSFER_PORT_LABEL
 from tests.unit.job_cluster import MODEL, Cluster
 
@@ -161,3 +163,30 @@ async def test_an_eviction_is_refused_while_jobs_use_the_model_or_the_node_says_
     with pytest.raises(TransferRefused, match="a job uses the model now"):
         await evicting
     assert "MODEL_EVICTED" not in [code_of(e) for e in cluster._events(a)]
+
+
+async def test_a_model_with_an_http_source_is_fetched_from_it_when_no_node_holds_it() -> None:
+    cluster = Cluster(nodes=0)
+    c = lacking(cluster, "c")
+    url = "http://10.0.0.9:8080/models/m.gguf"
+    cluster.app.add_model_source(MODEL["name"], url)
+    cluster.app.add_model_source(MODEL["name"], url)  # known already: nothing more
+    row = cluster.read.get_model(MODEL["name"])
+    assert row is not None and row["sources"] == [url]
+    codes = [c for c, _ in cluster.all_codes()]
+    assert codes.count("MODEL_SOURCE_ADDED") == 1
+    (pull,) = coordinator(cluster).pull(row, [c])
+    ((_, request),) = cluster.gateway.fetches
+    assert pull.sources == (url,) and request.sources[0].url == url
+    assert request.size_bytes == 0  # the URL's answer says
+    cluster.app.remove_model_source(MODEL["name"], url)
+    row = cluster.read.get_model(MODEL["name"])
+    assert row is not None and row["sources"] == []
+
+
+def test_a_source_is_an_http_url() -> None:
+    for good in ("http://host/m.gguf", "https://10.0.0.5:8443/a/b.gguf", "http://[::1]:80/x"):
+        validate_source(good)
+    for bad in ("ftp://host/m.gguf", "file:///etc/passwd", "http://", "https://ho st/x"):
+        with pytest.raises(InvalidCommand):
+            validate_source(bad)
