@@ -99,7 +99,7 @@ class ModelTransfers:
             for step in STEPS:
                 if reported[0] < step <= held / max(size, 1):
                     reported[0] = step
-                    message = _status(msg, pb.ModelTransfer.PROGRESS, held)
+                    message = _status(msg, pb.ModelTransfer.PROGRESS, held, size=size)
                     asyncio.run_coroutine_threadsafe(_sent(send, message), loop)
 
         try:
@@ -107,7 +107,7 @@ class ModelTransfers:
             error = ""
             source_id = ""
             for source in msg.sources:
-                source_id = source.node_id
+                source_id = source.node_id or source.url
                 try:
                     await asyncio.to_thread(
                         fetch,
@@ -120,9 +120,13 @@ class ModelTransfers:
                     )
                 except TransferError as e:
                     error = str(e)
-                    log.warning("fetching %s from node %s failed: %s", dest.name, source_id, e)
+                    log.warning("fetching %s from %s failed: %s", dest.name, source_id, e)
                     if not e.retry:
                         break
+                    continue
+                except Exception as e:  # reported, never left hanging: jobs may wait for it
+                    log.exception("fetching %s from %s failed", dest.name, source_id)
+                    error = f"{type(e).__name__}: {e}"
                     continue
                 await asyncio.to_thread(self.store.remember, dest, msg.model_sha256)
                 self.on_model_added()
@@ -172,7 +176,13 @@ async def _sent(send: Send, message: pb.AgentMessage) -> None:
 
 
 def _status(
-    msg: pb.FetchModel, state: int, done: int, source: str = "", error: str = ""
+    msg: pb.FetchModel,
+    state: int,
+    done: int,
+    source: str = "",
+    error: str = "",
+    *,
+    size: int = 0,
 ) -> pb.AgentMessage:
     return pb.AgentMessage(
         model_transfer=pb.ModelTransfer(
@@ -180,7 +190,7 @@ def _status(
             model_sha256=msg.model_sha256,
             state=state,  # type: ignore[arg-type]
             bytes_done=done,
-            size_bytes=msg.size_bytes,
+            size_bytes=size or msg.size_bytes,
             source_node_id=source,
             error=error,
         )

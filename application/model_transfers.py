@@ -135,6 +135,10 @@ class TransferCoordinator:
         run its jobs (as their primary): jobs that cannot start wait for it in the queue."""
         sha256 = model["sha256"]
         now = self.clock()
+        # A fetch whose node went away reports nothing more: it no longer holds jobs back.
+        for transfer_id, (node_id, _) in list(self.running.items()):
+            if not self.gateway.is_connected(node_id):
+                self._ended(transfer_id)
         self.completed = {k: t for k, t in self.completed.items() if now - t < REPORT_GRACE_SECONDS}
         if any(r[1].sha256 == sha256 for r in self.running.values()):
             return True

@@ -190,3 +190,15 @@ def test_a_source_is_an_http_url() -> None:
     for bad in ("ftp://host/m.gguf", "file:///etc/passwd", "http://", "https://ho st/x"):
         with pytest.raises(InvalidCommand):
             validate_source(bad)
+
+
+async def test_a_fetch_whose_node_went_away_no_longer_holds_jobs_back() -> None:
+    cluster = Cluster(nodes=0)
+    serving(cluster, "a")
+    c, d = lacking(cluster, "c"), lacking(cluster, "d")
+    transfers = coordinator(cluster, lambda model, nodes: next(iter(nodes)))
+    assert transfers.fetch_for(MODEL)
+    (first, _), *_ = cluster.gateway.fetches
+    cluster.gateway.disconnected.add(first)  # its agent died mid-fetch
+    assert transfers.fetch_for(MODEL)  # another node fetches instead
+    assert [node for node, _ in cluster.gateway.fetches] == [first, ({c, d} - {first}).pop()]
