@@ -11,7 +11,7 @@ from litestar import get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
-from application.model_transfers import TransferRefused
+from application.model_transfers import TransferCoordinator, TransferRefused
 from domain.model import (
     DEFAULT_CONTEXT_SIZE,
     EMBEDDING,
@@ -87,6 +87,28 @@ class ModelEviction(msgspec.Struct):
     node: str
 
 
+async def _transfer_targets(
+    state: State, name: str, refs: list[str], param: str
+) -> tuple[TransferCoordinator, dict[str, Any], list[str]]:
+    """The transfer coordinator, the model named ``name`` and the ids of the nodes ``refs``
+    name (names or ids); 404 for an unknown one."""
+    svc = services(state)
+    transfers = svc.extras.get("transfers")
+    if transfers is None:
+        raise not_running("the transfer coordinator is not running")
+    model = await asyncio.to_thread(svc.read_model.get_model, name)
+    if model is None:
+        raise ApiError(404, f"no model named {name}", code="model_not_found")
+    nodes = await asyncio.to_thread(svc.read_model.list_nodes)
+    ids = []
+    for ref in refs:
+        match = [n for n in nodes if ref in (n["node_id"], n["name"])]
+        if not match:
+            raise ApiError(404, f"no node named {ref}", param=param, code="node_not_found")
+        ids.append(match[0]["node_id"])
+    return transfers, model, ids
+
+
 class AdminModelRoutes(Routes):
     path = "/api/admin/models"
     guards = [admin_guard]
@@ -158,20 +180,7 @@ class AdminModelRoutes(Routes):
         },
     )
     async def pull(self, state: State, data: JSONBody[ModelPull]) -> dict[str, Any]:
-        svc = services(state)
-        transfers = svc.extras.get("transfers")
-        if transfers is None:
-            raise not_running("the transfer coordinator is not running")
-        model = await asyncio.to_thread(svc.read_model.get_model, data.model)
-        if model is None:
-            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
-        nodes = await asyncio.to_thread(svc.read_model.list_nodes)
-        ids = []
-        for wanted in data.nodes:
-            match = [n for n in nodes if wanted in (n["node_id"], n["name"])]
-            if not match:
-                raise ApiError(404, f"no node named {wanted}", param="nodes", code="node_not_found")
-            ids.append(match[0]["node_id"])
+        transfers, model, ids = await _transfer_targets(state, data.model, data.nodes, "nodes")
         try:
             pulls = transfers.pull(model, ids)
         except TransferRefused as e:
@@ -201,18 +210,9 @@ class AdminModelRoutes(Routes):
         },
     )
     async def evict(self, state: State, data: JSONBody[ModelEviction]) -> dict[str, Any]:
-        svc = services(state)
-        transfers = svc.extras.get("transfers")
-        if transfers is None:
-            raise not_running("the transfer coordinator is not running")
-        model = await asyncio.to_thread(svc.read_model.get_model, data.model)
-        if model is None:
-            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
-        nodes = await asyncio.to_thread(svc.read_model.list_nodes)
-        match = [n for n in nodes if data.node in (n["node_id"], n["name"])]
-        if not match:
-            raise ApiError(404, f"no node named {data.node}", param="node", code="node_not_found")
-        node_id = match[0]["node_id"]
+        transfers, model, (node_id,) = await _transfer_targets(
+            state, data.model, [data.node], "node"
+        )
         try:
             file_name = await transfers.evict(node_id, model)
         except TransferRefused as e:
