@@ -438,7 +438,12 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
             rest = {}
         else:
             text += delta.get("content") or ""
-            rest = {k: v for k, v in delta.items() if v is not None and k not in _PLAIN}
+            # Most deltas hold content alone: nothing more to look at on the per-token path.
+            rest = (
+                {k: v for k, v in delta.items() if v is not None and k not in _PLAIN}
+                if len(delta) > 1 or "content" not in delta
+                else {}
+            )
         logprobs = choice.get("logprobs")
         if rest or logprobs:
             extra = orjson.dumps({"delta": rest, "logprobs": logprobs})

@@ -97,7 +97,6 @@ class _Handler(BaseHTTPRequestHandler):
         if wanted:
             self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
         self.end_headers()
-        self.server.uploads += 1
         started = time.monotonic()
         sent = 0
         try:
@@ -114,8 +113,6 @@ class _Handler(BaseHTTPRequestHandler):
                 "model server: %s to node %s cut after %d bytes: %s", path.name, client, sent, e
             )
             return
-        finally:
-            self.server.uploads -= 1
         seconds = max(time.monotonic() - started, 1e-6)
         log.info(
             "model server: sent %s (%d bytes from %d) to node %s at %.0f MB/s",
@@ -144,8 +141,7 @@ class ModelFileServer(ThreadingHTTPServer):
         )
         self.ca_pem = ca_pem.encode()
         self.resolve = resolve
-        #: Transfers being sent now, and bytes sent since start.
-        self.uploads = 0
+        #: Bytes sent since start.
         self.bytes_sent = 0
         self._thread: threading.Thread | None = None
 

@@ -78,7 +78,6 @@ class RpcGuard:
         self.cidrs = tuple(cidrs)
         #: The addresses that may connect (the primaries using the worker).
         self.allowed: set[str] = set()
-        self.refused = 0
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -117,7 +116,6 @@ class RpcGuard:
             with self._lock:
                 allowed = self.allowed
             if not _listed(address, allowed):
-                self.refused += 1
                 log.warning(
                     "RPC worker %s: refused a connection from %s (allowed: %s)",
                     self.endpoint,

@@ -230,7 +230,7 @@ class TransferCoordinator:
             str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources
         )
         self.running[request.transfer_id] = (node_id, request)
-        self.uploads[sources[0].node_id] += 1
+        self.uploads[sources[0].node_id] += 1  # a URL counts under "" and is never sorted
         if not self.gateway.fetch_model(node_id, request):
             self._ended(request.transfer_id)
             raise TransferRefused(f"node {node_id} is not connected to this controller")

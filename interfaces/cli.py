@@ -202,6 +202,14 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_url_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--url",
+        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
+        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
 
@@ -279,11 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("name", help="the registered model")
     pull.add_argument("--nodes", required=True, help="comma-separated node names or ids")
-    pull.add_argument(
-        "--url",
-        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
-        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
-    )
+    _admin_url_option(pull)
     pull.set_defaults(func=_cmd_models_pull)
     source = models_sub.add_parser(
         "source", help="add or remove an http(s) URL a model's file can be fetched from"
@@ -298,11 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evict.add_argument("name", help="the registered model")
     evict.add_argument("--node", required=True, help="the node's name or id")
-    evict.add_argument(
-        "--url",
-        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
-        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
-    )
+    _admin_url_option(evict)
     evict.set_defaults(func=_cmd_models_evict)
 
     events_cli.register(sub)

@@ -32,9 +32,11 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+CHAT_CHUNK = "chat.completion.chunk"
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
+def _usage_of(outcome: JobOutcome) -> dict[str, int]:
+    prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -54,6 +56,28 @@ class Answer:
     forced_tools: list[str] | None = None
     #: How many alternatives each token's logprobs keep (None: no logprobs asked for).
     top_logprobs: int | None = None
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """An OpenAI object of ``kind`` for this answer, around ``choices``."""
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def streamed(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """A streamed chunk: with ``usage`` null when the usage comes in a chunk of its own."""
+        payload = self.envelope(kind, choices)
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def usage_chunk(self, kind: str, outcome: JobOutcome) -> bytes:
+        """The last chunk, with ``stream_options.include_usage``: no choices, the usage."""
+        return sse({**self.envelope(kind, []), "usage": _usage_of(outcome)})
 
 
 def trimmed(entries: list[dict[str, Any]], top: int | None) -> list[dict[str, Any]]:
@@ -126,17 +150,8 @@ def chat_message(answer: Answer, collected: Collected, outcome: JobOutcome) -> d
     if collected.reasoning:
         message["reasoning_content"] = "".join(collected.reasoning)
     logprobs = {"content": collected.logprobs, "refusal": None} if collected.logprobs else None
-    return {
-        "id": answer.id,
-        "object": "chat.completion",
-        "created": answer.created,
-        "model": answer.model,
-        "system_fingerprint": None,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        ],
-        "usage": usage(outcome.prompt_tokens, outcome.completion_tokens),
-    }
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {**answer.envelope("chat.completion", [choice]), "usage": _usage_of(outcome)}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,15 +181,7 @@ def completion(answer: Answer, collected: Collected, outcome: JobOutcome) -> dic
         "logprobs": logprobs,
         "finish_reason": outcome.finish_reason,
     }
-    return {
-        "id": answer.id,
-        "object": "text_completion",
-        "created": answer.created,
-        "model": answer.model,
-        "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage(outcome.prompt_tokens, outcome.completion_tokens),
-    }
+    return {**answer.envelope("text_completion", [choice]), "usage": _usage_of(outcome)}
 
 
 async def collect(
@@ -222,20 +229,8 @@ class ChatStream:
     def chunk(
         self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
     ) -> dict[str, Any]:
-        a = self.answer
-        payload: dict[str, Any] = {
-            "id": a.id,
-            "object": "chat.completion.chunk",
-            "created": a.created,
-            "model": a.model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            ],
-        }
-        if a.include_usage:
-            payload["usage"] = None
-        return payload
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self.answer.streamed(CHAT_CHUNK, [choice])
 
     def first(self) -> bytes:
         return sse(self.chunk({"role": "assistant", "content": ""}))
@@ -267,7 +262,7 @@ class ChatStream:
                 yield sse(self.chunk({"tool_calls": openai_tools.streamed(calls)}))
         yield sse(self.chunk({}, finish))
         if self.answer.include_usage:
-            yield sse({**self.chunk({}), "choices": [], "usage": _usage_of(outcome)})
+            yield self.answer.usage_chunk(CHAT_CHUNK, outcome)
 
 
 class CompletionStream:
@@ -277,18 +272,8 @@ class CompletionStream:
         self.answer = answer
 
     def chunk(self, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        a = self.answer
-        payload: dict[str, Any] = {
-            "id": a.id,
-            "object": "text_completion",
-            "created": a.created,
-            "model": a.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if a.include_usage:
-            payload["usage"] = None
-        return sse(payload)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse(self.answer.streamed("text_completion", [choice]))
 
     def first(self) -> bytes:
         return b""
@@ -308,22 +293,7 @@ class CompletionStream:
     def ending(self, collected: Collected | None, outcome: JobOutcome) -> Iterable[bytes]:
         yield self.chunk("", outcome.finish_reason)
         if self.answer.include_usage:
-            a = self.answer
-            yield sse(
-                {
-                    "id": a.id,
-                    "object": "text_completion",
-                    "created": a.created,
-                    "model": a.model,
-                    "system_fingerprint": None,
-                    "choices": [],
-                    "usage": _usage_of(outcome),
-                }
-            )
-
-
-def _usage_of(outcome: JobOutcome) -> dict[str, int]:
-    return usage(outcome.prompt_tokens, outcome.completion_tokens)
+            yield self.answer.usage_chunk("text_completion", outcome)
 
 
 async def stream_events(
