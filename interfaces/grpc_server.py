@@ -57,6 +57,9 @@ NodeCertificates = Callable[[str, bytes], bytes]
 
 _CLOSE = object()
 
+#: How long a connecting agent has to send its Hello.
+HELLO_TIMEOUT_SECONDS = 10.0
+
 
 def peer_host(peer: str) -> str:
     """The host of a gRPC peer string (``ipv4:10.0.0.5:4242``, ``ipv6:[::1]:4242``)."""
@@ -263,6 +266,20 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.ControllerMessage]:
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         node_id = metadata.get("x-node-id", "")
+        # The Hello is read before the credential is judged: a refusal sent while the agent
+        # is still writing its Hello reaches it as the client's own INTERNAL write error
+        # instead of the refusal's status, and the agent would take a bad credential for a
+        # transient fault.
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(iterator.__anext__(), HELLO_TIMEOUT_SECONDS)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no Hello within {HELLO_TIMEOUT_SECONDS:g} s of connecting",
+            )
         try:
             node = await asyncio.to_thread(
                 self.enrollment.authenticate, node_id, metadata.get("x-node-credential", "")
@@ -273,11 +290,6 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 context, CONNECT, source, grpc.StatusCode.UNAUTHENTICATED, str(e), node_id=node_id
             )
         node_id = str(node.id)
-        iterator = request_iterator.__aiter__()
-        try:
-            first = await iterator.__anext__()
-        except StopAsyncIteration:
-            return
         if first.WhichOneof("payload") != "hello":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
         if first.hello.node_id and first.hello.node_id != node_id:
