@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,25 @@ def parse_controller_url(url: str, *, insecure: bool = False) -> ControllerTarge
 
 
 # ---------------------------------------------------------------------------
+# Sizes (--memory-limit, --models-disk-limit)
+# ---------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_byte_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``2G``, ``1.5GiB``, ``64kb``: K/M/G/T are powers of 1024."""
+    match = _SIZE_PATTERN.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use bytes or a K/M/G/T suffix, e.g. 2G)")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte: {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------
 
@@ -165,6 +185,9 @@ class AgentConfig:
     #: A plaintext control channel (``--insecure``/GRPC_INSECURE=true); TLS otherwise.
     insecure: bool = False
     memory_limit_bytes: int | None = None  # None: no limit is reported
+    #: The most the models directory's ``*.gguf`` and ``.partial`` files may hold (None: the
+    #: disk is the limit); a fetch that would go beyond it is refused.
+    models_disk_limit_bytes: int | None = None
     # build_handler() runs llama.cpp only when asked (the CLI does unless --no-runtime).
     llama_runtime: bool = False
     runtime_log_dir: Path | None = None  # None: <data_dir>/logs

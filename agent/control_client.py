@@ -129,6 +129,8 @@ class AgentSession(ControllerChannel, JobTraffic):
             config.transfer_port,
             on_model_added=self._recheck.set,
             release=getattr(handler, "release_model", None),
+            disk_limit=config.models_disk_limit_bytes,
+            node_name=config.node_name,
         )
         self._channel: grpc.aio.Channel | None = None
         self._dispatch_tasks: set[asyncio.Task[None]] = set()
@@ -335,8 +337,11 @@ class AgentSession(ControllerChannel, JobTraffic):
         if identity.controller_url != self._target.url:
             self.identity = identity.with_controller_url(self._target.url)
             save_identity(self.config.data_dir, self.identity)
+        self.transfers.controller_host = self._target.host
         if identity.controller_ca_pem:
-            self.transfers.welcomed(welcome.node_certificate_pem, identity.controller_ca_pem)
+            self.transfers.welcomed(
+                welcome.node_certificate_pem, identity.controller_ca_pem, welcome.revoked_node_ids
+            )
         # Before anything else goes out on the new stream: what the controller missed.
         self._resume_jobs(conn, welcome)
         self._conn = conn

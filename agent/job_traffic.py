@@ -108,6 +108,9 @@ class JobTraffic:
             coro = self.transfers.on_fetch(message.fetch_model, send)
         elif kind == "evict_model":
             coro = self.transfers.on_evict(message.evict_model, send)
+        elif kind == "nodes_revoked":
+            self.transfers.revoke(message.nodes_revoked.node_ids)
+            return
         elif kind == "cancel_job":
             coro = handler.on_cancel(message.cancel_job, send)
         elif kind == "drain":

@@ -13,7 +13,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import re
 import socket
 import sys
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from agent.agent_config import (
     AgentError,
     ConfigError,
     MissingEnrollmentToken,
+    parse_byte_size,
     parse_controller_url,
 )
 from agent.control_client import run_agent
@@ -190,21 +190,6 @@ def _label(text: str) -> tuple[str, str]:
     return key, value.strip()
 
 
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_byte_size(text: str) -> int:
-    """``1073741824``, ``512M``, ``2G``, ``1.5GiB``, ``64kb``: K/M/G/T are powers of 1024."""
-    match = _SIZE_PATTERN.match(text)
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (use bytes or a K/M/G/T suffix, e.g. 2G)")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte: {text!r}")
-    return value
-
-
 def _byte_size(text: str) -> int:
     try:
         return parse_byte_size(text)
@@ -353,6 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--models-disk-limit",
+        type=_byte_size,
+        default=os.environ.get("MODELS_DISK_LIMIT") or None,
+        metavar="SIZE",
+        help=(
+            "most the *.gguf (and .partial) files in --models-dir may hold, in bytes or with a "
+            "K/M/G/T suffix, e.g. 200G; a fetch that would go beyond it is refused "
+            "(default: no limit beyond the disk; env MODELS_DISK_LIMIT)"
+        ),
+    )
+    parser.add_argument(
         "--heartbeat-interval",
         type=_positive_float,
         default=None,
@@ -434,6 +430,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
         insecure=args.insecure,
         memory_limit_bytes=args.memory_limit,
+        models_disk_limit_bytes=args.models_disk_limit,
         llama_runtime=not args.no_runtime,
         runtime_log_dir=Path(args.runtime_log_dir).expanduser() if args.runtime_log_dir else None,
     )

@@ -1,4 +1,4 @@
-"""Fetches a model file from a node that holds it (:mod:`agent.model_server`), into the models
+"""Fetches a model file from a node that holds it (:mod:`proto.model_file_server`), into the models
 directory, safely:
 
 * it goes to ``<file>.partial`` and becomes ``<file>`` only once whole and its sha256 checked
@@ -6,8 +6,9 @@ directory, safely:
 * a cut transfer resumes from what ``.partial`` holds (an HTTP range), the bytes already there
   hashed again first;
 * a wrong sha256 removes the partial file (the next attempt starts over);
-* a file that does not fit the disk is refused before a byte is written, and a disk that fills
-  meanwhile removes the partial file: a clear failure, nothing left behind.
+* a file that does not fit the disk, or would take the models directory beyond
+  ``--models-disk-limit`` (:class:`DiskLimit`), is refused before a byte is written, and a disk
+  that fills meanwhile removes the partial file: a clear failure, nothing left behind.
 
 Blocking (it runs in a thread of its own): the bytes go socket → buffer → hash and file in
 1 MiB pieces, so a LAN transfer is bound by the link.
@@ -26,13 +27,15 @@ import os
 import shutil
 import socket
 import ssl
+import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from proto.transfer_ticket import MODELS_PATH, node_tls_name
+from proto.transfer_ticket import CONTROLLER_SOURCE_ID, MODELS_PATH, source_tls_name
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class Source:
 
     @property
     def label(self) -> str:
+        if self.node_id == CONTROLLER_SOURCE_ID:
+            return "the controller's model store"
         return self.url or f"node {self.node_id}"
 
 
@@ -97,6 +102,94 @@ def _check_room(dest: Path, size: int, held: int) -> None:
         )
 
 
+def _readable(n: int) -> str:
+    """``25165824 bytes (24.0 MiB)``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n} bytes ({n / (1 << shift):.1f} {unit})"
+    return f"{n} bytes"
+
+
+class DiskLimit:
+    """``--models-disk-limit``: the most the ``*.gguf`` and ``.partial`` files directly in the
+    models directory may hold. One per agent, shared by its fetches: a fetch under way counts
+    at the size its file will have, so two at once cannot both take the last room."""
+
+    def __init__(self, limit_bytes: int, node: str = "") -> None:
+        self.limit_bytes = limit_bytes
+        #: The node's name, for the hint in a refusal.
+        self.node = node or "NODE"
+        self._lock = threading.Lock()
+        #: Fetches under way (between :meth:`reserve` and :meth:`release`): file → its size.
+        self._growing: dict[Path, int] = {}
+
+    def used(self, models_dir: Path, besides: Path | None = None) -> int:
+        """What the model files in ``models_dir`` hold now (fetches under way at their whole
+        size), ``besides`` and its partial file left out."""
+        with self._lock:
+            return self._used(models_dir, besides)
+
+    def _used(self, models_dir: Path, besides: Path | None) -> int:
+        growing = {
+            dest: size
+            for dest, size in self._growing.items()
+            if dest.parent == models_dir and dest != besides
+        }
+        skipped = {path for dest in growing for path in (dest, partial_path(dest))}
+        if besides is not None:
+            skipped |= {besides, partial_path(besides)}
+        total = sum(growing.values())
+        try:
+            children = list(models_dir.iterdir())
+        except FileNotFoundError:
+            return total
+        for child in children:
+            if child in skipped or not child.name.lower().endswith((".gguf", PARTIAL_SUFFIX)):
+                continue
+            try:
+                status = child.stat()
+            except OSError:  # gone meanwhile
+                continue
+            if stat.S_ISREG(status.st_mode):
+                total += status.st_size
+        return total
+
+    def reserve(self, dest: Path, size: int) -> None:
+        """Counts ``dest`` at ``size`` until :meth:`release`. Beyond the limit: removes its
+        partial file and raises a TransferError no other source can cure."""
+        with self._lock:
+            used = self._used(dest.parent, dest)
+            if used + size <= self.limit_bytes:
+                self._growing[dest] = size
+                return
+        partial_path(dest).unlink(missing_ok=True)
+        room = max(self.limit_bytes - used, 0)
+        if size > self.limit_bytes:
+            hint = "raise --models-disk-limit"
+        else:
+            hint = (
+                f"make room (dacp models evict MODEL --node {self.node}) or raise "
+                "--models-disk-limit"
+            )
+        raise TransferError(
+            f"{dest.name} needs {_readable(size)}, beyond --models-disk-limit "
+            f"{_readable(self.limit_bytes)}: the model files in {dest.parent} hold "
+            f"{_readable(used)}, leaving {_readable(room)}; {hint}",
+            retry=False,
+        )
+
+    def release(self, dest: Path) -> None:
+        with self._lock:
+            self._growing.pop(dest, None)
+
+
+def _make_room(dest: Path, size: int, held: int, limit: DiskLimit | None) -> None:
+    """Refuses (removing the partial file) a file beyond the limit or the disk's free space."""
+    if limit is not None:
+        limit.reserve(dest, size)
+    _check_room(dest, size, held)
+
+
 def _connect_url(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
     """A connection to an http(s) URL and the path to ask for."""
     parts = urlsplit(url)
@@ -114,7 +207,7 @@ def _connect_url(url: str, timeout: float) -> tuple[http.client.HTTPConnection, 
 def _connect(source: Source, context: ssl.SSLContext, timeout: float) -> http.client.HTTPConnection:
     raw = socket.create_connection((source.host, source.port), timeout=timeout)
     try:
-        secure = context.wrap_socket(raw, server_hostname=node_tls_name(source.node_id))
+        secure = context.wrap_socket(raw, server_hostname=source_tls_name(source.node_id))
     except BaseException:
         raw.close()
         raise
@@ -132,9 +225,28 @@ def fetch(
     *,
     progress: Progress | None = None,
     timeout: float = 30.0,
+    limit: DiskLimit | None = None,
 ) -> Path:
     """Fetches the model into ``dest`` (resuming ``dest.partial``); returns ``dest``.
     ``size`` 0 means not known: the answer's length says (a URL source)."""
+    dest = dest.absolute()
+    try:
+        return _fetch(source, sha256, size, dest, context, progress, timeout, limit)
+    finally:
+        if limit is not None:
+            limit.release(dest)
+
+
+def _fetch(
+    source: Source,
+    sha256: str,
+    size: int,
+    dest: Path,
+    context: ssl.SSLContext,
+    progress: Progress | None,
+    timeout: float,
+    limit: DiskLimit | None,
+) -> Path:
     partial = partial_path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     hasher = hashlib.sha256()
@@ -143,7 +255,7 @@ def fetch(
         partial.unlink()
         hasher, held = hashlib.sha256(), 0
     if size:
-        _check_room(dest, size, held)
+        _make_room(dest, size, held, limit)
     started = time.monotonic()
     try:
         if source.url:
@@ -153,7 +265,7 @@ def fetch(
             connection = _connect(source, context, timeout)
             path, headers = MODELS_PATH + sha256, {"Authorization": f"Bearer {source.ticket}"}
     except (OSError, ssl.SSLError, ValueError) as e:
-        where = source.url or f"node {source.node_id} at {source.host}:{source.port}"
+        where = source.url or f"{source.label} at {source.host}:{source.port}"
         raise TransferError(f"cannot reach {where}: {e}") from e
     try:
         if held:
@@ -170,7 +282,7 @@ def fetch(
             hasher, held = hashlib.sha256(), 0
         if not size:
             size = held + int(response.getheader("Content-Length") or 0)
-            _check_room(dest, size, held)
+            _make_room(dest, size, held, limit)
         held = _receive(response, partial, held, size, hasher, progress)
     except (OSError, http.client.HTTPException) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:

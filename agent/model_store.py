@@ -21,16 +21,15 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from proto import control_pb2 as pb
+from proto.gguf_metadata import read_gguf_metadata
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "model_cache.json"
 CACHE_SCHEMA_VERSION = 1
 HASH_CHUNK_BYTES = 1024 * 1024
-KV_CACHE_BYTES_PER_ELEMENT = 2  # f16 K and V (llama.cpp's default cache type)
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -72,111 +71,6 @@ def sha256_file(path: Path | str, progress: ProgressCallback | None = None) -> s
 def _normalise_sha256(value: str) -> str | None:
     candidate = value.strip().lower()
     return candidate if _SHA256_HEX.match(candidate) else None
-
-
-# ---------------------------------------------------------------------------
-# GGUF metadata
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GgufMetadata:
-    architecture: str
-    parameters: int
-    layers: int
-    context_length: int
-    kv_bytes_per_token: int
-    #: The length of the model's vectors (what its embeddings have).
-    embedding_length: int = 0
-
-
-def _field_value(fields: dict[str, Any], key: str) -> Any:
-    field = fields.get(key)
-    if field is None:
-        return None
-    return field.contents()
-
-
-def _int_value(fields: dict[str, Any], key: str) -> int | None:
-    value = _field_value(fields, key)
-    if value is None:
-        return None
-    if isinstance(value, list):  # per-layer arrays (e.g. head_count_kv in OpenELM)
-        return int(max(value)) if value else None
-    return int(value)
-
-
-def kv_bytes_per_token(
-    layers: int,
-    embedding_length: int,
-    head_count: int,
-    head_count_kv: int | Iterable[int] | None = None,
-    key_length: int | None = None,
-    value_length: int | None = None,
-) -> int:
-    """Bytes of f16 KV cache one token of context costs across all layers.
-
-    ``2 (K and V) * n_layers * n_kv_heads * head_dim * 2 bytes``, with head_dim =
-    embedding_length / head_count unless the model states explicit key/value lengths.
-    ``head_count_kv`` may be per-layer (a list); it defaults to ``head_count`` (no GQA).
-    """
-    if layers <= 0 or head_count <= 0:
-        return 0
-    head_dim = embedding_length // head_count
-    k_dim = key_length or head_dim
-    v_dim = value_length or head_dim
-    if head_count_kv is None:
-        kv_heads_total = head_count * layers
-    elif isinstance(head_count_kv, int):
-        kv_heads_total = head_count_kv * layers
-    else:
-        per_layer = [int(n) for n in head_count_kv]
-        kv_heads_total = sum(per_layer[:layers]) if per_layer else head_count * layers
-    return kv_heads_total * (k_dim + v_dim) * KV_CACHE_BYTES_PER_ELEMENT
-
-
-def read_gguf_metadata(path: Path | str) -> GgufMetadata:
-    """Architecture, parameter count, layers, training context and KV bytes/token.
-
-    Raises ``ValueError`` (or another exception from ``gguf``) for a non-GGUF/corrupt file.
-    """
-    import gguf  # heavy import (numpy); only needed when a file must be parsed
-
-    reader = gguf.GGUFReader(str(path), "r")
-    fields: dict[str, Any] = dict(reader.fields)
-    arch_value = _field_value(fields, "general.architecture")
-    if not isinstance(arch_value, str) or not arch_value:
-        raise ValueError("GGUF has no general.architecture")
-    arch = arch_value
-    parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    layers = _int_value(fields, f"{arch}.block_count") or 0
-    context_length = _int_value(fields, f"{arch}.context_length") or 0
-    embedding = _int_value(fields, f"{arch}.embedding_length") or 0
-    heads = _int_value(fields, f"{arch}.attention.head_count") or 0
-    raw_kv_heads = _field_value(fields, f"{arch}.attention.head_count_kv")
-    kv_heads: int | list[int] | None
-    if isinstance(raw_kv_heads, list):
-        kv_heads = [int(n) for n in raw_kv_heads]
-    elif raw_kv_heads is None:
-        kv_heads = None
-    else:
-        kv_heads = int(raw_kv_heads)
-    kv_bytes = kv_bytes_per_token(
-        layers=layers,
-        embedding_length=embedding,
-        head_count=heads,
-        head_count_kv=kv_heads,
-        key_length=_int_value(fields, f"{arch}.attention.key_length"),
-        value_length=_int_value(fields, f"{arch}.attention.value_length"),
-    )
-    return GgufMetadata(
-        architecture=arch,
-        parameters=parameters,
-        layers=layers,
-        context_length=context_length,
-        kv_bytes_per_token=kv_bytes,
-        embedding_length=embedding,
-    )
 
 
 # ---------------------------------------------------------------------------

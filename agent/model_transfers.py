@@ -2,9 +2,10 @@
 controller asks for (``FetchModel``).
 
 The node's certificate comes in ``Welcome`` (asked for in ``Hello``); with it the file server
-(:mod:`agent.model_server`) starts on the node's address and ``--transfer-port``, serving the
+(:mod:`proto.model_file_server`) starts on the node's address and ``--transfer-port``, serving the
 models whose sha256 the hash cache knows. A ``FetchModel`` runs in a thread of its own, trying
-its sources in order (:mod:`agent.model_fetch`), and reports ``ModelTransfer`` STARTED, then
+its sources in order (:mod:`agent.model_fetch`; ``--models-disk-limit`` caps what the models
+directory may hold), and reports ``ModelTransfer`` STARTED, then
 PROGRESS at each quarter, then COMPLETED or FAILED. A second ``FetchModel`` for a model being
 fetched already is answered by the first one's reports.
 
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
-from agent.model_fetch import Source, TransferError, fetch
-from agent.model_server import ModelFileServer
+from agent.model_fetch import DiskLimit, Source, TransferError, fetch
 from agent.model_store import ModelStore
 from agent.node_tls import NodeTls
 from proto import control_pb2 as pb
+from proto.model_file_server import ModelFileServer
+from proto.transfer_ticket import CONTROLLER_SOURCE_ID
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,21 @@ class ModelTransfers:
         port: int,
         on_model_added: Callable[[], None],
         release: Callable[[Path], Awaitable[bool]] | None = None,
+        controller_host: str = "",
+        *,
+        disk_limit: int | None = None,
+        node_name: str = "",
     ) -> None:
         self.models_dir = models_dir
+        #: ``--models-disk-limit`` (None: only the disk's free space counts).
+        self.disk_limit = DiskLimit(disk_limit, node_name) if disk_limit else None
         self.tls = NodeTls(data_dir)
         self.store = ModelStore(models_dir, data_dir, progress=None)
         self.host, self.port = host, port
+        #: Where the controller's own model store is (the host this agent reaches it at).
+        self.controller_host = controller_host
+        #: Nodes revoked since their certificates were issued: refused by the file server.
+        self.revoked: set[str] = set()
         self.on_model_added = on_model_added
         #: Lets a model file go (stops an idle llama-server that has it loaded); False while a
         #: job uses it. None: nothing here loads models.
@@ -57,8 +69,17 @@ class ModelTransfers:
     def csr(self, node_id: str) -> str:
         return self.tls.csr(node_id)
 
-    def welcomed(self, certificate_pem: str, ca_pem: str) -> None:
+    def revoke(self, node_ids: Iterable[str]) -> None:
+        """Nodes the file server refuses from now on, whatever tickets they hold."""
+        self.revoked.update(node_ids)
+        if self.server is not None:
+            self.server.revoke(self.revoked)
+
+    def welcomed(
+        self, certificate_pem: str, ca_pem: str, revoked_node_ids: Iterable[str] = ()
+    ) -> None:
         """Keeps the certificate the controller issued; starts the file server once."""
+        self.revoke(revoked_node_ids)
         if not certificate_pem:
             log.warning("the controller issued no node certificate: no model files served")
             return
@@ -68,7 +89,9 @@ class ModelTransfers:
             try:
                 self.server = ModelFileServer(
                     self.host, self.port, self.tls.server_context(ca_pem), ca_pem, self.resolve
-                ).start()
+                )
+                self.server.revoke(self.revoked)
+                self.server.start()
                 log.info("serving model files on %s:%d", self.host, self.server.port)
             except OSError as e:
                 log.warning("cannot serve model files on %s:%d: %s", self.host, self.port, e)
@@ -108,15 +131,19 @@ class ModelTransfers:
             source_id = ""
             for source in msg.sources:
                 source_id = source.node_id or source.url
+                host = source.host
+                if source.node_id == CONTROLLER_SOURCE_ID and not host:
+                    host = self.controller_host
                 try:
                     await asyncio.to_thread(
                         fetch,
-                        Source(source.node_id, source.host, source.port, source.ticket, source.url),
+                        Source(source.node_id, host, source.port, source.ticket, source.url),
                         msg.model_sha256,
                         msg.size_bytes,
                         dest,
                         self.tls.client_context(self.ca_pem),
                         progress=progress,
+                        limit=self.disk_limit,
                     )
                 except TransferError as e:
                     error = str(e)

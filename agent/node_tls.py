@@ -83,15 +83,3 @@ class NodeTls:
     def client_context(self, ca_pem: str) -> ssl.SSLContext:
         """Fetching model files: the server must be the node it is named for."""
         return self._context(ssl.Purpose.SERVER_AUTH, ca_pem)
-
-
-def peer_node_id(peer_cert: dict[str, object] | None) -> str | None:
-    """The node id in a verified client certificate (``ssl.getpeercert()``), if any."""
-    if not peer_cert:
-        return None
-    for rdn in peer_cert.get("subject", ()):  # type: ignore[attr-defined]
-        for key, value in rdn:
-            prefix = node_tls_name("")
-            if key == "commonName" and isinstance(value, str) and value.startswith(prefix):
-                return value.removeprefix(prefix)
-    return None

@@ -479,6 +479,52 @@ class Controller(Application[UUID]):
 
         return CommandResult(self._run(command), model_id(name))
 
+    def store_model(
+        self,
+        name: str,
+        sha256: str,
+        file_name: str,
+        shape: dict[str, Any],
+        context_size: int = DEFAULT_CONTEXT_SIZE,
+        kind: str = CHAT,
+        pooling: str = "",
+    ) -> CommandResult:
+        """Registers (or updates) a model whose file the controller's model store now holds,
+        and records that (MODEL_STORED, with the file's shape), in one write."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                model = RegisteredModel.register(
+                    name, sha256, file_name, context_size, kind, pooling
+                )
+            else:
+                model.update(sha256, file_name, context_size, kind, pooling)
+            model.store(
+                size_bytes=int(shape["size_bytes"]),
+                layers=int(shape["layers"]),
+                context_length=int(shape["context_length"]),
+                kv_bytes_per_token=int(shape["kv_bytes_per_token"]),
+                architecture=str(shape["architecture"]),
+            )
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
+
+    def unstore_model(self, name: str) -> CommandResult:
+        """MODEL_UNSTORED: the controller's model store no longer holds the model's file."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                raise NotFound("model", name) from None
+            model.unstore()
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
+
     # ----------------------------------------------------------- job commands
 
     def _new_job(self, submission: Submission, job_id: UUID) -> Job:

@@ -1,12 +1,13 @@
 """Model files reach the nodes that need them: the controller asks a node to fetch a model
-from nodes that hold it (``FetchModel``), with a ticket for each source, and records what the
-node reports (``MODEL_TRANSFER_STARTED``, ``_PROGRESS`` at each quarter, ``_COMPLETED``,
-``_FAILED``).
+(``FetchModel``), with a ticket for each source, and records what the node reports
+(``MODEL_TRANSFER_STARTED``, ``_PROGRESS`` at each quarter, ``_COMPLETED``, ``_FAILED``).
 
 Sources are the nodes in service that report the file and serve model files (the
-``dacp.transfer_port`` label), those sending the fewest files right now first: several nodes
-needing the same model do not all pull from one source when a peer that just finished can
-serve too. A transfer is the node's own activity; it outlives the request that caused it.
+``dacp.transfer_port`` label) and the controller's own model store when it holds the file
+(``MODEL_STORED``), those sending the fewest files right now first: several nodes needing the
+same model do not all pull from one source when a peer that just finished can serve too. The
+model's http(s) URLs come last. A transfer is the node's own activity; it outlives the
+request that caused it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from application.read_models import ReadModel
 from domain.errors import DomainError
 from domain.states import NodeState
 from proto import TRANSFER_PORT_LABEL
+from proto.transfer_ticket import CONTROLLER_SOURCE_ID
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class TransferCoordinator:
         on_model_added: Callable[[], None] = lambda: None,
         primary_if_held: PrimaryIfHeld | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store_port: int = 0,
     ) -> None:
         self.app = app
         self.nodes = nodes
@@ -89,6 +92,8 @@ class TransferCoordinator:
         self.uploads: Counter[str] = Counter()
         self.primary_if_held = primary_if_held
         self.clock = clock
+        #: The port the controller's model store serves on (0: it serves no files).
+        self.store_port = store_port
         #: (node, sha256) → when its fetch completed (the node's report may still be on its way).
         self.completed: dict[tuple[str, str], float] = {}
         #: Evictions waiting for the node's answer: (node, sha256) → (ok, file name, error).
@@ -104,31 +109,36 @@ class TransferCoordinator:
             and (n.get("labels") or {}).get(TRANSFER_PORT_LABEL)
         ]
 
+    def stores(self, model: dict[str, Any]) -> bool:
+        """Whether the controller's model store holds the model and serves it."""
+        return bool(self.store_port and model.get("stored") and self.signer is not None)
+
     def pull(self, model: dict[str, Any], node_ids: list[str]) -> list[Pull]:
-        """Asks each node to fetch ``model`` (nodes that hold it already are left alone)."""
-        if self.signer is None:
-            raise TransferRefused(
-                "this controller cannot sign transfer tickets (its TLS files are the "
-                "operator's, or it runs without TLS)"
-            )
+        """Asks each node to fetch ``model`` (nodes that hold it already are left alone). Either
+        every node named can be asked, or none is: :class:`TransferRefused` says why not."""
         sha256 = model["sha256"]
-        holders = self.holders(sha256)
-        if not holders and not model.get("sources"):
+        holders = self.holders(sha256) if self.signer is not None else []
+        if not holders and not self.stores(model) and not model.get("sources"):
+            if self.signer is None:
+                raise TransferRefused(
+                    f"model {model['name']} has no http(s) source, and this controller cannot "
+                    "sign the tickets a fetch from a node or its own store needs (its TLS "
+                    "files are the operator's, or it runs without TLS)"
+                )
             raise TransferRefused(
-                f"no node in service holds model {model['name']} to fetch from, and it has "
-                "no http(s) source"
+                f"no node in service holds model {model['name']} to fetch from, the "
+                "controller's model store does not hold it, and it has no http(s) source"
             )
-        size = _size_of(holders[0], sha256) if holders else 0  # a URL's answer says
-        pulls = []
-        for node_id in node_ids:
+        wanted = []
+        for node_id in dict.fromkeys(node_ids):
             if any(h["node_id"] == node_id for h in holders):
                 continue
             if any(r[0] == node_id and r[1].sha256 == sha256 for r in self.running.values()):
                 continue  # being fetched already
             if not self.gateway.is_connected(node_id):
                 raise TransferRefused(f"node {node_id} is not connected to this controller")
-            pulls.append(self._ask(node_id, model, holders, size))
-        return pulls
+            wanted.append(node_id)
+        return [self._ask(node_id, model, holders) for node_id in wanted]
 
     def fetch_for(self, model: dict[str, Any]) -> bool:
         """Whether a fetch of ``model`` is under way, or starts now, onto a node that could then
@@ -147,7 +157,7 @@ class TransferCoordinator:
         if self.signer is None or self.primary_if_held is None:
             return False
         holders = self.holders(sha256)
-        if not holders:
+        if not holders and not self.stores(model):
             return False
         held = {h["node_id"] for h in holders}
         targets = [
@@ -212,20 +222,31 @@ class TransferCoordinator:
         if waiting is not None and not waiting.done():
             waiting.set_result((ok, file_name, error))
 
-    def _ask(
-        self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]], size: int
-    ) -> Pull:
-        assert self.signer is not None
-        ordered = sorted(holders, key=lambda h: (self.uploads[h["node_id"]], h["node_id"]))
-        sources = tuple(
-            TransferSource(
-                h["node_id"],
-                h["address"],
-                int(h["labels"][TRANSFER_PORT_LABEL]),
-                self.signer(model["sha256"], node_id),
-            )
-            for h in ordered
-        ) + tuple(TransferSource("", "", 0, "", url) for url in model.get("sources") or ())
+    def _sources(
+        self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]]
+    ) -> tuple[TransferSource, ...]:
+        """Where ``node_id`` may fetch the model, in order: the peers and the controller's
+        store sending the fewest files now first (peers before the store on a tie), then the
+        model's URLs."""
+        served: list[tuple[str, str, int]] = [
+            (h["node_id"], h["address"], int(h["labels"][TRANSFER_PORT_LABEL])) for h in holders
+        ]
+        if self.stores(model):
+            # The host is the agent's to fill in: the one it reaches this controller at.
+            served.append((CONTROLLER_SOURCE_ID, "", self.store_port))
+        served.sort(key=lambda s: (self.uploads[s[0]], s[0] == CONTROLLER_SOURCE_ID, s[0]))
+        signer = self.signer
+        ticket = signer(model["sha256"], node_id) if signer is not None and served else ""
+        return tuple(TransferSource(n, host, port, ticket) for n, host, port in served) + tuple(
+            TransferSource("", "", 0, "", url) for url in model.get("sources") or ()
+        )
+
+    def _ask(self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]]) -> Pull:
+        sha256 = model["sha256"]
+        size = _size_of(holders[0], sha256) if holders else 0
+        if not size and model.get("stored"):
+            size = int(model["stored"]["size_bytes"])  # else: a URL's answer says
+        sources = self._sources(node_id, model, holders)
         request = FetchRequest(
             str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources
         )

@@ -12,7 +12,7 @@ from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
 from domain.issued_token import IssuedToken
 from domain.job import Job
-from domain.model import RegisteredModel, use_of
+from domain.model import RegisteredModel, shape_of, use_of
 from domain.node import Node
 from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
@@ -110,10 +110,10 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
     elif isinstance(event, Node.ModelTransferProgressed):
         transfers = dict(row.get("transfers") or {})
         if event.transfer_id in transfers:
-            transfers[event.transfer_id] = {
-                **transfers[event.transfer_id],
-                "bytes_done": event.bytes_done,
-            }
+            transfer = {**transfers[event.transfer_id], "bytes_done": event.bytes_done}
+            if event.size_bytes > 0:  # a URL's file: its size is known once it answers
+                transfer["size_bytes"] = event.size_bytes
+            transfers[event.transfer_id] = transfer
         new["transfers"] = transfers
     elif isinstance(event, Node.ModelTransferCompleted | Node.ModelTransferFailed):
         new["transfers"] = {
@@ -255,6 +255,7 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "kind": use_of(event)[0],
             "pooling": use_of(event)[1],
             "sources": [],
+            "stored": None,
             "registered_at": at,
             "updated_at": at,
         }
@@ -263,9 +264,15 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
     if isinstance(event, RegisteredModel.SourceRemoved) and row is not None:
         sources = [u for u in row.get("sources") or [] if u != event.url]
         return {**row, "sources": sources, "updated_at": at}
+    if isinstance(event, RegisteredModel.Stored) and row is not None:
+        return {**row, "stored": shape_of(event), "updated_at": at}
+    if isinstance(event, RegisteredModel.Unstored) and row is not None:
+        return {**row, "stored": None, "updated_at": at}
     if isinstance(event, RegisteredModel.Updated) and row is not None:
+        changed = event.sha256 != row.get("sha256")
         return {
             **row,
+            "stored": None if changed else row.get("stored"),
             "sha256": event.sha256,
             "file_name": event.file_name,
             "context_size": event.context_size,

@@ -59,20 +59,26 @@ def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode
 
 
 def model_needs(model: dict[str, Any], nodes: list[dict[str, Any]]) -> ModelNeeds | None:
-    """The model's size and shape, from any node that reported its GGUF file."""
+    """The model's size and shape, from any node that reported its GGUF file, or else from
+    the controller's model store (MODEL_STORED)."""
     for node in nodes:
         for local in node.get("local_models") or []:
             if local.get("sha256") == model["sha256"]:
-                return ModelNeeds(
-                    name=model["name"],
-                    sha256=model["sha256"],
-                    file_name=model["file_name"],
-                    weights_bytes=int(local["size_bytes"]),
-                    layers=max(1, int(local.get("layers") or 1)),
-                    kv_bytes_per_token=int(local.get("kv_bytes_per_token") or 0),
-                    context_length_max=int(local.get("context_length") or model["context_size"]),
-                )
-    return None
+                return _needs(model, local)
+    stored = model.get("stored")
+    return _needs(model, stored) if stored else None
+
+
+def _needs(model: dict[str, Any], shape: dict[str, Any]) -> ModelNeeds:
+    return ModelNeeds(
+        name=model["name"],
+        sha256=model["sha256"],
+        file_name=model["file_name"],
+        weights_bytes=int(shape["size_bytes"]),
+        layers=max(1, int(shape.get("layers") or 1)),
+        kv_bytes_per_token=int(shape.get("kv_bytes_per_token") or 0),
+        context_length_max=int(shape.get("context_length") or model["context_size"]),
+    )
 
 
 def idle_eligibility(node: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,11 +1,11 @@
 """Model transfer throughput over loopback, side by side with plain ``curl`` in one run.
 
-Node A serves a file (``agent/model_server.py``: TLS with the node certificates the controller's
-CA issues, a transfer ticket, client certificates); node B fetches it with the agent's fetcher
-(``agent/model_fetch.py``: TLS, sha256 of every byte, written to disk, fsync, rename), and
-``curl`` downloads the same file from the same server with the same certificate, key and
-ticket (TLS, written to disk, no hashing). Rounds alternate; the medians and their ratio are
-printed, and written to ``var/bench/``.
+Node A serves a file (``proto/model_file_server.py``: TLS with the node certificates the
+controller's CA issues, a transfer ticket, client certificates); node B fetches it with the
+agent's fetcher (``agent/model_fetch.py``: TLS, sha256 of every byte, written to disk, fsync,
+rename), and ``curl`` downloads the same file from the same server with the same
+certificate, key and ticket (TLS, written to disk, no hashing). Rounds alternate; the medians
+and their ratio are printed, and written to ``var/bench/``.
 
     python -m bench.model_transfer                 # 512 MiB x 5 rounds
     python -m bench.model_transfer --mib 256 --rounds 3
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.model_fetch import Source, fetch
-from agent.model_server import ModelFileServer
 from agent.node_tls import NodeTls
 from infrastructure.tls import issue_node_cert, load_or_create
+from proto.model_file_server import ModelFileServer
 from proto.transfer_ticket import MODELS_PATH, Ticket, node_tls_name, sign_ticket
 
 

@@ -57,6 +57,8 @@ OTHER_EVENTS: tuple[type, ...] = (
     RegisteredModel.Updated,
     RegisteredModel.SourceAdded,
     RegisteredModel.SourceRemoved,
+    RegisteredModel.Stored,
+    RegisteredModel.Unstored,
     TokenRedemption.Redeemed,
     IssuedToken.Minted,
     IssuedToken.Revoked,

@@ -93,10 +93,34 @@ class RegisteredModel(Aggregate):
         pooling: str
 
         def apply(self, aggregate: Any) -> None:
+            if aggregate.sha256 != self.sha256:
+                aggregate.stored = None  # the store's copy is of the file no longer registered
             aggregate.sha256 = self.sha256
             aggregate.file_name = self.file_name
             aggregate.context_size = self.context_size
             aggregate.kind, aggregate.pooling = use_of(self)
+
+    class Stored(Event):
+        """The controller's model store holds the file (``dacp models add``). Its shape, read
+        from the file there, lets the scheduler plan the model before any node holds it."""
+
+        code: ClassVar[str] = "MODEL_STORED"
+        size_bytes: int
+        layers: int
+        context_length: int
+        kv_bytes_per_token: int
+        architecture: str
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.stored = shape_of(self)
+
+    class Unstored(Event):
+        """The controller's model store no longer holds the file."""
+
+        code: ClassVar[str] = "MODEL_UNSTORED"
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.stored = None
 
     class SourceAdded(Event):
         """An http(s) URL the model's file can be fetched from (checked by its sha256)."""
@@ -125,6 +149,8 @@ class RegisteredModel(Aggregate):
     ) -> None:
         #: http(s) URLs the file can be fetched from, besides the nodes that hold it.
         self.sources: list[str] = []
+        #: The file's shape when the controller's model store holds it (else None).
+        self.stored: dict[str, Any] | None = None
         self.name = name
         self.sha256 = sha256
         self.file_name = file_name
@@ -189,6 +215,35 @@ class RegisteredModel(Aggregate):
         self.trigger_event(self.SourceAdded, url=url)
         return True
 
+    def store(
+        self,
+        *,
+        size_bytes: int,
+        layers: int,
+        context_length: int,
+        kv_bytes_per_token: int,
+        architecture: str,
+    ) -> bool:
+        """Records that the controller's store holds the file; False when known already."""
+        if size_bytes <= 0 or layers < 0 or context_length < 0 or kv_bytes_per_token < 0:
+            raise InvalidCommand("a stored model file has a positive size and no negative shape")
+        shape = {
+            "size_bytes": size_bytes,
+            "layers": layers,
+            "context_length": context_length,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "architecture": architecture,
+        }
+        if getattr(self, "stored", None) == shape:
+            return False
+        self.trigger_event(self.Stored, **shape)
+        return True
+
+    def unstore(self) -> None:
+        if getattr(self, "stored", None) is None:
+            raise InvalidCommand(f"the controller's model store does not hold model {self.name}")
+        self.trigger_event(self.Unstored)
+
     def remove_source(self, url: str) -> None:
         if url not in getattr(self, "sources", []):
             raise InvalidCommand(f"model {self.name} has no source {url!r}")
@@ -206,3 +261,14 @@ def validate_source(url: str) -> None:
 def use_of(event: object) -> tuple[str, str]:
     """(kind, pooling) of a registration event; events from before kinds are chat models."""
     return str(getattr(event, "kind", CHAT)), str(getattr(event, "pooling", ""))
+
+
+def shape_of(event: Any) -> dict[str, Any]:
+    """The file shape a MODEL_STORED event records (the keys of a node's ``local_models``)."""
+    return {
+        "size_bytes": event.size_bytes,
+        "layers": event.layers,
+        "context_length": event.context_length,
+        "kv_bytes_per_token": event.kv_bytes_per_token,
+        "architecture": event.architecture,
+    }

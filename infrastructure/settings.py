@@ -16,6 +16,8 @@ from application.deadlines import (
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
 from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
 
+#: The controller's model store port (an agent's own file server defaults to 50053).
+DEFAULT_MODEL_STORE_PORT = 50054
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 #: A request travels to its primary in one plan message, which the agent must let in.
 MAX_REQUEST_BYTES_LIMIT = AGENT_RECEIVE_BYTES - PLAN_OVERHEAD_BYTES
@@ -108,6 +110,14 @@ class Settings:
     enroll_allow_nat: bool = False
     #: The largest HTTP request body (413 `request_too_large` beyond).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: The controller's own model store (``dacp models add``); None: ``<var>/models``.
+    model_store_path: Path | None = None
+    #: Where nodes fetch the store's files (on GRPC_HOST; 0: not served).
+    model_store_port: int = DEFAULT_MODEL_STORE_PORT
+
+    @property
+    def model_store_dir(self) -> Path:
+        return self.model_store_path or self.var_dir / "models"
 
     @property
     def tls_dir(self) -> Path:
@@ -159,6 +169,8 @@ class Settings:
             tls_ca_file=_path(env, "TLS_CA_FILE"),
             max_request_bytes=_int(env, "MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
             enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
+            model_store_path=_path(env, "MODEL_STORE_DIR"),
+            model_store_port=_int(env, "MODEL_STORE_PORT", DEFAULT_MODEL_STORE_PORT),
         )
         try:
             settings.deadlines()
@@ -179,6 +191,10 @@ class Settings:
         if settings.rpc_worker_idle_grace <= 0:
             raise SettingsError(
                 f"RPC_WORKER_IDLE_GRACE must be positive, got {settings.rpc_worker_idle_grace}"
+            )
+        if not 0 <= settings.model_store_port <= 65535:
+            raise SettingsError(
+                f"MODEL_STORE_PORT must be a port (0: off), got {settings.model_store_port}"
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")

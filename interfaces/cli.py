@@ -211,7 +211,8 @@ def _admin_url_option(command: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from interfaces import events_cli, nodes_cli  # events, replay, diagnose, projections; nodes
+    # events, replay, diagnose, projections; nodes; the model store
+    from interfaces import events_cli, nodes_cli, store_cli
 
     parser = argparse.ArgumentParser(prog="dacp", description="Distributed AI Compute Platform")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -305,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_url_option(evict)
     evict.set_defaults(func=_cmd_models_evict)
 
+    store_cli.register(models_sub)
     events_cli.register(sub)
     nodes_cli.register(sub)
     return parser

@@ -34,10 +34,13 @@ from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
 from interfaces.grpc_server import AgentConnections, ControlPlaneServicer, NodeCertificates
 from interfaces.http_app import create_app
+from interfaces.model_store_server import start_store_server
 from interfaces.operations_api import cluster_collector, install_operations
 from interfaces.services import Services
 from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
+from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
+from proto.model_file_server import ModelFileServer
 from proto.transfer_ticket import TICKET_TTL_SECONDS, Ticket, sign_ticket
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class RunningController:
     grpc_port: int
     http_port: int
     tasks: list[asyncio.Task[Any]]
+    #: Serves the controller's model store to nodes (None: not served).
+    store_server: ModelFileServer | None = None
 
 
 INSECURE_WARNING = (
@@ -213,12 +218,25 @@ async def start_controller(settings: Settings) -> RunningController:
         placed = scheduler.place(model, connected=gateway.is_connected, pretend_holding=nodes)
         return placed.plan.primary.node_id if placed.plan is not None else None
 
+    revoked = [n["node_id"] for n in node_views.list_nodes() if n.get("revoked")]
+    servicer.revoked_nodes = lambda: [
+        n["node_id"] for n in node_views.list_nodes() if n.get("revoked")
+    ]
+    try:
+        store_server = start_store_server(settings, services.tls, revoked)
+    except OSError as e:
+        storage.close()
+        raise OSError(
+            f"cannot serve the model store on {settings.grpc_host}:{settings.model_store_port} "
+            f"(MODEL_STORE_PORT; 0 turns it off): {e}"
+        ) from e
     transfers = TransferCoordinator(
         services.app,
         node_views,
         gateway,
         ticket_signer(services.tls.ca_key_pem if services.tls else None),
         primary_if_held=primary_if_held,
+        store_port=store_server.port if store_server is not None else 0,
     )
     jobs = JobManager(
         services.app,
@@ -239,7 +257,7 @@ async def start_controller(settings: Settings) -> RunningController:
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
     servicer.uplink = JobUplink(jobs, transfers)
-    services.follower.add_event_listener(_revocations(services, jobs, loop))
+    services.follower.add_event_listener(_revocations(services, jobs, loop, store_server))
     services.app.owner = str(uuid.uuid4())
     await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
     orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, services))
@@ -261,6 +279,8 @@ async def start_controller(settings: Settings) -> RunningController:
         log.warning(INSECURE_WARNING)
         grpc_port = grpc_server.add_insecure_port(address)
     if grpc_port == 0:
+        if store_server is not None:
+            store_server.stop()
         storage.close()
         raise OSError(f"cannot bind the gRPC port {settings.grpc_host}:{settings.grpc_port}")
     await grpc_server.start()
@@ -296,27 +316,39 @@ async def start_controller(settings: Settings) -> RunningController:
     while not http_server.started:
         if tasks[0].done():
             await grpc_server.stop(None)
+            if store_server is not None:
+                store_server.stop()
             storage.close()
             tasks[0].result()
             raise OSError(f"cannot bind the HTTP port {settings.host}:{settings.port}")
         await asyncio.sleep(0.02)
     http_port = http_server.servers[0].sockets[0].getsockname()[1]
     return RunningController(
-        services, storage, grpc_server, http_server, grpc_port, http_port, tasks
+        services, storage, grpc_server, http_server, grpc_port, http_port, tasks, store_server
     )
 
 
 def _revocations(
-    services: Services, jobs: JobManager, loop: asyncio.AbstractEventLoop
+    services: Services,
+    jobs: JobManager,
+    loop: asyncio.AbstractEventLoop,
+    store_server: ModelFileServer | None,
 ) -> Callable[[int, object], None]:
     """A follower listener: whoever recorded NODE_REVOKED (this controller's admin API,
-    another controller, `dacp nodes revoke`), the node's stream here is closed and the
-    clients of its jobs are told."""
+    another controller, `dacp nodes revoke`), the node's stream here is closed, the clients
+    of its jobs are told, and the model file servers (every connected node's, and the
+    store's) refuse it from now on, whatever ticket it still holds."""
     background = BackgroundTasks("handling a revoked node")
 
     def revoked(node_id: str) -> None:
         if services.connections.disconnect(node_id):
             log.warning("node %s was revoked: its control stream is closed", node_id)
+        if store_server is not None:
+            store_server.revoke([node_id])
+        told = pb.ControllerMessage(nodes_revoked=pb.NodesRevoked(node_ids=[node_id]))
+        for other in services.connections.connected():
+            if other != node_id:
+                services.connections.send(other, told)
         background.spawn(jobs.node_gone(node_id))
 
     def listener(_position: int, event: object) -> None:
@@ -366,6 +398,8 @@ async def stop_controller(running: RunningController) -> None:
         feed.close()  # open SSE streams end, or uvicorn would wait for them forever
     running.http_server.should_exit = True
     await running.grpc_server.stop(grace=1.0)
+    if running.store_server is not None:
+        await asyncio.to_thread(running.store_server.stop)
     recorder = running.services.extras.get("recorder")
     if recorder is not None:
         await recorder.stop()

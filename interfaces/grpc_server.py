@@ -183,6 +183,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self._rejections = RejectionAudit()
         #: Refused agent messages by the refused message's kind (for /metrics).
         self.rejected: Counter[str] = Counter()
+        #: The nodes revoked so far (Welcome names them: file servers refuse them).
+        self.revoked_nodes: Callable[[], list[str]] = list
 
     # ----------------------------------------------------------------- Enroll
 
@@ -359,6 +361,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             node_id=node_id,
             heartbeat_interval_seconds=self.heartbeat_interval,
             resumed_jobs=[pb.ResumedJob(job_id=j, next_seq=seq) for j, seq in resumed],
+            revoked_node_ids=self.revoked_nodes(),
         )
 
     def _address_violation(self, address: str, source: str) -> str | None:

@@ -279,7 +279,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class ControllerMessage(_message.Message):
     MESSAGE_REJECTED_FIELD_NUMBER: _ClassVar[int]
     FETCH_MODEL_FIELD_NUMBER: _ClassVar[int]
     EVICT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NODES_REVOKED_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -300,7 +301,14 @@ class ControllerMessage(_message.Message):
     message_rejected: MessageRejected
     fetch_model: FetchModel
     evict_model: EvictModel
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ...) -> None: ...
+    nodes_revoked: NodesRevoked
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ...) -> None: ...
+
+class NodesRevoked(_message.Message):
+    __slots__ = ("node_ids",)
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EvictModel(_message.Message):
     __slots__ = ("model_sha256",)
@@ -379,18 +387,20 @@ class ModelTransfer(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., state: _Optional[_Union[ModelTransfer.State, str]] = ..., bytes_done: _Optional[int] = ..., size_bytes: _Optional[int] = ..., source_node_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds", "resumed_jobs", "node_certificate_pem")
+    __slots__ = ("controller_version", "node_id", "heartbeat_interval_seconds", "resumed_jobs", "node_certificate_pem", "revoked_node_ids")
     CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_JOBS_FIELD_NUMBER: _ClassVar[int]
     NODE_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     controller_version: str
     node_id: str
     heartbeat_interval_seconds: float
     resumed_jobs: _containers.RepeatedCompositeFieldContainer[ResumedJob]
     node_certificate_pem: str
-    def __init__(self, controller_version: _Optional[str] = ..., node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., resumed_jobs: _Optional[_Iterable[_Union[ResumedJob, _Mapping]]] = ..., node_certificate_pem: _Optional[str] = ...) -> None: ...
+    revoked_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, controller_version: _Optional[str] = ..., node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., resumed_jobs: _Optional[_Iterable[_Union[ResumedJob, _Mapping]]] = ..., node_certificate_pem: _Optional[str] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResumedJob(_message.Message):
     __slots__ = ("job_id", "next_seq")

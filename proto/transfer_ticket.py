@@ -21,12 +21,17 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from proto import CONTROLLER_TLS_NAME
+
 #: How long a ticket lets a download start (a started download may run longer).
 TICKET_TTL_SECONDS = 300.0
 #: The path a serving node answers: ``/models/<sha256>``.
 MODELS_PATH = "/models/"
 #: The name in a node's certificate: ``dacp-node-<node id>`` (fetchers verify it).
 NODE_TLS_NAME_PREFIX = "dacp-node-"
+#: A transfer source that is the controller's own model store, not a node (it serves with the
+#: controller's certificate: ``proto.CONTROLLER_TLS_NAME``).
+CONTROLLER_SOURCE_ID = "controller"
 
 
 class TicketError(ValueError):
@@ -42,6 +47,26 @@ class Ticket:
 
 def node_tls_name(node_id: str) -> str:
     return NODE_TLS_NAME_PREFIX + node_id
+
+
+def source_tls_name(source_id: str) -> str:
+    """The name a fetcher expects in the certificate of a source (a node or the controller)."""
+    return CONTROLLER_TLS_NAME if source_id == CONTROLLER_SOURCE_ID else node_tls_name(source_id)
+
+
+def peer_node_id(peer_cert: dict[str, object] | None) -> str | None:
+    """The node id in a verified client certificate (``ssl.getpeercert()``), if any."""
+    if not peer_cert:
+        return None
+    for rdn in peer_cert.get("subject", ()):  # type: ignore[attr-defined]
+        for key, value in rdn:
+            if (
+                key == "commonName"
+                and isinstance(value, str)
+                and value.startswith(NODE_TLS_NAME_PREFIX)
+            ):
+                return value.removeprefix(NODE_TLS_NAME_PREFIX)
+    return None
 
 
 def _b64(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Model files between nodes: node A serves a file it holds (agent/model_server.py), node B
+"""Model files between nodes: node A serves a file it holds (proto/model_file_server.py), node B
 fetches it (agent/model_fetch.py), both with certificates the controller's CA issued them,
 B with a ticket the controller signed. Real TLS over loopback, real files; a full disk is a
 real tmpfs the test mounts."""
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from agent.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, partial_path
-from agent.model_server import ModelFileServer
 from agent.node_tls import NodeTls
 from infrastructure.tls import issue_node_cert, load_or_create
+from proto.model_file_server import ModelFileServer
 from proto.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
 
 SIZE = 24 << 20

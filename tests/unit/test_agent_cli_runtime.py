@@ -1,5 +1,5 @@
-"""node-agent flags for the runtime: --memory-limit, --no-runtime, --runtime-log-dir, and
-build_handler's choice of handler."""
+"""node-agent flags for the runtime: --memory-limit, --models-disk-limit, --no-runtime,
+--runtime-log-dir, and build_handler's choice of handler."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.agent_config import AgentConfig, ConfigError
+from agent.agent_config import AgentConfig, ConfigError, parse_byte_size
 from agent.control_handler import NullHandler
 from agent.handler_factory import RuntimeUnavailable, build_handler
 from agent.llama_handler import LlamaHandler
-from agent.main import build_parser, config_from_args, parse_byte_size
+from agent.main import build_parser, config_from_args
 from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 
 
@@ -67,6 +67,49 @@ def test_bad_memory_limit_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
         config(tmp_path, "--memory-limit", "lots")
     assert caught.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_models_disk_limit_takes_a_size_from_the_flag_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MODELS_DISK_LIMIT", raising=False)
+    assert config(tmp_path).models_disk_limit_bytes is None  # the disk is the limit
+    assert config(tmp_path, "--models-disk-limit", "1.5T").models_disk_limit_bytes == 3 << 39
+    assert config(tmp_path, "--models-disk-limit", "512M").models_disk_limit_bytes == 512 << 20
+    assert config(tmp_path, "--models-disk-limit=1000").models_disk_limit_bytes == 1000
+    monkeypatch.setenv("MODELS_DISK_LIMIT", "20G")
+    assert config(tmp_path).models_disk_limit_bytes == 20 << 30
+    assert config(tmp_path, "--models-disk-limit", "1G").models_disk_limit_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "said"),
+    [
+        (["--models-disk-limit", "lots"], "", "not a size: 'lots'"),
+        (["--models-disk-limit=-5G"], "", "not a size: '-5G'"),
+        (["--models-disk-limit", "0"], "", "size must be at least 1 byte: '0'"),
+        ([], "20 parsecs", "not a size: '20 parsecs'"),
+    ],
+)
+def test_a_bad_models_disk_limit_exits_2_with_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    env: str,
+    said: str,
+) -> None:
+    monkeypatch.setenv("MODELS_DISK_LIMIT", env)
+    with pytest.raises(SystemExit) as caught:
+        config(tmp_path, *flags)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"node-agent: error: argument --models-disk-limit: {said}"
+        + ("" if "at least" in said else " (use bytes or a K/M/G/T suffix, e.g. 2G)")
+        + " (see --help)"
+    )
 
 
 def test_runtime_log_dir_defaults_under_the_data_dir(tmp_path: Path) -> None:

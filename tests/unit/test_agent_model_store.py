@@ -16,13 +16,12 @@ from agent.model_store import (
     CACHE_FILE_NAME,
     LocalModel,
     ModelStore,
-    kv_bytes_per_token,
-    read_gguf_metadata,
     sha256_file,
     verify_sha256,
 )
 from ops.paths import ensure_model
 from proto import control_pb2 as pb
+from proto.gguf_metadata import GgufMetadata, kv_bytes_per_token, read_gguf_metadata
 
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -134,7 +133,7 @@ def test_real_model_second_scan_uses_cache(
 ) -> None:
     store, first, _ = real_scan
 
-    def no_parse(path: Path | str) -> model_store.GgufMetadata:
+    def no_parse(path: Path | str) -> GgufMetadata:
         raise AssertionError("cache hit must not re-read GGUF metadata")
 
     monkeypatch.setattr(model_store, "read_gguf_metadata", no_parse)

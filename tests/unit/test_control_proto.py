@@ -51,6 +51,7 @@ def test_controller_message_oneof_members() -> None:
         "message_rejected",
         "fetch_model",
         "evict_model",
+        "nodes_revoked",
     ]
 
 

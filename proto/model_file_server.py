@@ -1,12 +1,16 @@
-"""Serves this node's model files to other nodes: HTTPS ``GET /models/<sha256>``, byte ranges
-(a cut transfer resumes), each request carrying a transfer ticket the controller signed for
-that model and the fetching node (:mod:`proto.transfer_ticket`), on a connection whose client
-certificate is that node's. Everyone else gets 401/403 and no byte of the file.
+"""Serves model files: HTTPS ``GET /models/<sha256>``, byte ranges (a cut transfer resumes),
+each request carrying a transfer ticket the controller signed for that model and the fetching
+node (:mod:`proto.transfer_ticket`), on a connection whose client certificate is that node's.
+Everyone else gets 401/403 and no byte of the file; so does a node revoked since its ticket
+was signed (:meth:`ModelFileServer.revoke`).
 
-Runs in threads of its own (one per connection), outside the agent's event loop: a transfer
-moves hundreds of megabytes and must be bound by the link, not by the loop.
+Nodes serve the files they hold with it (``agent.model_transfers``), and the controller its
+own model store (``interfaces.model_store_server``): one implementation for both ends.
 
-Agent code: imports only the standard library, third-party packages and ``proto``.
+Runs in threads of its own (one per connection), outside any event loop: a transfer moves
+hundreds of megabytes and must be bound by the link, not by a loop.
+
+Imports only the standard library, third-party packages and ``proto``.
 """
 
 from __future__ import annotations
@@ -16,13 +20,12 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from agent.node_tls import peer_node_id
-from proto.transfer_ticket import MODELS_PATH, TicketError, verify_ticket
+from proto.transfer_ticket import MODELS_PATH, TicketError, peer_node_id, verify_ticket
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class _Handler(BaseHTTPRequestHandler):
         client = peer_node_id(self.connection.getpeercert())  # type: ignore[attr-defined]
         if ticket.sha256 != sha256 or client is None or ticket.node_id != client:
             self._refuse(HTTPStatus.FORBIDDEN, "the ticket is for another model or node")
+            return
+        if client in self.server.revoked:
+            self._refuse(HTTPStatus.FORBIDDEN, f"node {client} has been revoked")
             return
         path = self.server.resolve(sha256)
         if path is None:
@@ -143,11 +149,17 @@ class ModelFileServer(ThreadingHTTPServer):
         self.resolve = resolve
         #: Bytes sent since start.
         self.bytes_sent = 0
+        #: Nodes refused whatever their ticket and certificate say (revoked since).
+        self.revoked: frozenset[str] = frozenset()
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
+
+    def revoke(self, node_ids: Iterable[str]) -> None:
+        """Refuses these nodes from now on (a download under way is not cut)."""
+        self.revoked = self.revoked | frozenset(node_ids)
 
     def start(self) -> ModelFileServer:
         self._thread = threading.Thread(
