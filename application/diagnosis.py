@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from application.timeline import short, size_text, source_text, transfer_progress_text
+
 
 @dataclass(frozen=True)
 class Hint:
@@ -55,6 +57,15 @@ AGENT_PROTOCOL = Hint(
     "agent has a bug.",
     "Compare the agent's and the controller's versions and upgrade the older one; read the "
     "agent's log around the rejected message.",
+)
+MODEL_TRANSFER = Hint(
+    "model_transfer",
+    "Model transfer failed",
+    "No source could send the model file: the source node's transfer port was unreachable or "
+    "refused the ticket, the URL failed, the file did not match its sha256, or the disk is full.",
+    "Read the transfer's error; check that this node reaches its sources (the source node's "
+    "dacp.transfer_port, its certificate; the URL) and has free disk space, then pull again "
+    "(dacp models pull).",
 )
 #: The product document's troubleshooting table (AGENT_PROTOCOL is ours).
 TROUBLESHOOTING: tuple[Hint, ...] = (
@@ -113,7 +124,11 @@ _CONTROLLER = (
 #: Node events that mean the node left service (a job failing after one is explained by it).
 _LOSS_CODES = frozenset({"HEARTBEAT_TIMEOUT", "NODE_OFFLINE", "NODE_ERROR"})
 #: Node events that are troubles without losing the node.
-_TROUBLE_CODES = frozenset({"SECURITY_VIOLATION", "RPC_WORKER_STOPPED", "NODE_MESSAGE_REJECTED"})
+_TROUBLE_CODES = frozenset(
+    {"SECURITY_VIOLATION", "RPC_WORKER_STOPPED", "NODE_MESSAGE_REJECTED", "MODEL_TRANSFER_FAILED"}
+)
+#: How many of a node's model transfers the report lists (newest first).
+TRANSFERS_SHOWN = 10
 
 
 def _has(text: str, needles: Sequence[str]) -> bool:
@@ -199,6 +214,8 @@ def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
         return PUBLIC_PEER
     if code == "NODE_MESSAGE_REJECTED":
         return AGENT_PROTOCOL
+    if code == "MODEL_TRANSFER_FAILED":
+        return MODEL_TRANSFER
     if code == "HEARTBEAT_TIMEOUT":
         return CONTROLLER_UNREACHABLE
     if code == "NODE_OFFLINE":
@@ -209,6 +226,67 @@ def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
     if code == "RPC_WORKER_STOPPED":
         return classify_text(str(payload.get("reason", "")))
     return None
+
+
+def transfer_history(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The node's model transfers, told by its ``MODEL_TRANSFER_*`` timeline entries, newest
+    first: file, size, bytes fetched, sources, and how it ended (``under way`` while no
+    ``_COMPLETED`` or ``_FAILED`` came)."""
+    transfers: dict[str, dict[str, Any]] = {}
+    for entry in events:
+        code = str(entry.get("code"))
+        if not code.startswith("MODEL_TRANSFER_"):
+            continue
+        p: Mapping[str, Any] = entry.get("payload") or {}
+        transfer_id = str(p.get("transfer_id") or "")
+        t = transfers.get(transfer_id)
+        if code == "MODEL_TRANSFER_STARTED":
+            transfers[transfer_id] = {
+                "transfer_id": transfer_id,
+                "sha256": p.get("sha256"),
+                "file_name": p.get("file_name"),
+                "size_bytes": int(p.get("size_bytes") or 0),
+                "bytes_done": 0,
+                "sources": list(p.get("sources") or []),
+                "outcome": "under way",
+                "source": None,
+                "error": None,
+                "started_at": entry.get("time"),
+                "ended_at": None,
+            }
+        elif t is None:
+            continue  # its start lies outside the events given
+        elif code == "MODEL_TRANSFER_PROGRESS":
+            t["bytes_done"] = int(p.get("bytes_done") or 0)
+            t["size_bytes"] = int(p.get("size_bytes") or 0) or t["size_bytes"]
+        elif code in ("MODEL_TRANSFER_COMPLETED", "MODEL_TRANSFER_FAILED"):
+            t["ended_at"] = entry.get("time")
+            if code == "MODEL_TRANSFER_COMPLETED":
+                t["outcome"], t["source"] = "completed", p.get("source_node_id") or None
+                t["bytes_done"] = t["size_bytes"] or t["bytes_done"]
+            else:
+                t["outcome"], t["error"] = "failed", p.get("error")
+    return sorted(transfers.values(), key=lambda t: str(t["started_at"]), reverse=True)
+
+
+def transfer_line(transfer: Mapping[str, Any]) -> str:
+    """One transfer for people: what, how far, from where, how it ended."""
+    name = transfer.get("file_name") or str(transfer.get("sha256"))[:12]
+    outcome = transfer.get("outcome")
+    if outcome == "completed":
+        size = int(transfer.get("size_bytes") or 0)
+        text = f"{name}: completed" + (f", {size_text(size)}" if size else "")
+        if transfer.get("source"):
+            text += f" from {source_text(transfer['source'])}"
+    else:
+        progress = transfer_progress_text(transfer.get("bytes_done"), transfer.get("size_bytes"))
+        sources = ", then ".join(source_text(s) for s in transfer.get("sources") or [])
+        if outcome == "failed":
+            text = f"{name}: failed at {progress} from {sources or 'nowhere'}: "
+            text += str(transfer.get("error"))
+        else:
+            text = f"{name}: {outcome}, {progress} from {sources or 'nowhere'}"
+    return f"{text} [transfer {short(transfer.get('transfer_id'))}]"
 
 
 def _hint_fields(hint: Hint | None) -> dict[str, Any]:
@@ -296,6 +374,9 @@ def diagnose(
         "failures_during_execution": sum(1 for r in reports if r["phase"] == "execution"),
         "failure_pattern": _pattern(phases) if reports else "no failed jobs",
         "findings": node_findings(events),
+        "transfers": [
+            {**t, "line": transfer_line(t)} for t in transfer_history(events)[:TRANSFERS_SHOWN]
+        ],
         "failed_jobs": reports,
         "read_model_skips": [dict(skip) for skip in skips],
         "access_refused": [dict(refusal) for refusal in refusals],

@@ -188,6 +188,53 @@ def _violation(p: Mapping[str, Any]) -> str:
     return text
 
 
+def size_text(value: Any) -> str:
+    """A byte count as people read it: ``512 B``, ``1.5 KiB``, ``100.0 MiB``, ``4.2 GiB``."""
+    n = int(value or 0)
+    if n < 1 << 10:
+        return f"{n} B"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"  # unreachable
+
+
+def source_text(source: Any) -> str:
+    """Where a model file comes from: a node's short id, an http(s) URL without its query
+    (which may hold a token) and fragment, or any other source's name as it is."""
+    text = str(source or "")
+    if "://" in text:
+        return text.split("#", 1)[0].split("?", 1)[0]
+    return short(text) if as_uuid(text) is not None else text
+
+
+def transfer_progress_text(bytes_done: Any, size_bytes: Any) -> str:
+    """``25% (25.0 MiB of 100.0 MiB)``, or ``12.0 MiB (size unknown)`` when the size is 0."""
+    done, size = int(bytes_done or 0), int(size_bytes or 0)
+    if size <= 0:
+        return f"{size_text(done)} (size unknown)"
+    return f"{min(100, done * 100 // size)}% ({size_text(done)} of {size_text(size)})"
+
+
+def _transfer_tag(p: Mapping[str, Any]) -> str:
+    """`` [transfer 1a2b3c4d]``: ties a transfer's events together."""
+    return f" [transfer {short(p['transfer_id'])}]" if p.get("transfer_id") else ""
+
+
+def _transfer_started(p: Mapping[str, Any]) -> str:
+    size = int(p.get("size_bytes") or 0)
+    sources = [source_text(s) for s in p.get("sources") or []]
+    return (
+        f"fetching {p.get('file_name')} ({size_text(size) if size > 0 else 'size unknown'}) "
+        f"from {', then '.join(sources) or 'nowhere'}{_transfer_tag(p)}"
+    )
+
+
+def _transfer_progress(p: Mapping[str, Any]) -> str:
+    text = transfer_progress_text(p.get("bytes_done"), p.get("size_bytes"))
+    return f"fetched {text}{_transfer_tag(p)}"
+
+
 SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "NODE_ENROLLED": _enrolled,
     "NODE_READY": lambda p: f"ready ({p.get('state')})",
@@ -217,18 +264,15 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"job {short(p.get('job_id'))} worker at {p.get('host')}:{p.get('port')}"
     ),
     "RPC_WORKER_STOPPED": lambda p: f"job {short(p.get('job_id'))}: {p.get('reason')}",
-    "MODEL_TRANSFER_STARTED": lambda p: (
-        f"fetching {p.get('file_name')} ({p.get('size_bytes')} bytes) from "
-        f"{', '.join(short(s) for s in p.get('sources') or []) or 'nowhere'}"
-    ),
-    "MODEL_TRANSFER_PROGRESS": lambda p: (
-        f"{p.get('bytes_done')} of {p.get('size_bytes')} bytes fetched"
-    ),
+    "MODEL_TRANSFER_STARTED": _transfer_started,
+    "MODEL_TRANSFER_PROGRESS": _transfer_progress,
     "MODEL_TRANSFER_COMPLETED": lambda p: (
-        f"model {str(p.get('sha256'))[:12]} fetched from {short(p.get('source_node_id'))}"
+        f"model {str(p.get('sha256'))[:12]} fetched"
+        + (f" from {source_text(p['source_node_id'])}" if p.get("source_node_id") else "")
+        + _transfer_tag(p)
     ),
     "MODEL_TRANSFER_FAILED": lambda p: (
-        f"fetching model {str(p.get('sha256'))[:12]} failed: {p.get('error')}"
+        f"fetching model {str(p.get('sha256'))[:12]} failed: {p.get('error')}{_transfer_tag(p)}"
     ),
     "MODEL_EVICTED": lambda p: f"model file {p.get('file_name')} deleted (evicted)",
     "NODE_RUNTIME_RETIRED": lambda p: (

@@ -69,6 +69,16 @@ def _path(env: Mapping[str, str], key: str) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
+def _store_port(env: Mapping[str, str]) -> int | None:
+    raw = env.get("MODEL_STORE_PORT", "").strip().lower()
+    if raw == "off":
+        return None
+    port = _int(env, "MODEL_STORE_PORT", DEFAULT_MODEL_STORE_PORT)
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"MODEL_STORE_PORT must be a port or off, got {port}")
+    return port
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str | None = None
@@ -112,8 +122,9 @@ class Settings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     #: The controller's own model store (``dacp models add``); None: ``<var>/models``.
     model_store_path: Path | None = None
-    #: Where nodes fetch the store's files (on GRPC_HOST; 0: not served).
-    model_store_port: int = DEFAULT_MODEL_STORE_PORT
+    #: Where nodes fetch the store's files (on GRPC_HOST; 0: any free port; None: not served,
+    #: MODEL_STORE_PORT=off).
+    model_store_port: int | None = DEFAULT_MODEL_STORE_PORT
 
     @property
     def model_store_dir(self) -> Path:
@@ -170,7 +181,7 @@ class Settings:
             max_request_bytes=_int(env, "MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
             enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
             model_store_path=_path(env, "MODEL_STORE_DIR"),
-            model_store_port=_int(env, "MODEL_STORE_PORT", DEFAULT_MODEL_STORE_PORT),
+            model_store_port=_store_port(env),
         )
         try:
             settings.deadlines()
@@ -191,10 +202,6 @@ class Settings:
         if settings.rpc_worker_idle_grace <= 0:
             raise SettingsError(
                 f"RPC_WORKER_IDLE_GRACE must be positive, got {settings.rpc_worker_idle_grace}"
-            )
-        if not 0 <= settings.model_store_port <= 65535:
-            raise SettingsError(
-                f"MODEL_STORE_PORT must be a port (0: off), got {settings.model_store_port}"
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")

@@ -228,7 +228,7 @@ async def start_controller(settings: Settings) -> RunningController:
         storage.close()
         raise OSError(
             f"cannot serve the model store on {settings.grpc_host}:{settings.model_store_port} "
-            f"(MODEL_STORE_PORT; 0 turns it off): {e}"
+            f"(MODEL_STORE_PORT; off turns it off): {e}"
         ) from e
     transfers = TransferCoordinator(
         services.app,

@@ -305,6 +305,12 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
         times = f"x{f['count']}, last {table_time(str(f['last_time']))}"
         lines.append(f"  {f['code']} ({times}): {f['summary']}")
         lines.append(f"    check: {f['check']}")
+    transfers = report.get("transfers") or []
+    if transfers:
+        lines.append("")
+        lines.append("model transfers (newest first):")
+        for t in transfers:
+            lines.append(f"  {table_time(str(t['started_at']))} {t['line']}")
     lines.append("")
     lines.append("failed jobs:" if report["failed_jobs"] else "failed jobs: none")
     for j in report["failed_jobs"]:

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def start_store_server(
     settings: Settings, tls: ServerTls | None, revoked: Iterable[str]
 ) -> ModelFileServer | None:
-    """Serves the model store, or None: it is off (MODEL_STORE_PORT=0) or cannot be."""
-    if not settings.model_store_port:
+    """Serves the model store, or None: it is off (MODEL_STORE_PORT=off) or cannot be."""
+    if settings.model_store_port is None:
         return None
     if tls is None or tls.ca_key_pem is None:
         log.info("the model store is not served: this controller has no CA of its own")

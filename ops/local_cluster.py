@@ -242,6 +242,8 @@ class LocalCluster:
             "DACP_VAR_DIR": str(cfg.var_dir / "controller"),
             "PORT": str(self.port),
             "GRPC_PORT": str(self.grpc_port),
+            # Agents learn the store's port with each transfer: any free one will do.
+            "MODEL_STORE_PORT": os.environ.get("MODEL_STORE_PORT", "0"),
             "AI_API_KEY": self.ai_api_key,
             "ADMIN_API_KEY": self.admin_api_key,
             "NODE_ENROLLMENT_SECRET": self.secret,

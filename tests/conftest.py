@@ -77,6 +77,7 @@ def controller_settings(schema: str, tmp_path: Path, **overrides: object) -> Set
         node_enrollment_secret="test-enrollment-secret",
         port=0,
         grpc_port=0,
+        model_store_port=0,
         heartbeat_interval=0.2,
         degraded_after=1.0,
         offline_after=2.0,

@@ -44,6 +44,16 @@ function el(tag, props = {}, ...children) {
 
 const short = (id) => (id ? String(id).slice(0, 8) : "");
 const gib = (bytes) => `${(Number(bytes) / 2 ** 30).toFixed(1)} GiB`;
+const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
+// A byte count as people read it: 512 B, 1.5 KiB, 100.0 MiB, 4.2 GiB.
+function size(bytes) {
+  const n = Number(bytes) || 0;
+  for (const [unit, scale] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    if (n >= scale) return `${(n / scale).toFixed(1)} ${unit}`;
+  }
+  return `${n} B`;
+}
 
 function clock(iso) {
   if (!iso) return "";
@@ -123,14 +133,46 @@ function resources(node) {
   const extra = [];
   if (res.memory_limit_bytes) extra.push(`offers ${gib(res.memory_limit_bytes)}`);
   if (node.telemetry?.cpu_percent != null) extra.push(`CPU ${node.telemetry.cpu_percent}%`);
-  const models = node.local_models || [];
-  if (models.length) extra.push(`${models.length} model${models.length > 1 ? "s" : ""}`);
   return el(
     "td",
     { class: "resources" },
     main.join(" · "),
     extra.length ? el("span", { class: "sub", text: extra.join(" · ") }) : null,
+    heldModels(node),
+    fetching(node),
   );
+}
+
+// The model files a node holds (its last resource report), by file name.
+function heldModels(node) {
+  const models = (node.local_models || [])
+    .slice()
+    .sort((a, b) => String(a.file_name).localeCompare(String(b.file_name)));
+  if (!models.length) return el("span", { class: "sub models muted", text: "holds no model file" });
+  return el(
+    "span",
+    {
+      class: "sub models",
+      title: models.map((m) => `${m.file_name}: sha256 ${m.sha256}`).join("\n"),
+    },
+    "holds ",
+    ...models.flatMap((m, i) => [
+      i ? ", " : null,
+      el("span", { class: "model-file", dataset: { sha256: m.sha256 || "" }, text: m.file_name }),
+      ` (${size(m.size_bytes)})`,
+    ]),
+  );
+}
+
+// What the node is fetching now, in short (the transfers panel has the details).
+function fetching(node) {
+  const transfers = Object.values(node.transfers || {});
+  if (!transfers.length) return null;
+  const parts = transfers.map((t) => {
+    const pct = percentOf(t);
+    return pct === null ? `${t.file_name} (${size(t.bytes_done)})` : `${t.file_name} ${pct}%`;
+  });
+  return el("span", { class: "sub fetching", text: `fetching ${parts.join(", ")}` });
 }
 
 function heartbeat(node) {
@@ -205,6 +247,7 @@ function renderNodes() {
   body.replaceChildren(...rows.map(nodeRow));
   $("nodes-empty").hidden = rows.length > 0;
   renderNodesSummary();
+  renderTransfers();
 }
 
 function renderNode(node) {
@@ -215,6 +258,7 @@ function renderNode(node) {
   if (old.querySelector(".badge")?.textContent !== node.state) fresh.classList.add("flash");
   old.replaceWith(fresh);
   renderNodesSummary();
+  renderTransfers();
 }
 
 function renderNodesSummary() {
@@ -259,6 +303,105 @@ async function steer(event, id, command) {
     button.disabled = false;
     failed(error);
   }
+}
+
+// ---------------------------------------------------------------- transfers
+// Model files nodes fetch from each other (or from URLs): each node row's `transfers`, by
+// transfer id, holds those under way (MODEL_TRANSFER_STARTED, then _PROGRESS at each quarter;
+// _COMPLETED and _FAILED take them out).
+
+// Percent fetched, or null when the size is not known (0).
+function percentOf(transfer) {
+  const total = Number(transfer.size_bytes) || 0;
+  if (total <= 0) return null;
+  return Math.min(100, Math.floor(((Number(transfer.bytes_done) || 0) * 100) / total));
+}
+
+// A source: a node's name, a URL without its query (which may hold a token), or its name.
+function sourceName(source) {
+  const text = String(source || "");
+  if (text.includes("://")) return text.split("#")[0].split("?")[0];
+  return state.nodes.get(text)?.name || (UUID_RE.test(text) ? short(text) : text);
+}
+
+function transferRow(node, id, transfer) {
+  const pct = percentOf(transfer);
+  const nodeName = node.name || short(node.node_id);
+  const sources = (transfer.sources || []).map(sourceName);
+  const amount =
+    pct === null
+      ? `${size(transfer.bytes_done)} so far (size unknown)`
+      : `${size(transfer.bytes_done)} of ${size(transfer.size_bytes)}`;
+  const bar = el("progress", {
+    class: "bar",
+    max: 100,
+    "aria-label": `${transfer.file_name} onto ${nodeName}`,
+  });
+  if (pct !== null) bar.value = pct; // no value: an indeterminate bar (size unknown)
+  return el(
+    "tr",
+    {
+      dataset: { transferId: id, nodeId: node.node_id },
+      onclick: () => openTimeline("node", node.node_id),
+    },
+    el(
+      "td",
+      {},
+      el("span", { class: "name", text: nodeName }),
+      node.connected
+        ? el("span", { class: "sub mono", text: `transfer ${short(id)}`, title: id })
+        : el("span", { class: "sub late", text: "node not connected: stalled" }),
+    ),
+    el(
+      "td",
+      { class: "file" },
+      el("span", { class: "file-name", text: transfer.file_name || "?" }),
+      el("span", {
+        class: "sub mono",
+        text: `sha256 ${String(transfer.sha256 || "").slice(0, 12)}…`,
+        title: transfer.sha256,
+      }),
+    ),
+    el(
+      "td",
+      { class: "progress-cell" },
+      el(
+        "div",
+        { class: "bar-line" },
+        bar,
+        el("span", { class: "percent", text: pct === null ? "" : `${pct}%` }),
+      ),
+      el("span", { class: "sub bytes", text: amount }),
+    ),
+    el(
+      "td",
+      { class: "source", title: sources.join(", then ") },
+      el("span", { class: "source-name", text: sources[0] || "?" }),
+      sources.length > 1
+        ? el("span", { class: "sub", text: `then ${sources.slice(1).join(", ")}` })
+        : null,
+    ),
+    el("td", { text: clock(transfer.started_at) }),
+  );
+}
+
+function renderTransfers() {
+  const rows = [];
+  for (const node of state.nodes.values()) {
+    for (const [id, transfer] of Object.entries(node.transfers || {})) {
+      rows.push({ node, id, transfer });
+    }
+  }
+  rows.sort(
+    (a, b) =>
+      String(a.transfer.started_at).localeCompare(String(b.transfer.started_at)) ||
+      a.id.localeCompare(b.id),
+  );
+  $("transfers-table").tBodies[0].replaceChildren(
+    ...rows.map((r) => transferRow(r.node, r.id, r.transfer)),
+  );
+  $("transfers-empty").hidden = rows.length > 0;
+  $("transfers-count").textContent = rows.length ? `${rows.length} under way` : "";
 }
 
 // --------------------------------------------------------------------- jobs

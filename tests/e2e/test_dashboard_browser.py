@@ -2,24 +2,29 @@
 Playwright, against a real controller (Postgres, Redis, gRPC) with a FakeAgent node.
 
 Chromium is the system one (``apt-get install -y chromium``); ``playwright install`` is
-never needed. The screenshot lands in ``test-artifacts/dashboard.png``.
+never needed. The screenshots land in ``test-artifacts/`` (``dashboard.png``,
+``dashboard-transfers.png``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from application.commands import FetchRequest, TransferReport, TransferSource
 from interfaces.controller_main import RunningController, controller
+from proto import control_pb2 as pb
 from tests.conftest import controller_settings
-from tests.integration.control_client import control_target
+from tests.integration.control_client import control_target, inventory
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
 from tests.integration.test_job_flow import AI, SHA, register
@@ -190,3 +195,132 @@ async def test_dashboard_shows_a_queued_job_and_its_place(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     await agent.stop()
+
+
+async def test_dashboard_shows_model_transfers_under_way(
+    ctl: RunningController, browser: Browser
+) -> None:
+    """Transfers recorded through the controller's own commands (what the coordinator does
+    when a node reports) appear in the transfers panel with their progress and source, move
+    as progress comes, and leave it when they end; each node shows the model files it holds."""
+    expect.set_options(timeout=WAIT_MS)
+    base = f"http://127.0.0.1:{ctl.http_port}"
+    target = control_target(ctl)
+    alpha = await FakeAgent(target, token(), "alpha", holds=SHA, memory=4 << 30).start()
+    beta = await FakeAgent(target, token(), "beta", memory=4 << 30).start()
+    read = ctl.services.read_model
+    app = ctl.services.app
+    for agent in (alpha, beta):
+        await wait_for(lambda a=agent: (read.get_node(a.node_id) or {}).get("state") == "READY")
+
+    page = await browser.new_page(viewport={"width": 1440, "height": 960})
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    await page.goto(f"{base}/dashboard")
+    await sign_in(page, "test-admin-key")
+    await expect(page.locator("#feed-status")).to_have_text("live")
+    alpha_row = page.locator(f'#nodes-table tr[data-node-id="{alpha.node_id}"]')
+    beta_row = page.locator(f'#nodes-table tr[data-node-id="{beta.node_id}"]')
+    await expect(alpha_row.locator(".models")).to_have_text("holds m.gguf (100.0 MiB)")
+    await expect(beta_row.locator(".models")).to_have_text("holds no model file")
+    await expect(page.locator("#transfers-empty")).to_be_visible()
+
+    # beta fetches m.gguf from alpha (a URL next); nothing fetched yet.
+    size = 100 << 20
+    fetch = FetchRequest(
+        str(uuid.uuid4()),
+        SHA,
+        "m.gguf",
+        size,
+        (
+            TransferSource(alpha.node_id, "127.0.0.1", 50053, "ticket"),
+            TransferSource("", "", 0, "", "https://files.lan/models/m.gguf?key=not-shown"),
+        ),
+    )
+    await asyncio.to_thread(app.transfer_started, beta.node_id, fetch)
+    row = page.locator(f'#transfers-table tr[data-transfer-id="{fetch.transfer_id}"]')
+    await expect(row).to_be_visible()
+    await expect(page.locator("#transfers-empty")).to_be_hidden()
+    await expect(row.locator("td").first).to_contain_text("beta")
+    await expect(row.locator(".file-name")).to_have_text("m.gguf")
+    await expect(row.locator(".percent")).to_have_text("0%")
+    await expect(row.locator(".bytes")).to_have_text("0 B of 100.0 MiB")
+    await expect(row.locator(".source-name")).to_have_text("alpha")
+    await expect(row.locator(".source")).to_contain_text("then https://files.lan/models/m.gguf")
+    assert "not-shown" not in await page.content()
+
+    # A quarter comes in: pushed by the feed, without a reload.
+    await page.evaluate("window.__sameDocument = true")
+
+    async def report(node_id: str, transfer: FetchRequest, state: str, **fields: Any) -> None:
+        done = TransferReport(transfer.transfer_id, transfer.sha256, state, **fields)
+        await asyncio.to_thread(app.transfer_reported, node_id, done)
+
+    await report(beta.node_id, fetch, "progress", bytes_done=size // 4, size_bytes=size)
+    await expect(row.locator(".percent")).to_have_text("25%")
+    await expect(row.locator("progress")).to_have_attribute("value", "25")
+    await expect(row.locator(".bytes")).to_have_text("25.0 MiB of 100.0 MiB")
+    await expect(beta_row.locator(".fetching")).to_have_text("fetching m.gguf 25%")
+
+    # A second transfer, from a URL only, of a file whose size is unknown until it answers.
+    other = FetchRequest(
+        str(uuid.uuid4()),
+        "cd" * 32,
+        "big.gguf",
+        0,
+        (TransferSource("", "", 0, "", "https://files.lan/big.gguf"),),
+    )
+    await asyncio.to_thread(app.transfer_started, alpha.node_id, other)
+    other_row = page.locator(f'#transfers-table tr[data-transfer-id="{other.transfer_id}"]')
+    await expect(other_row.locator(".bytes")).to_have_text("0 B so far (size unknown)")
+    await expect(other_row.locator(".percent")).to_have_text("")
+    await expect(other_row.locator("progress")).not_to_have_attribute("value", re.compile(".+"))
+    await expect(other_row.locator(".source-name")).to_have_text("https://files.lan/big.gguf")
+    await expect(page.locator("#transfers-count")).to_have_text("2 under way")
+    await report(alpha.node_id, other, "progress", bytes_done=1 << 30, size_bytes=2 << 30)
+    await expect(other_row.locator(".percent")).to_have_text("50%")
+    await expect(other_row.locator(".bytes")).to_have_text("1.0 GiB of 2.0 GiB")
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-transfers.png"), full_page=True)
+
+    # beta's timeline tells the transfer in words.
+    await beta_row.locator("td").first.click()
+    await expect(
+        page.locator('#timeline-list li[data-code="MODEL_TRANSFER_PROGRESS"]')
+    ).to_contain_text("fetched 25% (25.0 MiB of 100.0 MiB)")
+
+    # Completed: the row goes; beta reports the file among its models.
+    await report(
+        beta.node_id,
+        fetch,
+        "completed",
+        bytes_done=size,
+        size_bytes=size,
+        source_node_id=alpha.node_id,
+    )
+    await expect(row).to_have_count(0)
+    await expect(beta_row.locator(".fetching")).to_have_count(0)
+    await expect(
+        page.locator('#live-events li[data-code="MODEL_TRANSFER_COMPLETED"]').first
+    ).to_contain_text(f"fetched from {alpha.node_id[:8]}")
+    assert beta.session is not None
+    inv = inventory("127.0.0.1")
+    model = pb.LocalModel(file_name="m.gguf", size_bytes=size, sha256=SHA, layers=30)
+    await beta.session.send(
+        pb.AgentMessage(resource_report=pb.ResourceReport(inventory=inv, models=[model]))
+    )
+    await expect(beta_row.locator(".models")).to_have_text("holds m.gguf (100.0 MiB)")
+
+    # Failed: the row goes too; the feed says why.
+    await report(alpha.node_id, other, "failed", error="sha256 mismatch")
+    await expect(other_row).to_have_count(0)
+    await expect(page.locator("#transfers-empty")).to_be_visible()
+    await expect(
+        page.locator('#live-events li[data-code="MODEL_TRANSFER_FAILED"]').first
+    ).to_contain_text("failed: sha256 mismatch")
+    assert await page.evaluate("window.__sameDocument === true"), "the page was reloaded"
+
+    assert not problems, problems
+    await page.close()
+    for agent in (alpha, beta):
+        await agent.stop()
