@@ -110,6 +110,16 @@ class Health(TypedDict):
     connected_nodes: int
 
 
+class StoredModelFile(TypedDict):
+    """The model's file in the controller's model store, as read there (MODEL_STORED)."""
+
+    size_bytes: int
+    layers: int
+    context_length: int
+    kv_bytes_per_token: int
+    architecture: str
+
+
 class RegisteredModelRow(TypedDict):
     name: str
     sha256: str
@@ -121,6 +131,8 @@ class RegisteredModelRow(TypedDict):
     sources: list[str]
     #: The nodes that report the file.
     held_by: list[str]
+    #: The file in the controller's model store (``dacp models add``), or null.
+    stored: StoredModelFile | None
     registered_at: str
     updated_at: str
 

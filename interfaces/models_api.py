@@ -70,7 +70,10 @@ async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, 
     for node in nodes:
         for local in node.get("local_models") or ():
             held.setdefault(str(local.get("sha256")), []).append(node["name"])
-    return [{**row, "held_by": sorted(held.get(row["sha256"], []))} for row in rows]
+    return [
+        {**row, "held_by": sorted(held.get(row["sha256"], [])), "stored": row.get("stored")}
+        for row in rows
+    ]
 
 
 class ModelSource(msgspec.Struct):

@@ -147,6 +147,9 @@ class ClusterConfig:
     admin_api_key: str = field(default_factory=lambda: os.environ.get("ADMIN_API_KEY", ""))
     fresh: bool = True
     quiet: bool = False
+    #: The model goes into the controller's model store (``dacp models add``), and nodes that
+    #: need it fetch it from there; no agent need hold it.
+    store_model: bool = False
 
 
 @dataclass
@@ -262,6 +265,17 @@ class LocalCluster:
             lambda: httpx.get(f"{self.url}/health", timeout=1).status_code == 200,
             60,
         )
+        if cfg.store_model:
+            self._say(f"adding {paths.MODEL_FILE_NAME} to the controller's model store")
+            subprocess.run(
+                [
+                    *(sys.executable, "-m", "interfaces.cli", "models", "add"),
+                    *(str(paths.model_path()), "--name", MODEL_NAME),
+                ],
+                env=controller_env,
+                check=True,
+                capture_output=True,
+            )
         for spec in cfg.agents:
             # One single-use token per agent; it names the controller's CA, which the agent
             # pins: the control channel runs over TLS here too.
@@ -282,9 +296,12 @@ class LocalCluster:
             data = rows.json()["data"]
             holds = any(m["sha256"] == paths.MODEL_SHA256 for r in data for m in r["local_models"])
             ready = [r for r in data if r["state"] == "READY"]
-            return len(ready) == len(cfg.agents) and holds
+            return len(ready) == len(cfg.agents) and (holds or cfg.store_model)
 
         self._wait("every agent to be READY with the model reported", nodes_ready, 120)
+        if cfg.store_model:
+            self._say(f"cluster ready: model {MODEL_NAME} in the controller's model store")
+            return self
         response = httpx.post(
             f"{self.url}/api/admin/models",
             headers=self._admin(),

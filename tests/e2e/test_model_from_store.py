@@ -1,0 +1,71 @@
+"""End to end: a model that only the controller's model store holds (``dacp models add``)
+reaches the node that needs it. The only agent starts with an empty models directory; a
+request waits in the admission queue while the agent fetches the file from the controller
+(TLS, its node certificate, a ticket), then it is served with that file. Real controller
+(embedded store), real agent, real llama.cpp."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ops import paths
+from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+
+pytestmark = pytest.mark.timeout(600)
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    paths.ensure_llama()
+    paths.ensure_model()
+    config = ClusterConfig(
+        var_dir=tmp_path_factory.mktemp("from-store"),
+        port=0,
+        grpc_port=0,
+        agents=(AgentSpec("agent-a", 0, memory_limit=1024 * MIB),),  # holds no model file
+        quiet=True,
+        store_model=True,
+    )
+    with LocalCluster(config) as running:
+        yield running
+
+
+def get(cluster: LocalCluster, path: str) -> Any:
+    headers = {"Authorization": f"Bearer {cluster.admin_api_key}"}
+    return httpx.get(f"{cluster.url}{path}", headers=headers, timeout=10).json()
+
+
+def test_a_model_only_the_controller_stores_is_fetched_and_served(cluster: LocalCluster) -> None:
+    [model] = [m for m in get(cluster, "/api/admin/models")["data"] if m["name"] == MODEL_NAME]
+    assert model["stored"]["layers"] > 0 and model["held_by"] == []
+    client = openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0, timeout=300
+    )
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    job_id = uuid.UUID(chunks[0].id.removeprefix("chatcmpl-"))
+    codes = [e["code"] for e in get(cluster, f"/api/admin/jobs/{job_id}/events")["data"]]
+    assert "JOB_QUEUED" in codes and "JOB_COMPLETED" in codes
+    [node] = get(cluster, "/api/admin/nodes")["data"]
+    node_codes = [
+        (e["code"], e["payload"])
+        for e in get(cluster, f"/api/admin/nodes/{node['node_id']}/events")["data"]
+    ]
+    [(_, completed)] = [c for c in node_codes if c[0] == "MODEL_TRANSFER_COMPLETED"]
+    assert completed["source_node_id"] == "controller"
+    fetched = cluster.config.var_dir / "agent-a" / "models" / paths.MODEL_FILE_NAME
+    assert fetched.is_file() and not fetched.is_symlink()
+    assert fetched.stat().st_size == model["stored"]["size_bytes"]
