@@ -73,9 +73,12 @@ class Inventory:
     advertised_address: str
     rpc_port: int
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: What a new model file may take in the models directory (None: not looked at).
+    models_room_bytes: int | None = None
 
     def to_proto(self) -> pb.Inventory:
         return pb.Inventory(
+            models_room_bytes=self.models_room_bytes,
             hostname=self.hostname,
             os=self.os,
             arch=self.arch,

@@ -110,6 +110,16 @@ def _readable(n: int) -> str:
     return f"{n} bytes"
 
 
+def models_room(models_dir: Path, limit_bytes: int | None) -> int:
+    """What a new model file may take in ``models_dir`` now: the disk's free space less the
+    reserve, and within ``limit_bytes`` (``--models-disk-limit``) when there is one."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    room = max(0, shutil.disk_usage(models_dir).free - DISK_RESERVE_BYTES)
+    if limit_bytes:
+        room = min(room, max(0, limit_bytes - DiskLimit(limit_bytes).used(models_dir)))
+    return room
+
+
 class DiskLimit:
     """``--models-disk-limit``: the most the ``*.gguf`` and ``.partial`` files directly in the
     models directory may hold. One per agent, shared by its fetches: a fetch under way counts

@@ -11,6 +11,7 @@ from typing import Any
 
 from agent.agent_config import AgentConfig
 from agent.discovery import Inventory, discover_inventory
+from agent.model_fetch import models_room
 from agent.model_store import LocalModel, ModelStore
 from proto import control_pb2 as pb
 
@@ -28,7 +29,9 @@ class Resources:
         """What counts as a meaningful change: everything but free memory and free disk."""
         inv = self.inventory
         gpus = tuple(dataclasses.replace(g, memory_free_bytes=0) for g in inv.gpus)
-        stable = dataclasses.replace(inv, disk_free_bytes=0, gpus=gpus, labels={})
+        stable = dataclasses.replace(
+            inv, disk_free_bytes=0, gpus=gpus, labels={}, models_room_bytes=None
+        )
         return (stable, tuple(sorted(inv.labels.items())), self.models)
 
     def to_proto(self) -> pb.ResourceReport:
@@ -61,6 +64,8 @@ class ResourceCollector:
                 self.config.inventory_labels(),
                 nvml_module=self.nvml_module,
             )
+            room = models_room(self.config.resolved_models_dir, self.config.models_disk_limit_bytes)
+            inventory = dataclasses.replace(inventory, models_room_bytes=room)
             return Resources(inventory, tuple(self._store.scan()))
 
 

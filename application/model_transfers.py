@@ -42,6 +42,9 @@ PrimaryIfHeld = Callable[[dict[str, Any], frozenset[str]], str | None]
 REPORT_GRACE_SECONDS = 30.0
 #: Nodes looked at, at most, for an on-demand fetch.
 MAX_FETCH_TARGETS = 8
+#: How long a node whose fetch of a model failed is not asked again on demand (an operator's
+#: pull still asks it): the same failure would hold the next requests back as well.
+FAILED_COOLDOWN_SECONDS = 60.0
 #: Nodes in these states serve their files (a draining node takes no jobs, but serves files).
 _SERVING = {
     NodeState.READY.value,
@@ -67,6 +70,17 @@ def _size_of(node: dict[str, Any], sha256: str) -> int:
         if model.get("sha256") == sha256:
             return int(model.get("size_bytes") or 0)
     return 0
+
+
+def _room_of(node: dict[str, Any]) -> int | None:
+    """What a new model file may take on the node (None: its agent does not say)."""
+    room = (node.get("resources") or {}).get("models_room_bytes")
+    return None if room is None else int(room)
+
+
+def _fits(node: dict[str, Any], size: int) -> bool:
+    room = _room_of(node)
+    return not size or room is None or size <= room
 
 
 class TransferCoordinator:
@@ -96,6 +110,8 @@ class TransferCoordinator:
         self.store_port = store_port
         #: (node, sha256) → when its fetch completed (the node's report may still be on its way).
         self.completed: dict[tuple[str, str], float] = {}
+        #: (node, sha256) → when its fetch failed (see FAILED_COOLDOWN_SECONDS).
+        self.failed: dict[tuple[str, str], float] = {}
         #: Evictions waiting for the node's answer: (node, sha256) → (ok, file name, error).
         self.evictions: dict[tuple[str, str], asyncio.Future[tuple[bool, str, str]]] = {}
 
@@ -129,6 +145,8 @@ class TransferCoordinator:
                 f"no node in service holds model {model['name']} to fetch from, the "
                 "controller's model store does not hold it, and it has no http(s) source"
             )
+        size = self._size(model, holders)
+        rows = {n["node_id"]: n for n in self.nodes.list_nodes()}
         wanted = []
         for node_id in dict.fromkeys(node_ids):
             if any(h["node_id"] == node_id for h in holders):
@@ -137,6 +155,13 @@ class TransferCoordinator:
                 continue  # being fetched already
             if not self.gateway.is_connected(node_id):
                 raise TransferRefused(f"node {node_id} is not connected to this controller")
+            row = rows.get(node_id)
+            if row is not None and not _fits(row, size):
+                raise TransferRefused(
+                    f"node {row['name']} has room for {_room_of(row)} bytes of model files (its "
+                    f"disk, or --models-disk-limit); {model['file_name']} is {size} bytes: "
+                    f"evict a model there first (dacp models evict MODEL --node {row['name']})"
+                )
             wanted.append(node_id)
         return [self._ask(node_id, model, holders) for node_id in wanted]
 
@@ -160,6 +185,8 @@ class TransferCoordinator:
         if not holders and not self.stores(model):
             return False
         held = {h["node_id"] for h in holders}
+        size = self._size(model, holders)
+        self.failed = {k: t for k, t in self.failed.items() if now - t < FAILED_COOLDOWN_SECONDS}
         targets = [
             n
             for n in self.nodes.list_nodes()
@@ -167,6 +194,8 @@ class TransferCoordinator:
             and not n["current_jobs"]
             and not n.get("drain_requested")
             and n["node_id"] not in held
+            and (n["node_id"], sha256) not in self.failed
+            and _fits(n, size)
             and self.gateway.is_connected(n["node_id"])
         ]
         # The roomiest few: each look is a placement over every node.
@@ -241,11 +270,16 @@ class TransferCoordinator:
             TransferSource("", "", 0, "", url) for url in model.get("sources") or ()
         )
 
-    def _ask(self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]]) -> Pull:
-        sha256 = model["sha256"]
-        size = _size_of(holders[0], sha256) if holders else 0
+    @staticmethod
+    def _size(model: dict[str, Any], holders: list[dict[str, Any]]) -> int:
+        """The model file's size, when a holder or the store says (0: a URL's answer will)."""
+        size = _size_of(holders[0], model["sha256"]) if holders else 0
         if not size and model.get("stored"):
-            size = int(model["stored"]["size_bytes"])  # else: a URL's answer says
+            size = int(model["stored"]["size_bytes"])
+        return size
+
+    def _ask(self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]]) -> Pull:
+        size = self._size(model, holders)
         sources = self._sources(node_id, model, holders)
         request = FetchRequest(
             str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources
@@ -279,6 +313,8 @@ class TransferCoordinator:
                 ended = self._ended(report.transfer_id)
                 if ended is not None and report.state == "completed":
                     self.completed[(node_id, ended[1].sha256)] = self.clock()
+                elif ended is not None:
+                    self.failed[(node_id, ended[1].sha256)] = self.clock()
             await asyncio.to_thread(self.app.transfer_reported, node_id, report)
         except (DomainError, NotFound) as e:
             log.info("transfer %s on node %s: %s", report.transfer_id, node_id, e)

@@ -1,5 +1,7 @@
 """The controller's own model store: GGUF files kept in ``MODEL_STORE_DIR`` as
-``<sha256>.gguf``, for nodes to fetch (served by ``interfaces.model_store_server``).
+``<sha256>.gguf``, for nodes to fetch (served by ``interfaces.model_store_server``). Several
+model names may register one file: ``<sha256>.names`` lists them, and the file goes only when
+the last name lets it go.
 
 ``dacp models add PATH`` copies a file in and hashes it in the same pass, reporting progress;
 the copy goes to a hidden temporary file first and gets its final name only once whole, so
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -46,6 +49,38 @@ class ControllerModelStore:
     def path_of(self, sha256: str) -> Path:
         return self.directory / f"{sha256}.gguf"
 
+    def names_path(self, sha256: str) -> Path:
+        return self.directory / f"{sha256}.names"
+
+    def names(self, sha256: str) -> set[str]:
+        """The model names the stored file is registered under."""
+        try:
+            return set(json.loads(self.names_path(sha256).read_text(encoding="utf-8")))
+        except (FileNotFoundError, ValueError, TypeError):
+            return set()
+
+    def _write_names(self, sha256: str, names: set[str]) -> None:
+        path = self.names_path(sha256)
+        if not names:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(sorted(names)), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def keep(self, sha256: str, name: str) -> None:
+        """Records that model ``name`` is registered with the stored file."""
+        self._write_names(sha256, self.names(sha256) | {name})
+
+    def release(self, sha256: str, name: str) -> bool:
+        """Model ``name`` no longer uses the stored file; the file is deleted when no other
+        name does. True when it was deleted."""
+        names = self.names(sha256) - {name}
+        self._write_names(sha256, names)
+        if names:
+            return False
+        return self.remove(sha256)
+
     def resolve(self, sha256: str) -> Path | None:
         """The stored file of a model, if the store holds it."""
         if _SHA256.fullmatch(sha256) is None:
@@ -70,10 +105,18 @@ class ControllerModelStore:
                 f"{free} free (keeping {DISK_RESERVE_BYTES} in reserve)"
             )
         hasher = hashlib.sha256()
-        fd, tmp_name = tempfile.mkstemp(prefix=".incoming-", dir=self.directory)
+        try:
+            src = source.open("rb", buffering=0)
+        except OSError as e:
+            raise StoreError(f"cannot read {source}: {e.strerror or e}") from e
+        try:
+            fd, tmp_name = tempfile.mkstemp(prefix=".incoming-", dir=self.directory)
+        except OSError as e:
+            src.close()
+            raise StoreError(f"cannot write into the model store {self.directory}: {e}") from e
         tmp = Path(tmp_name)
         try:
-            with source.open("rb", buffering=0) as src, os.fdopen(fd, "wb", buffering=0) as out:
+            with src, os.fdopen(fd, "wb", buffering=0) as out:
                 buffer = bytearray(CHUNK)
                 view = memoryview(buffer)
                 done = 0

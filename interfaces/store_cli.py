@@ -44,8 +44,17 @@ class _Progress:
 
 
 def _cmd_add(args: argparse.Namespace) -> int:
+    from eventsourcing.application import AggregateNotFoundError
+
     from domain.errors import DomainError
-    from domain.model import DEFAULT_CONTEXT_SIZE, MIN_CONTEXT_SIZE
+    from domain.model import (
+        DEFAULT_CONTEXT_SIZE,
+        MIN_CONTEXT_SIZE,
+        RegisteredModel,
+        model_id,
+        validate_model,
+        validate_use,
+    )
     from infrastructure.model_store import ControllerModelStore, StoreError
     from interfaces.cli import CliError, _open_app
     from proto.gguf_metadata import read_gguf_metadata
@@ -62,6 +71,11 @@ def _cmd_add(args: argparse.Namespace) -> int:
     if context_size is None:
         context_size = min(DEFAULT_CONTEXT_SIZE, shape.context_length or DEFAULT_CONTEXT_SIZE)
         context_size = max(context_size, MIN_CONTEXT_SIZE)
+    try:  # what the registration will check, before a byte is copied
+        validate_model(name, "0" * 64, source.name, context_size)
+        validate_use(args.kind, args.pooling)
+    except DomainError as e:
+        raise CliError(f"cannot add {source}: {e}") from e
     settings = Settings.from_env()
     store = ControllerModelStore(settings.model_store_dir)
     try:
@@ -70,6 +84,11 @@ def _cmd_add(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     app = _open_app(args)
     try:
+        try:
+            before: RegisteredModel = app.repository.get(model_id(name))
+            replaced = before.sha256 if getattr(before, "stored", None) else None
+        except AggregateNotFoundError:
+            replaced = None
         app.store_model(
             name,
             stored.sha256,
@@ -86,9 +105,14 @@ def _cmd_add(args: argparse.Namespace) -> int:
             args.pooling,
         )
     except DomainError as e:
-        raise CliError(f"{stored.path} is stored, but model {name} was not registered: {e}") from e
+        if not store.names(stored.sha256):
+            store.remove(stored.sha256)
+        raise CliError(f"model {name} was not registered: {e}") from e
     finally:
         app.close()
+    store.keep(stored.sha256, name)
+    if replaced is not None and replaced != stored.sha256:
+        store.release(replaced, name)  # the file model NAME had before
     print(
         f"stored {source.name} ({stored.size_bytes} bytes, sha256 {stored.sha256[:12]}…) in "
         f"{store.directory}; {args.kind} model {name} registered: nodes fetch it from the "
@@ -112,10 +136,13 @@ def _cmd_unstore(args: argparse.Namespace) -> int:
         raise CliError(f"cannot unstore {args.name}: {e}") from e
     finally:
         app.close()
-    removed = ControllerModelStore(Settings.from_env().model_store_dir).remove(sha256)
+    store = ControllerModelStore(Settings.from_env().model_store_dir)
+    removed = store.release(sha256, args.name)
+    others = sorted(store.names(sha256))
     print(
         f"model {args.name} is no longer in the controller's model store"
-        + ("" if removed else " (its file was already gone)")
+        + (f" (its file stays: {', '.join(others)} use it)" if others else "")
+        + ("" if removed or others else " (its file was already gone)")
     )
     return 0
 

@@ -40,7 +40,7 @@ def disk_with_free(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
     def usage(path: object) -> shutil._ntuple_diskusage:
         return shutil._ntuple_diskusage(free * 2, free, free)
 
-    monkeypatch.setattr(model_store.shutil, "disk_usage", usage)
+    monkeypatch.setattr("infrastructure.model_store.shutil.disk_usage", usage)
 
 
 def test_add_copies_and_hashes_to_its_sha256_with_increasing_progress(
@@ -78,7 +78,9 @@ def test_a_file_that_does_not_fit_is_refused_before_a_byte_is_written(
     store = store_of(tmp_path)
     disk_with_free(monkeypatch, DISK_RESERVE_BYTES + 4499)
     opened: list[object] = []
-    monkeypatch.setattr(model_store.tempfile, "mkstemp", lambda **kw: opened.append(kw))
+    monkeypatch.setattr(
+        "infrastructure.model_store.tempfile.mkstemp", lambda **kw: opened.append(kw)
+    )
     with pytest.raises(StoreError, match=r"m\.gguf is 4500 bytes.*free"):
         store.add(source)
     assert opened == []  # refused before any temporary file was made
@@ -108,7 +110,7 @@ def test_a_failing_copy_leaves_no_temporary_file(
     def full_disk(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(model_store.os, "fsync", full_disk)
+    monkeypatch.setattr("infrastructure.model_store.os.fsync", full_disk)
     with pytest.raises(StoreError, match="No space left on device"):
         store.add(source)
     assert files_in(store) == []
