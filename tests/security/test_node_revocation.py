@@ -92,3 +92,40 @@ async def test_dacp_nodes_revoke_closes_the_stream_of_a_running_controller(
     assert "revoked" in (refused.value.details() or "")
     await session.drop()
     print(f"the controller closed the revoked node's stream {took:.2f}s after the CLI wrote it")
+
+
+async def test_every_file_server_learns_a_revocation_at_once(ctl: RunningController) -> None:
+    """A revoked node may still hold a ticket (five minutes) and a certificate (30 days): the
+    agents connected now hear NodesRevoked, one connecting later finds it in its Welcome, and
+    the controller's own store server refuses it too."""
+    target = control_target(ctl)
+
+    async def connected(name: str) -> tuple[str, RawSession]:
+        token = ctl.services.enrollment.mint(
+            ttl_seconds=60, single_use=True, node_name=None, now=time.time()
+        ).token
+        enrolled = await enroll(target, token, name)
+        session = RawSession(target, enrolled.node_id, enrolled.node_credential)
+        await session.open()
+        session.start_heartbeats(0.2)
+        await until(lambda: ctl.services.connections.is_connected(enrolled.node_id), 10)
+        return enrolled.node_id, session
+
+    thief, thief_session = await connected("thief")
+    _, witness = await connected("witness")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as http:
+        revoked = await http.post(f"/api/admin/nodes/{thief}/revoke", headers=ADMIN)
+        assert revoked.status_code == 200, revoked.text
+
+    def told() -> bool:
+        return any(
+            m.WhichOneof("payload") == "nodes_revoked" and thief in m.nodes_revoked.node_ids
+            for m in witness.received
+        )
+
+    await until(told, 10)
+    assert ctl.store_server is not None and thief in ctl.store_server.revoked
+    _, late = await connected("late")
+    assert thief in late.received[0].welcome.revoked_node_ids
+    for session in (thief_session, witness, late):
+        await session.drop()
