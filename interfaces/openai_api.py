@@ -89,12 +89,14 @@ async def _cards(svc: Services) -> list[ModelCard]:
     models, nodes = await asyncio.gather(
         asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
     )
-    held = {
-        m.get("sha256")
-        for n in nodes
-        if n["state"] in _SERVING and not n.get("drain_requested")
-        for m in n.get("local_models") or ()
-    }
+    serving = [n for n in nodes if n["state"] in _SERVING and not n.get("drain_requested")]
+    held = {m.get("sha256") for n in serving for m in n.get("local_models") or ()}
+    transfers = svc.extras.get("transfers")
+
+    def fetchable(row: dict[str, Any]) -> bool:
+        """Only the controller's store holds the file: a node in service fetches it first."""
+        return bool(serving) and transfers is not None and transfers.stores(row)
+
     return [
         {
             "id": r["name"],
@@ -102,7 +104,7 @@ async def _cards(svc: Services) -> list[ModelCard]:
             "created": int(_epoch(r["registered_at"])),
             "owned_by": "dacp",
             "kind": r.get("kind") or CHAT,
-            "available": r["sha256"] in held,
+            "available": r["sha256"] in held or fetchable(r),
         }
         for r in models
     ]
@@ -112,7 +114,10 @@ async def _cards(svc: Services) -> list[ModelCard]:
     "/v1/models",
     guards=[inference_guard],
     tags=["openai"],
-    summary="List registered models (`available`: some node in service holds the file now)",
+    summary=(
+        "List registered models (`available`: some node in service holds the file now, or "
+        "can fetch it from the controller's model store)"
+    ),
     operation_class=ApiOperation,
     responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
 )

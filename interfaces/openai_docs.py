@@ -56,7 +56,7 @@ class ModelCard(TypedDict):
     owned_by: str
     #: "chat" or "embedding" (which endpoints serve it).
     kind: str
-    #: Whether a node that can serve it now holds its file.
+    #: Whether a node that can serve it now holds its file (or can fetch it from the store).
     available: bool
 
 

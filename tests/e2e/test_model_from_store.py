@@ -48,6 +48,8 @@ def test_a_model_only_the_controller_stores_is_fetched_and_served(cluster: Local
     client = openai.OpenAI(
         base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0, timeout=300
     )
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.model_extra is not None and card.model_extra["available"] is True  # fetchable
     stream = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Hi"}],
