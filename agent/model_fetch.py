@@ -286,7 +286,8 @@ def _fetch(
             detail = response.read(500).decode(errors="replace").strip()
             raise TransferError(
                 f"{source.label} refused the transfer ({response.status}): {detail}",
-                retry=response.status >= 500,
+                # Another source may hold the file, or answer once it is whole again.
+                retry=response.status >= 500 or response.status == 404,
             )
         if response.status == 200 and held:  # the range was not honoured: start over
             hasher, held = hashlib.sha256(), 0

@@ -180,3 +180,16 @@ def test_a_node_file_server_refuses_nodes_the_controller_revoked(
             attempt(c)
     finally:
         transfers.close()
+
+
+def test_a_source_without_the_file_lets_the_fetch_try_the_next(
+    store: Store, tmp_path: Path
+) -> None:
+    missing = "0" * 64  # e.g. unstored meanwhile: the store answers 404
+    assert store.tls.ca_key_pem is not None
+    ticket = sign_ticket(store.tls.ca_key_pem, Ticket(missing, store.node, time.time() + 60))
+    dest = tmp_path / "node-models" / "Gone.gguf"
+    context = store.node_tls.client_context(store.tls.ca_pem.decode())
+    with pytest.raises(TransferError, match="404") as refused:
+        fetch(store.source(ticket), missing, SIZE, dest, context)
+    assert refused.value.retry  # agent/model_transfers.py goes on to the next source
