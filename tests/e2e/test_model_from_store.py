@@ -8,38 +8,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, get, local_cluster
 
 pytestmark = pytest.mark.timeout(600)
-MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
-    config = ClusterConfig(
-        var_dir=tmp_path_factory.mktemp("from-store"),
-        port=0,
-        grpc_port=0,
-        agents=(AgentSpec("agent-a", 0, memory_limit=1024 * MIB),),  # holds no model file
-        quiet=True,
+    yield from local_cluster(
+        tmp_path_factory.mktemp("from-store"),
+        AgentSpec("agent-a", 0, memory_limit=1024 * MIB),  # holds no model file
         store_model=True,
     )
-    with LocalCluster(config) as running:
-        yield running
-
-
-def get(cluster: LocalCluster, path: str) -> Any:
-    headers = {"Authorization": f"Bearer {cluster.admin_api_key}"}
-    return httpx.get(f"{cluster.url}{path}", headers=headers, timeout=10).json()
 
 
 def test_a_model_only_the_controller_stores_is_fetched_and_served(cluster: LocalCluster) -> None:

@@ -8,43 +8,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, admin, get, local_cluster
 
 pytestmark = pytest.mark.timeout(600)
-MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
-    config = ClusterConfig(
-        var_dir=tmp_path_factory.mktemp("on-demand"),
-        port=0,
-        grpc_port=0,
-        agents=(
-            AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-            AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
-        ),
-        quiet=True,
+    yield from local_cluster(
+        tmp_path_factory.mktemp("on-demand"),
+        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+        AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
     )
-    with LocalCluster(config) as running:
-        yield running
-
-
-def admin(cluster: LocalCluster) -> dict[str, str]:
-    return {"Authorization": f"Bearer {cluster.admin_api_key}"}
-
-
-def get(cluster: LocalCluster, path: str) -> Any:
-    return httpx.get(f"{cluster.url}{path}", headers=admin(cluster), timeout=10).json()
 
 
 def test_a_node_without_the_file_fetches_it_and_serves_the_waiting_request(

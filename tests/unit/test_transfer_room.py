@@ -96,25 +96,28 @@ async def test_a_pull_onto_a_node_without_room_is_refused_saying_why() -> None:
     assert cluster.gateway.fetches == []  # roomy was not asked either: all or none
 
 
-async def test_a_node_whose_fetch_failed_is_not_asked_again_for_a_while() -> None:
+async def failed_once() -> tuple[Cluster, TransferCoordinator, str, Clock]:
+    """Node "b" was asked to fetch the model on demand, and its fetch failed."""
     cluster, ids, clock = setup({"b": SIZE})
     transfers = coordinator(cluster, clock, any_primary)
     assert transfers.fetch_for(MODEL)
     ((node, request),) = cluster.gateway.fetches
     failed = TransferReport(request.transfer_id, MODEL["sha256"], "failed", error="disk")
     await transfers.reported(node, failed)
+    return cluster, transfers, ids["b"], clock
+
+
+async def test_a_node_whose_fetch_failed_is_not_asked_again_for_a_while() -> None:
+    cluster, transfers, b, clock = await failed_once()
     assert not transfers.fetch_for(MODEL)  # the same failure would hold the jobs back again
     clock.now += FAILED_COOLDOWN_SECONDS
     assert transfers.fetch_for(MODEL)
-    assert [n for n, _ in cluster.gateway.fetches] == [ids["b"], ids["b"]]
-    # An operator's pull asks it at once all the same.
-    cluster2, ids2, clock2 = setup({"b": SIZE})
-    transfers2 = coordinator(cluster2, clock2, any_primary)
-    assert transfers2.fetch_for(MODEL)
-    ((node2, request2),) = cluster2.gateway.fetches
-    report = TransferReport(request2.transfer_id, MODEL["sha256"], "failed", error="x")
-    await transfers2.reported(node2, report)
-    assert [p.node_id for p in transfers2.pull(MODEL, [ids2["b"]])] == [ids2["b"]]
+    assert [n for n, _ in cluster.gateway.fetches] == [b, b]
+
+
+async def test_an_operators_pull_asks_a_node_whose_fetch_failed_at_once() -> None:
+    _, transfers, b, _ = await failed_once()
+    assert [p.node_id for p in transfers.pull(MODEL, [b])] == [b]
 
 
 def test_the_agent_reports_the_room_its_disk_and_limit_leave(tmp_path: Path) -> None:
