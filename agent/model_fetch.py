@@ -24,6 +24,7 @@ import hashlib
 import http.client
 import logging
 import os
+import queue
 import shutil
 import socket
 import ssl
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlsplit
 
 from proto.transfer_ticket import CONTROLLER_SOURCE_ID, MODELS_PATH, source_tls_name
@@ -40,6 +42,8 @@ from proto.transfer_ticket import CONTROLLER_SOURCE_ID, MODELS_PATH, source_tls_
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+#: Pieces received ahead of the hashing and writing (CHUNK bytes each).
+PIPELINE_BUFFERS = 4
 #: Space a fetch leaves free on the models disk.
 DISK_RESERVE_BYTES = 64 << 20
 PARTIAL_SUFFIX = ".partial"
@@ -316,6 +320,44 @@ def _fetch(
     return dest
 
 
+class _Sink:
+    """Hashes and writes the received pieces in a thread of its own, while the caller's thread
+    receives the next ones: hashing and writing release the GIL, so a fetch is bound by the
+    slowest of the three, not by their sum. Buffers go round a small pool; a write that fails
+    stops the writing (the caller hears at its next piece), never the receiving thread's
+    progress through the pool."""
+
+    def __init__(self, out: IO[bytes], hasher: hashlib._Hash) -> None:
+        self.out, self.hasher = out, hasher
+        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        for _ in range(PIPELINE_BUFFERS):
+            self.free.put(bytearray(CHUNK))
+        self.full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, name="model-fetch-sink", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while (item := self.full.get()) is not None:
+            buffer, n = item
+            if self.failure is None:
+                try:
+                    view = memoryview(buffer)[:n]
+                    self.hasher.update(view)
+                    while view:
+                        view = view[self.out.write(view) or 0 :]
+                except BaseException as e:  # handed to the receiving thread
+                    self.failure = e
+            self.free.put(buffer)
+
+    def close(self) -> None:
+        """Waits until every piece handed over is written; raises what writing raised."""
+        self.full.put(None)
+        self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+
+
 def _receive(
     response: http.client.HTTPResponse,
     partial: Path,
@@ -328,17 +370,20 @@ def _receive(
     with partial.open(mode, buffering=0) as out:
         out.seek(held)
         out.truncate()
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while held < size:
-            n = response.readinto(buffer)
-            if not n:
-                break
-            out.write(view[:n])
-            hasher.update(view[:n])
-            held += n
-            if progress is not None:
-                progress(held, size)
+        sink = _Sink(out, hasher)
+        try:
+            while held < size and sink.failure is None:
+                buffer = sink.free.get()
+                n = response.readinto(buffer)
+                if not n:
+                    sink.free.put(buffer)
+                    break
+                sink.full.put((buffer, n))
+                held += n
+                if progress is not None:
+                    progress(held, size)
+        finally:
+            sink.close()  # what was received is on disk, even when receiving failed
         with contextlib.suppress(OSError):
             os.fsync(out.fileno())
     return held
