@@ -53,7 +53,7 @@ from application.ports import (
     RpcPeer,
 )
 from application.scheduler import Scheduler
-from application.store_guard import is_outage
+from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
@@ -239,10 +239,11 @@ class JobManager:
                 return
             log.error("job %s: recording its setup failed: %r", run.job_id, e)
             self._cancel_on_primary(run, "the controller could not record the job")
+            # The store going away is the client's to retry (503), not a generation failure.
+            outage = isinstance(e, StoreUnavailable) or is_outage(e)
+            code = STORE_UNAVAILABLE if outage else "store_error"
             run.queue.put_nowait(
-                StreamItem(
-                    "error", error=f"recording the job failed: {e}", error_code="store_error"
-                )
+                StreamItem("error", error=f"recording the job failed: {e}", error_code=code)
             )
             await self._quietly(self.app.fail, run.job_id, f"store error: {e}", "store_error")
             self._ended(run.job_id)

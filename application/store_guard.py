@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL = 0.5
 
 
+#: The OpenAI error code of a request the store's outage cost (HTTP 503 with Retry-After).
+STORE_UNAVAILABLE = "store_unavailable"
+
+
 class StoreUnavailable(Exception):
     """The event store is unreachable right now (HTTP 503 with ``Retry-After``)."""
 

@@ -12,6 +12,8 @@ from urllib.parse import parse_qs, unquote, urlparse
 from infrastructure.settings import SettingsError
 
 DEFAULT_SQLITE_FILE = "dacp.sqlite3"
+#: The longest a command waits for a pooled PostgreSQL connection (see persistence_env).
+POOL_WAIT_SECONDS = 2
 
 
 def is_postgres(database_url: str | None) -> bool:
@@ -62,7 +64,12 @@ def persistence_env(
         "POSTGRES_PASSWORD": unquote(url.password or ""),
         "POSTGRES_POOL_SIZE": str(pool_size),
         "POSTGRES_MAX_OVERFLOW": str(pool_size),
-        "POSTGRES_CONNECT_TIMEOUT": "10",
+        # How long a command waits for a pooled connection (eventsourcing's name for the
+        # pool's timeout). Commands run on DATABASE_POOL_SIZE * 2 + 2 threads against up to
+        # DATABASE_POOL_SIZE * 2 connections, so under load a wait lasts one command (ms),
+        # and a wait this long means the store is unreachable: the first command after an
+        # outage the store guard has not seen yet fails within it, not within 10 s.
+        "POSTGRES_CONNECT_TIMEOUT": str(POOL_WAIT_SECONDS),
         "POSTGRES_PRE_PING": "y",
         "POSTGRES_LOCK_TIMEOUT": "5",
         "CREATE_TABLE": "y",

@@ -9,7 +9,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
 from application.errors import ConcurrencyExhausted, NotFound
-from application.store_guard import StoreUnavailable
+from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable
 from domain.errors import IllegalTransition, InvalidCommand
 
 
@@ -109,7 +109,7 @@ def _unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str
             503,
             f"the controller's store is busy or unreachable, retry shortly ({exc})",
             type_="server_error",
-            code="store_unavailable",
+            code=STORE_UNAVAILABLE,
             headers={"Retry-After": "2"},
         )
     )

@@ -27,6 +27,7 @@ from application.commands import JobOutcome, Submission
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
+from application.store_guard import STORE_UNAVAILABLE
 from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
 from interfaces.http_auth import inference_guard
@@ -163,8 +164,9 @@ def _epoch(iso: str) -> float:
 
 def job_error(message: str, code: str) -> ApiError:
     """A failed job as an OpenAI error: a prompt longer than the context is the request's
-    fault (400 ``context_length_exceeded``, param ``messages``); a missed deadline is 504; any
-    other failure of generation is 502."""
+    fault (400 ``context_length_exceeded``, param ``messages``); a missed deadline is 504; the
+    store going away is 503 ``store_unavailable`` with Retry-After; any other failure of
+    generation is 502."""
     if code == CONTEXT_LENGTH_EXCEEDED:
         return ApiError(
             400,
@@ -174,6 +176,8 @@ def job_error(message: str, code: str) -> ApiError:
         )
     if code == REQUEST_REJECTED:
         return ApiError(400, f"the model's server refused the request: {message}", code=code)
+    if code == STORE_UNAVAILABLE:
+        return ApiError(503, message, type_="server_error", code=code, headers={"Retry-After": "2"})
     status = 504 if code in DEADLINE_CODES else 502
     return ApiError(status, message, type_="server_error", code=code)
 

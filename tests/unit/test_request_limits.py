@@ -7,6 +7,7 @@ from agent.llama_server import _exceeds_context, _refusal
 from agent.runtime_errors import ContextTooLong, GenerationError, RequestRejected
 from application.deadlines import STREAM_IDLE_TIMEOUT
 from application.job_manager import capped
+from application.store_guard import STORE_UNAVAILABLE
 from interfaces.openai_api import job_error
 from proto import REQUEST_REJECTED
 
@@ -24,6 +25,9 @@ def test_a_prompt_over_the_context_is_the_requests_fault() -> None:
     assert job_error("crashed", "RUNTIME_CRASHED").status == 502
     refused = job_error("cannot resolve $ref", REQUEST_REJECTED)
     assert (refused.status, refused.code) == (400, REQUEST_REJECTED)
+    outage = job_error("recording the job failed: unreachable", STORE_UNAVAILABLE)
+    assert (outage.status, outage.code) == (503, STORE_UNAVAILABLE)
+    assert outage.headers == {"Retry-After": "2"}
 
 
 def test_llama_servers_400_is_the_requests_fault_and_its_5xx_ours() -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from application.agent_messages import TokensGenerated
 from application.commands import Delta
+from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
 
@@ -38,11 +41,23 @@ async def test_tokens_stream_before_the_validation_is_recorded_and_are_recorded_
     assert codes[-1] == "JOB_COMPLETED"
 
 
-async def test_a_store_error_recording_the_validation_ends_the_job() -> None:
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        # The store went away: the client may retry (503 with Retry-After).
+        (ConnectionError("the database went away"), STORE_UNAVAILABLE),
+        (StoreUnavailable("the event store is unreachable"), STORE_UNAVAILABLE),
+        # Anything else: a failure of the job (502).
+        (RuntimeError("a bug"), "store_error"),
+    ],
+)
+async def test_a_store_error_recording_the_validation_ends_the_job(
+    error: Exception, code: str
+) -> None:
     cluster = Cluster(nodes=1)
 
     def broken(job_id: Any) -> int:
-        raise ConnectionError("the database went away")
+        raise error
 
     cluster.app.validate_setup = broken  # type: ignore[method-assign]
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
@@ -50,7 +65,7 @@ async def test_a_store_error_recording_the_validation_ends_the_job() -> None:
     await cluster.validate(node, job)
     run = await asyncio.wait_for(task, GUARD)
     item = await asyncio.wait_for(run.queue.get(), GUARD)
-    assert item.kind == "error" and item.error_code == "store_error"
+    assert item.kind == "error" and item.error_code == code
     assert cluster.gateway.cancels == [(node, job)]
     await cluster.until(lambda: cluster.job_codes(job)[-1] == "JOB_FAILED")
     assert cluster.app.get_node(node).jobs == []  # its slot is free again
