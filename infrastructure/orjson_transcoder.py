@@ -36,13 +36,23 @@ class OrjsonTranscoder(JSONTranscoder):
         return self._revive(orjson.loads(data))
 
     def _revive(self, value: Any) -> Any:
-        if isinstance(value, dict):
-            if len(value) == 2 and _TAG in value and _DATA in value:
+        """Tagged values revived, in place: what orjson.loads made belongs to nobody else, and
+        only containers are visited (a token chunk's deltas hold plain values alone)."""
+        kind = type(value)
+        if kind is dict:
+            if _TAG in value and _DATA in value and len(value) == 2:
                 return self._decode_obj(value)
-            return {k: self._revive(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._revive(v) for v in value]
+            for key, item in value.items():
+                if type(item) in _CONTAINERS:
+                    value[key] = self._revive(item)
+        elif kind is list:
+            for index, item in enumerate(value):
+                if type(item) in _CONTAINERS:
+                    value[index] = self._revive(item)
         return value
+
+
+_CONTAINERS = frozenset({dict, list})
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
