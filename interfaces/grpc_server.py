@@ -183,6 +183,8 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self._rejections = RejectionAudit()
         #: Refused agent messages by the refused message's kind (for /metrics).
         self.rejected: Counter[str] = Counter()
+        #: How long a connecting agent has to send its Hello.
+        self.hello_timeout = HELLO_TIMEOUT_SECONDS
         #: The nodes revoked so far (Welcome names them: file servers refuse them).
         self.revoked_nodes: Callable[[], list[str]] = list
 
@@ -274,13 +276,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         # transient fault.
         iterator = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(iterator.__anext__(), HELLO_TIMEOUT_SECONDS)
+            first = await asyncio.wait_for(iterator.__anext__(), self.hello_timeout)
         except StopAsyncIteration:
             return
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no Hello within {HELLO_TIMEOUT_SECONDS:g} s of connecting",
+                f"no Hello within {self.hello_timeout:g} s of connecting",
             )
         try:
             node = await asyncio.to_thread(

@@ -17,6 +17,7 @@ from domain.catalog import code_of
 from domain.enrollment_token import mint_token
 from interfaces.controller_main import RunningController, controller
 from proto import control_pb2 as pb
+from proto import control_pb2_grpc as pb_grpc
 from tests.conftest import controller_settings
 from tests.integration.control_client import (
     ControlTarget,
@@ -179,6 +180,30 @@ async def test_connect_requires_own_credential(quiet_ctl: RunningController) -> 
         a.node_id,
     )
     assert codes(ctl, b.node_id) == ["NODE_ENROLLED"]
+
+
+async def test_a_stream_without_a_hello_is_ended(quiet_ctl: RunningController) -> None:
+    """The credential is judged once the Hello is in: a caller that never sends one is not
+    left holding a stream."""
+    ctl = quiet_ctl
+    servicer = ctl.services.extras["servicer"]
+    servicer.hello_timeout = 0.3
+    a = await enroll(target(ctl), token(), "a")
+    never = asyncio.Event()
+
+    async def silent() -> AsyncIterator[pb.AgentMessage]:
+        await never.wait()
+        yield pb.AgentMessage()  # never reached
+
+    async with target(ctl).channel() as channel:
+        stub = pb_grpc.ControlPlaneStub(channel)  # type: ignore[no-untyped-call]
+        metadata = (("x-node-id", a.node_id), ("x-node-credential", a.node_credential))
+        call = stub.Connect(silent(), metadata=metadata)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(call.read(), 10)
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no Hello within 0.3 s" in (ended.value.details() or "")
+    assert not ctl.services.connections.is_connected(a.node_id)
 
 
 async def test_heartbeats_keep_ready_then_degraded_then_offline(ctl: RunningController) -> None:
