@@ -27,6 +27,29 @@ def _free_memory_bytes(resources: dict[str, Any]) -> int:
     return int(resources.get("ram_free_bytes") or resources.get("ram_total_bytes") or 0)
 
 
+#: How many failed model transfers a node row keeps in ``transfer_failures`` (newest first).
+TRANSFER_FAILURES_KEPT = 3
+
+
+def transfer_failure(
+    transfer_id: str, sha256: str, error: str, at: str, started: dict[str, Any]
+) -> dict[str, Any]:
+    """An entry of a node row's ``transfer_failures``: the failed transfer as its row in
+    ``transfers`` last had it (``started``; empty when the row never recorded its start, so
+    ``file_name`` and ``started_at`` are None), with its error and when it failed."""
+    return {
+        "transfer_id": transfer_id,
+        "sha256": sha256,
+        "file_name": started.get("file_name"),
+        "error": error,
+        "failed_at": at,
+        "started_at": started.get("started_at"),
+        "bytes_done": int(started.get("bytes_done") or 0),
+        "size_bytes": int(started.get("size_bytes") or 0),
+        "sources": list(started.get("sources") or []),
+    }
+
+
 def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
     """The ``nodes`` row after ``event`` (``None`` when the event is not a node event)."""
     at = event.timestamp.isoformat()  # type: ignore[attr-defined]
@@ -115,10 +138,21 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
                 transfer["size_bytes"] = event.size_bytes
             transfers[event.transfer_id] = transfer
         new["transfers"] = transfers
-    elif isinstance(event, Node.ModelTransferCompleted | Node.ModelTransferFailed):
+    elif isinstance(event, Node.ModelTransferFailed):
+        transfers = dict(row.get("transfers") or {})
+        started = transfers.pop(event.transfer_id, None) or {}
+        new["transfers"] = transfers
+        new["transfer_failures"] = [
+            transfer_failure(event.transfer_id, event.sha256, event.error, at, started),
+            *(row.get("transfer_failures") or []),  # rows stored before the key lack it
+        ][:TRANSFER_FAILURES_KEPT]
+    elif isinstance(event, Node.ModelTransferCompleted):
         new["transfers"] = {
             k: v for k, v in (row.get("transfers") or {}).items() if k != event.transfer_id
         }
+        failures = row.get("transfer_failures") or []
+        if any(f["sha256"] == event.sha256 for f in failures):  # the node has the file now
+            new["transfer_failures"] = [f for f in failures if f["sha256"] != event.sha256]
     elif isinstance(event, Node.RuntimeRetired):
         new["runtime"] = None
         new["rpc_workers"] = {}

@@ -60,6 +60,7 @@ def node_view(svc: Services, row: dict[str, Any], now: float) -> dict[str, Any]:
     live = svc.live.get(row["node_id"])
     view = dict(row)
     view.pop("inventory", None)
+    view["transfer_failures"] = row.get("transfer_failures") or []  # older rows lack it
     view["connected"] = svc.connections.is_connected(row["node_id"])
     view["heartbeat_age_seconds"] = round(now - live.last_seen, 3) if live else None
     view["telemetry"] = live.telemetry if live else None

@@ -14,7 +14,7 @@ and ``tests/integration/test_api_fuzz.py`` checks real responses against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import (
@@ -24,6 +24,7 @@ from litestar.openapi.spec import (
     Operation,
     Schema,
 )
+from litestar.params import KwargDefinition
 
 # ------------------------------------------------------------------------------- errors
 
@@ -158,6 +159,38 @@ class RegisteredModels(TypedDict):
     data: list[RegisteredModelRow]
 
 
+class TransferFailure(TypedDict):
+    """A model transfer onto the node that failed (MODEL_TRANSFER_FAILED), as far as it got."""
+
+    transfer_id: str
+    sha256: str
+    file_name: Annotated[
+        str | None,
+        KwargDefinition(
+            description="The file's name, from its MODEL_TRANSFER_STARTED (null: "
+            "the start is not known)"
+        ),
+    ]
+    error: Annotated[str, KwargDefinition(description="Why it failed, as the node said")]
+    failed_at: Annotated[str, KwargDefinition(description="When it failed (ISO 8601)")]
+    started_at: Annotated[
+        str | None, KwargDefinition(description="When it started (ISO 8601; null: not known)")
+    ]
+    bytes_done: Annotated[
+        int, KwargDefinition(description="Bytes fetched when it failed (its last progress)")
+    ]
+    size_bytes: Annotated[
+        int,
+        KwargDefinition(
+            description="The file's size (0: not known, as of a URL that never answered)"
+        ),
+    ]
+    sources: Annotated[
+        list[str],
+        KwargDefinition(description="Where it was to come from, in order: node ids and URLs"),
+    ]
+
+
 class NodeView(TypedDict):
     """A node's read-model row (more fields than listed) plus its latest heartbeat."""
 
@@ -167,6 +200,13 @@ class NodeView(TypedDict):
     connected: bool
     heartbeat_age_seconds: float | None
     telemetry: dict[str, Any] | None
+    transfer_failures: Annotated[
+        list[TransferFailure],
+        KwargDefinition(
+            description="The node's last failed model transfers, newest first (at most 3); a "
+            "later completed transfer of the same model (sha256) takes that model's out"
+        ),
+    ]
 
 
 class NodeViews(TypedDict):

@@ -308,7 +308,8 @@ async function steer(event, id, command) {
 // ---------------------------------------------------------------- transfers
 // Model files nodes fetch from each other (or from URLs): each node row's `transfers`, by
 // transfer id, holds those under way (MODEL_TRANSFER_STARTED, then _PROGRESS at each quarter;
-// _COMPLETED and _FAILED take them out).
+// _COMPLETED and _FAILED take them out). Its `transfer_failures` keeps the last failed ones
+// (at most 3, newest first) until the node fetches that model (sha256) after all.
 
 // Percent fetched, or null when the size is not known (0).
 function percentOf(transfer) {
@@ -373,35 +374,114 @@ function transferRow(node, id, transfer) {
       ),
       el("span", { class: "sub bytes", text: amount }),
     ),
+    sourceCell(sources),
+    el("td", { class: "when", text: `started ${clock(transfer.started_at)}` }),
+  );
+}
+
+function sourceCell(sources) {
+  return el(
+    "td",
+    { class: "source", title: sources.join(", then ") },
+    el("span", { class: "source-name", text: sources[0] || "?" }),
+    sources.length > 1
+      ? el("span", { class: "sub", text: `then ${sources.slice(1).join(", ")}` })
+      : null,
+  );
+}
+
+// A transfer that failed: how far it got, why, and when (it stays until the node has the file).
+function failedTransferRow(node, failure) {
+  const pct = percentOf(failure);
+  const nodeName = node.name || short(node.node_id);
+  const sources = (failure.sources || []).map(sourceName);
+  const amount =
+    pct === null
+      ? `${size(failure.bytes_done)} fetched (size unknown)`
+      : `${size(failure.bytes_done)} of ${size(failure.size_bytes)}`;
+  const bar = el("progress", {
+    class: "bar",
+    max: 100,
+    "aria-label": `${failure.file_name || "model file"} onto ${nodeName} (failed)`,
+  });
+  bar.value = pct ?? 0;
+  return el(
+    "tr",
+    {
+      class: "failed",
+      dataset: { transferId: failure.transfer_id, nodeId: node.node_id, outcome: "failed" },
+      onclick: () => openTimeline("node", node.node_id),
+    },
     el(
       "td",
-      { class: "source", title: sources.join(", then ") },
-      el("span", { class: "source-name", text: sources[0] || "?" }),
-      sources.length > 1
-        ? el("span", { class: "sub", text: `then ${sources.slice(1).join(", ")}` })
-        : null,
+      {},
+      el("span", { class: "name", text: nodeName }),
+      el("span", {
+        class: "sub mono",
+        text: `transfer ${short(failure.transfer_id)}`,
+        title: failure.transfer_id,
+      }),
     ),
-    el("td", { text: clock(transfer.started_at) }),
+    el(
+      "td",
+      { class: "file" },
+      el("span", { class: "file-name", text: failure.file_name || "?" }),
+      el("span", {
+        class: "sub mono",
+        text: `sha256 ${String(failure.sha256 || "").slice(0, 12)}…`,
+        title: failure.sha256,
+      }),
+    ),
+    el(
+      "td",
+      { class: "progress-cell" },
+      el(
+        "div",
+        { class: "bar-line" },
+        badge("FAILED"),
+        bar,
+        el("span", { class: "percent", text: pct === null ? "" : `${pct}%` }),
+      ),
+      el("span", { class: "sub bytes", text: amount }),
+      el("span", { class: "sub error", text: failure.error || "failed" }),
+    ),
+    sourceCell(sources),
+    el("td", {
+      class: "when failed-at",
+      title: failure.started_at ? `started ${clock(failure.started_at)}` : null,
+      text: `failed ${clock(failure.failed_at)}`,
+    }),
   );
 }
 
 function renderTransfers() {
   const rows = [];
+  const failures = [];
   for (const node of state.nodes.values()) {
     for (const [id, transfer] of Object.entries(node.transfers || {})) {
       rows.push({ node, id, transfer });
     }
+    for (const failure of node.transfer_failures || []) failures.push({ node, failure });
   }
   rows.sort(
     (a, b) =>
       String(a.transfer.started_at).localeCompare(String(b.transfer.started_at)) ||
       a.id.localeCompare(b.id),
   );
+  failures.sort(
+    (a, b) =>
+      String(b.failure.failed_at).localeCompare(String(a.failure.failed_at)) ||
+      String(a.failure.transfer_id).localeCompare(String(b.failure.transfer_id)),
+  );
   $("transfers-table").tBodies[0].replaceChildren(
     ...rows.map((r) => transferRow(r.node, r.id, r.transfer)),
+    ...failures.map((f) => failedTransferRow(f.node, f.failure)),
   );
-  $("transfers-empty").hidden = rows.length > 0;
-  $("transfers-count").textContent = rows.length ? `${rows.length} under way` : "";
+  $("transfers-empty").hidden = rows.length + failures.length > 0;
+  const counts = [];
+  if (rows.length) counts.push(`${rows.length} under way`);
+  if (failures.length) counts.push(`${failures.length} failed`);
+  $("transfers-count").textContent = counts.join(" · ");
 }
 
 // --------------------------------------------------------------------- jobs

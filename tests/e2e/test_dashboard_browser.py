@@ -3,7 +3,7 @@ Playwright, against a real controller (Postgres, Redis, gRPC) with a FakeAgent n
 
 Chromium is the system one (``apt-get install -y chromium``); ``playwright install`` is
 never needed. The screenshots land in ``test-artifacts/`` (``dashboard.png``,
-``dashboard-transfers.png``).
+``dashboard-transfers.png``, ``dashboard-transfer-failed.png``).
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ async def test_dashboard_shows_model_transfers_under_way(
 ) -> None:
     """Transfers recorded through the controller's own commands (what the coordinator does
     when a node reports) appear in the transfers panel with their progress and source, move
-    as progress comes, and leave it when they end; each node shows the model files it holds."""
+    as progress comes, and leave it when they complete; a failed one stays, marked failed with
+    how far it got and its error, until the node fetches that model after all. Each node shows
+    the model files it holds."""
     expect.set_options(timeout=WAIT_MS)
     base = f"http://127.0.0.1:{ctl.http_port}"
     target = control_target(ctl)
@@ -311,13 +313,61 @@ async def test_dashboard_shows_model_transfers_under_way(
     )
     await expect(beta_row.locator(".models")).to_have_text("holds m.gguf (100.0 MiB)")
 
-    # Failed: the row goes too; the feed says why.
+    # Failed: the row stays, marked failed, with how far it got, the error and when; the feed
+    # says why too.
     await report(alpha.node_id, other, "failed", error="sha256 mismatch")
-    await expect(other_row).to_have_count(0)
-    await expect(page.locator("#transfers-empty")).to_be_visible()
+    await expect(other_row).to_have_class(re.compile(r"\bfailed\b"))
+    await expect(other_row.locator(".badge")).to_have_text("FAILED")
+    await expect(other_row.locator("td").first).to_contain_text("alpha")
+    await expect(other_row.locator(".file-name")).to_have_text("big.gguf")
+    await expect(other_row.locator(".percent")).to_have_text("50%")
+    await expect(other_row.locator(".bytes")).to_have_text("1.0 GiB of 2.0 GiB")
+    await expect(other_row.locator(".error")).to_have_text("sha256 mismatch")
+    await expect(other_row.locator(".source-name")).to_have_text("https://files.lan/big.gguf")
+    await expect(other_row.locator(".failed-at")).to_contain_text("failed ")
+    await expect(page.locator("#transfers-empty")).to_be_hidden()
+    await expect(page.locator("#transfers-count")).to_have_text("1 failed")
     await expect(
         page.locator('#live-events li[data-code="MODEL_TRANSFER_FAILED"]').first
     ).to_contain_text("failed: sha256 mismatch")
+    await page.screenshot(path=str(ARTIFACTS / "dashboard-transfer-failed.png"), full_page=True)
+    # It is the node row's, not the page's: a page opened now shows it too.
+    fresh = await browser.new_page()
+    await fresh.goto(f"{base}/dashboard")
+    await sign_in(fresh, "test-admin-key")
+    fresh_failed = fresh.locator(f'#transfers-table tr[data-transfer-id="{other.transfer_id}"]')
+    await expect(fresh_failed.locator(".error")).to_have_text("sha256 mismatch")
+    await fresh.close()
+    # Clicking it opens alpha's timeline, which tells the failure.
+    await other_row.click()
+    await expect(page.locator("#timeline-title")).to_have_text("Timeline: node alpha")
+    await expect(
+        page.locator('#timeline-list li[data-code="MODEL_TRANSFER_FAILED"]')
+    ).to_contain_text("failed: sha256 mismatch")
+
+    # alpha fetches the same model again: under way above the failure, which stays meanwhile...
+    again = FetchRequest(
+        str(uuid.uuid4()),
+        other.sha256,
+        "big.gguf",
+        2 << 30,
+        (TransferSource("", "", 0, "", "https://mirror.lan/big.gguf"),),
+    )
+    await asyncio.to_thread(app.transfer_started, alpha.node_id, again)
+    again_row = page.locator(f'#transfers-table tr[data-transfer-id="{again.transfer_id}"]')
+    await expect(again_row).to_be_visible()
+    await expect(page.locator("#transfers-count")).to_have_text("1 under way · 1 failed")
+    await expect(page.locator("#transfers-table tbody tr")).to_have_count(2)
+    await expect(page.locator("#transfers-table tbody tr").first).not_to_have_class(
+        re.compile(r"\bfailed\b")
+    )
+    await expect(other_row.locator(".error")).to_have_text("sha256 mismatch")
+    # ...and once it has the file, the failure leaves too.
+    await report(alpha.node_id, again, "completed", source_node_id="https://mirror.lan/big.gguf")
+    await expect(again_row).to_have_count(0)
+    await expect(other_row).to_have_count(0)
+    await expect(page.locator("#transfers-empty")).to_be_visible()
+    await expect(page.locator("#transfers-count")).to_have_text("")
     assert await page.evaluate("window.__sameDocument === true"), "the page was reloaded"
 
     assert not problems, problems

@@ -165,3 +165,27 @@ def test_ids_are_documented_as_uuids(schema: dict[str, Any]) -> None:
                 assert MODEL_NAME_PATTERN in parameter["description"]
             else:
                 assert parameter["schema"]["format"] == "uuid", (path, parameter["name"])
+
+
+def test_a_node_documents_its_failed_transfers(schema: dict[str, Any]) -> None:
+    """Every node answer carries ``transfer_failures`` (empty for rows older than the field),
+    each entry with its file, how far it got, its error and when, described."""
+    components = schema["components"]["schemas"]
+    node = components["NodeView"]
+    assert "transfer_failures" in node["required"]
+    failures = node["properties"]["transfer_failures"]
+    assert failures["items"] == {"$ref": "#/components/schemas/TransferFailure"}
+    assert "at most 3" in failures["description"]
+    entry = components["TransferFailure"]
+    assert set(entry["required"]) == {
+        "transfer_id",
+        "sha256",
+        "file_name",
+        "error",
+        "failed_at",
+        "started_at",
+        "bytes_done",
+        "size_bytes",
+        "sources",
+    }
+    assert {"type": "null"} in entry["properties"]["file_name"]["oneOf"]
