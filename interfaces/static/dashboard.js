@@ -325,6 +325,20 @@ function sourceName(source) {
   return state.nodes.get(text)?.name || (UUID_RE.test(text) ? short(text) : text);
 }
 
+
+// The file a transfer is about: its name, and the start of its sha256 (all of it on hover).
+function fileCell(item) {
+  return el(
+    "td",
+    { class: "file" },
+    el("span", { class: "file-name", text: item.file_name || "?" }),
+    el("span", {
+      class: "sub mono",
+      text: `sha256 ${String(item.sha256 || "").slice(0, 12)}…`,
+      title: item.sha256,
+    }),
+  );
+}
 function transferRow(node, id, transfer) {
   const pct = percentOf(transfer);
   const nodeName = node.name || short(node.node_id);
@@ -353,16 +367,7 @@ function transferRow(node, id, transfer) {
         ? el("span", { class: "sub mono", text: `transfer ${short(id)}`, title: id })
         : el("span", { class: "sub late", text: "node not connected: stalled" }),
     ),
-    el(
-      "td",
-      { class: "file" },
-      el("span", { class: "file-name", text: transfer.file_name || "?" }),
-      el("span", {
-        class: "sub mono",
-        text: `sha256 ${String(transfer.sha256 || "").slice(0, 12)}…`,
-        title: transfer.sha256,
-      }),
-    ),
+    fileCell(transfer),
     el(
       "td",
       { class: "progress-cell" },
@@ -422,16 +427,7 @@ function failedTransferRow(node, failure) {
         title: failure.transfer_id,
       }),
     ),
-    el(
-      "td",
-      { class: "file" },
-      el("span", { class: "file-name", text: failure.file_name || "?" }),
-      el("span", {
-        class: "sub mono",
-        text: `sha256 ${String(failure.sha256 || "").slice(0, 12)}…`,
-        title: failure.sha256,
-      }),
-    ),
+    fileCell(failure),
     el(
       "td",
       { class: "progress-cell" },
