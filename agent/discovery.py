@@ -74,11 +74,11 @@ class Inventory:
     rpc_port: int
     labels: Mapping[str, str] = field(default_factory=dict)
     #: What a new model file may take in the models directory (None: not looked at).
-    models_room_bytes: int | None = None
+    models_free_bytes: int | None = None
 
     def to_proto(self) -> pb.Inventory:
         return pb.Inventory(
-            models_room_bytes=self.models_room_bytes,
+            models_free_bytes=self.models_free_bytes,
             hostname=self.hostname,
             os=self.os,
             arch=self.arch,

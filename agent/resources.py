@@ -30,7 +30,7 @@ class Resources:
         inv = self.inventory
         gpus = tuple(dataclasses.replace(g, memory_free_bytes=0) for g in inv.gpus)
         stable = dataclasses.replace(
-            inv, disk_free_bytes=0, gpus=gpus, labels={}, models_room_bytes=None
+            inv, disk_free_bytes=0, gpus=gpus, labels={}, models_free_bytes=None
         )
         return (stable, tuple(sorted(inv.labels.items())), self.models)
 
@@ -65,7 +65,7 @@ class ResourceCollector:
                 nvml_module=self.nvml_module,
             )
             room = models_room(self.config.resolved_models_dir, self.config.models_disk_limit_bytes)
-            inventory = dataclasses.replace(inventory, models_room_bytes=room)
+            inventory = dataclasses.replace(inventory, models_free_bytes=room)
             return Resources(inventory, tuple(self._store.scan()))
 
 

@@ -74,7 +74,7 @@ def _size_of(node: dict[str, Any], sha256: str) -> int:
 
 def _room_of(node: dict[str, Any]) -> int | None:
     """What a new model file may take on the node (None: its agent does not say)."""
-    room = (node.get("resources") or {}).get("models_room_bytes")
+    room = (node.get("resources") or {}).get("models_free_bytes")
     return None if room is None else int(room)
 
 

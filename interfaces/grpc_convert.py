@@ -29,7 +29,7 @@ def inventory_to_dict(inv: pb.Inventory) -> dict[str, Any]:
         "ram_total_bytes": inv.ram_total_bytes,
         "disk_total_bytes": inv.disk_total_bytes,
         "disk_free_bytes": inv.disk_free_bytes,
-        "models_room_bytes": (inv.models_room_bytes if inv.HasField("models_room_bytes") else None),
+        "models_free_bytes": (inv.models_free_bytes if inv.HasField("models_free_bytes") else None),
         "gpus": [
             {
                 "index": g.index,

@@ -24,7 +24,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., driver_version: _Optional[str] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "os", "arch", "cpu_model", "cpu_cores", "ram_total_bytes", "disk_total_bytes", "disk_free_bytes", "gpus", "advertised_address", "rpc_port", "labels", "cpu_threads", "models_room_bytes")
+    __slots__ = ("hostname", "os", "arch", "cpu_model", "cpu_cores", "ram_total_bytes", "disk_total_bytes", "disk_free_bytes", "gpus", "advertised_address", "rpc_port", "labels", "cpu_threads", "models_free_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,7 +45,7 @@ class Inventory(_message.Message):
     RPC_PORT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CPU_THREADS_FIELD_NUMBER: _ClassVar[int]
-    MODELS_ROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     os: str
     arch: str
@@ -59,8 +59,8 @@ class Inventory(_message.Message):
     rpc_port: int
     labels: _containers.ScalarMap[str, str]
     cpu_threads: int
-    models_room_bytes: int
-    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., advertised_address: _Optional[str] = ..., rpc_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cpu_threads: _Optional[int] = ..., models_room_bytes: _Optional[int] = ...) -> None: ...
+    models_free_bytes: int
+    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., advertised_address: _Optional[str] = ..., rpc_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cpu_threads: _Optional[int] = ..., models_free_bytes: _Optional[int] = ...) -> None: ...
 
 class LocalModel(_message.Message):
     __slots__ = ("file_name", "path", "size_bytes", "sha256", "parameters", "layers", "context_length", "kv_bytes_per_token", "architecture", "error")

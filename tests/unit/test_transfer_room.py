@@ -18,6 +18,7 @@ from application.model_transfers import (
     TransferCoordinator,
     TransferRefused,
 )
+from domain.node import resources_differ
 from interfaces.grpc_convert import inventory_to_dict
 from proto import TRANSFER_PORT_LABEL
 from proto import control_pb2 as pb
@@ -45,7 +46,7 @@ def setup(rooms: dict[str, int | None]) -> tuple[Cluster, dict[str, str], Clock]
         node_id = cluster.add_node(name, holds_model=False)
         cluster.read.catch_up()
         resources = dict(cluster.read.nodes[node_id].get("resources") or {})
-        resources["models_room_bytes"] = room
+        resources["models_free_bytes"] = room
         cluster.read.nodes[node_id]["resources"] = resources
         ids[name] = node_id
     return cluster, ids, Clock()
@@ -134,6 +135,13 @@ def test_the_agent_reports_the_room_its_disk_and_limit_leave(tmp_path: Path) -> 
 
 
 def test_the_room_reaches_the_node_row_only_when_the_agent_says_it() -> None:
-    said = inventory_to_dict(pb.Inventory(models_room_bytes=0))
-    assert said["models_room_bytes"] == 0  # no room at all, not "unknown"
-    assert inventory_to_dict(pb.Inventory())["models_room_bytes"] is None
+    said = inventory_to_dict(pb.Inventory(models_free_bytes=0))
+    assert said["models_free_bytes"] == 0  # no room at all, not "unknown"
+    assert inventory_to_dict(pb.Inventory())["models_free_bytes"] is None
+
+
+def test_the_room_is_news_only_when_it_moves_by_more_than_a_tenth() -> None:
+    """Disk space moves all the time: a report is not an event for every byte of it."""
+    before = {"ram_free_bytes": 8 << 30, "models_free_bytes": 10_000}
+    assert not resources_differ(before, {**before, "models_free_bytes": 10_900})
+    assert resources_differ(before, {**before, "models_free_bytes": 8_000})
