@@ -9,12 +9,15 @@ import argparse
 import dataclasses
 import logging
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import psycopg
+from eventsourcing.persistence import PersistenceError
 
 from application.enrollment import (
     DEFAULT_TOKEN_TTL,
@@ -318,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (CliError, SettingsError) as e:
+        print(f"dacp: {e}", file=sys.stderr)
+        return 2
+    except (PersistenceError, psycopg.Error, sqlite3.Error) as e:
+        print(f"dacp: cannot use the event store: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or directory it cannot use
         print(f"dacp: {e}", file=sys.stderr)
         return 2
 

@@ -55,7 +55,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
         validate_model,
         validate_use,
     )
-    from infrastructure.model_store import ControllerModelStore, StoreError
+    from infrastructure.model_store import ControllerModelStore, StoredFile, StoreError
     from interfaces.cli import CliError, _open_app
     from proto.gguf_metadata import read_gguf_metadata
 
@@ -78,12 +78,13 @@ def _cmd_add(args: argparse.Namespace) -> int:
         raise CliError(f"cannot add {source}: {e}") from e
     settings = Settings.from_env()
     store = ControllerModelStore(settings.model_store_dir)
+    app = _open_app(args)  # the event store answers before a byte is copied
+    stored: StoredFile | None = None
     try:
-        stored = store.add(source, _Progress(source.name))
-    except StoreError as e:
-        raise CliError(str(e)) from e
-    app = _open_app(args)
-    try:
+        try:
+            stored = store.add(source, _Progress(source.name))
+        except StoreError as e:
+            raise CliError(str(e)) from e
         try:
             before: RegisteredModel = app.repository.get(model_id(name))
             replaced = before.sha256 if getattr(before, "stored", None) else None
@@ -104,10 +105,12 @@ def _cmd_add(args: argparse.Namespace) -> int:
             args.kind,
             args.pooling,
         )
-    except DomainError as e:
-        if not store.names(stored.sha256):
+    except Exception as e:  # the copy is of no use unregistered (unless another name has it)
+        if stored is not None and not store.names(stored.sha256):
             store.remove(stored.sha256)
-        raise CliError(f"model {name} was not registered: {e}") from e
+        if isinstance(e, DomainError):
+            raise CliError(f"model {name} was not registered: {e}") from e
+        raise
     finally:
         app.close()
     store.keep(stored.sha256, name)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventsourcing.persistence import PersistenceError
 
 from application.controller import Controller
 from domain.catalog import code_of
@@ -257,3 +258,31 @@ def test_a_file_that_cannot_be_registered_is_refused_before_it_is_copied(
     assert line.startswith("dacp: cannot add ") and "*.gguf" in line
     assert store_files(store_dir) == []
     assert stored().codes("tiny") == []
+
+
+def test_an_event_store_it_cannot_open_copies_nothing_and_says_so_in_one_line(
+    gguf_file: Path,
+    tmp_path: Path,
+    store_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{blocker}/dacp.sqlite3")
+    assert add(str(gguf_file), "--name", "m") == 2
+    [line] = capsys.readouterr().err.splitlines()  # no progress: nothing was copied
+    assert line.startswith("dacp: ") and str(blocker) in line
+    assert store_files(store_dir) == []
+
+
+def test_an_event_store_error_is_one_line_not_a_traceback(
+    var_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def unreachable(args: object) -> object:
+        raise PersistenceError("couldn't get a connection after 2.00 sec")
+
+    monkeypatch.setattr(cli, "_open_app", unreachable)
+    assert unstore("m") == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == "dacp: cannot use the event store: couldn't get a connection after 2.00 sec"
