@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from proto import control_pb2 as pb
-from proto.gguf_metadata import read_gguf_metadata
+from proto.gguf_metadata import GgufMetadata, read_gguf_metadata
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,20 @@ class _CacheEntry:
     layers: int
     context_length: int
     kv_bytes_per_token: int
+
+    @classmethod
+    def describing(cls, stat: os.stat_result, sha256: str, metadata: GgufMetadata) -> _CacheEntry:
+        """The entry of a file as ``stat`` saw it, with its sha256 and GGUF metadata."""
+        return cls(
+            size=stat.st_size,
+            mtime_ns=stat.st_mtime_ns,
+            sha256=sha256,
+            architecture=metadata.architecture,
+            parameters=metadata.parameters,
+            layers=metadata.layers,
+            context_length=metadata.context_length,
+            kv_bytes_per_token=metadata.kv_bytes_per_token,
+        )
 
 
 class HashCache:
@@ -254,16 +268,7 @@ class ModelStore:
         if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             return _with_error(base, "file changed while it was being hashed (still copying?)")
 
-        entry = _CacheEntry(
-            size=before.st_size,
-            mtime_ns=before.st_mtime_ns,
-            sha256=digest,
-            architecture=metadata.architecture,
-            parameters=metadata.parameters,
-            layers=metadata.layers,
-            context_length=metadata.context_length,
-            kv_bytes_per_token=metadata.kv_bytes_per_token,
-        )
+        entry = _CacheEntry.describing(before, digest, metadata)
         self.cache.put(path, entry)
         return _model_from_entry(base, entry)
 
@@ -285,19 +290,7 @@ class ModelStore:
         metadata = read_gguf_metadata(path)
         stat = path.stat()
         self.cache = HashCache(self.cache.path)
-        self.cache.put(
-            path,
-            _CacheEntry(
-                size=stat.st_size,
-                mtime_ns=stat.st_mtime_ns,
-                sha256=sha256,
-                architecture=metadata.architecture,
-                parameters=metadata.parameters,
-                layers=metadata.layers,
-                context_length=metadata.context_length,
-                kv_bytes_per_token=metadata.kv_bytes_per_token,
-            ),
-        )
+        self.cache.put(path, _CacheEntry.describing(stat, sha256, metadata))
         self.cache.save()
 
     def find(self, file_name: str) -> Path | None:

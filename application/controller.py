@@ -430,6 +430,30 @@ class Controller(Application[UUID]):
 
     # --------------------------------------------------------- model commands
 
+    def _model_command(self, name: str, act: Callable[[RegisteredModel], object]) -> CommandResult:
+        """Runs ``act`` on the registered model ``name`` (NotFound when there is none)."""
+
+        def command() -> list[Aggregate]:
+            try:
+                model: RegisteredModel = self.repository.get(model_id(name))
+            except AggregateNotFoundError:
+                raise NotFound("model", name) from None
+            act(model)
+            return [model]
+
+        return CommandResult(self._run(command), model_id(name))
+
+    def _registered(
+        self, name: str, sha256: str, file_name: str, context_size: int, kind: str, pooling: str
+    ) -> RegisteredModel:
+        """The model ``name`` registered with this file, or its registration updated to it."""
+        try:
+            model: RegisteredModel = self.repository.get(model_id(name))
+        except AggregateNotFoundError:
+            return RegisteredModel.register(name, sha256, file_name, context_size, kind, pooling)
+        model.update(sha256, file_name, context_size, kind, pooling)
+        return model
+
     def register_model(
         self,
         name: str,
@@ -442,42 +466,17 @@ class Controller(Application[UUID]):
         """Registers (or updates) a model's API name; identical re-registration is a no-op."""
 
         def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                return [
-                    RegisteredModel.register(name, sha256, file_name, context_size, kind, pooling)
-                ]
-            model.update(sha256, file_name, context_size, kind, pooling)
-            return [model]
+            return [self._registered(name, sha256, file_name, context_size, kind, pooling)]
 
         return CommandResult(self._run(command), model_id(name))
 
     def add_model_source(self, name: str, url: str) -> CommandResult:
         """MODEL_SOURCE_ADDED: an http(s) URL of the model's file (none for a known one)."""
-
-        def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                raise NotFound("model", name) from None
-            model.add_source(url)
-            return [model]
-
-        return CommandResult(self._run(command), model_id(name))
+        return self._model_command(name, lambda model: model.add_source(url))
 
     def remove_model_source(self, name: str, url: str) -> CommandResult:
         """MODEL_SOURCE_REMOVED."""
-
-        def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                raise NotFound("model", name) from None
-            model.remove_source(url)
-            return [model]
-
-        return CommandResult(self._run(command), model_id(name))
+        return self._model_command(name, lambda model: model.remove_source(url))
 
     def store_model(
         self,
@@ -493,14 +492,7 @@ class Controller(Application[UUID]):
         and records that (MODEL_STORED, with the file's shape), in one write."""
 
         def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                model = RegisteredModel.register(
-                    name, sha256, file_name, context_size, kind, pooling
-                )
-            else:
-                model.update(sha256, file_name, context_size, kind, pooling)
+            model = self._registered(name, sha256, file_name, context_size, kind, pooling)
             model.store(
                 size_bytes=int(shape["size_bytes"]),
                 layers=int(shape["layers"]),
@@ -514,16 +506,7 @@ class Controller(Application[UUID]):
 
     def unstore_model(self, name: str) -> CommandResult:
         """MODEL_UNSTORED: the controller's model store no longer holds the model's file."""
-
-        def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                raise NotFound("model", name) from None
-            model.unstore()
-            return [model]
-
-        return CommandResult(self._run(command), model_id(name))
+        return self._model_command(name, lambda model: model.unstore())
 
     # ----------------------------------------------------------- job commands
 

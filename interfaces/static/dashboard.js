@@ -339,20 +339,37 @@ function fileCell(item) {
     }),
   );
 }
-function transferRow(node, id, transfer) {
-  const pct = percentOf(transfer);
-  const nodeName = node.name || short(node.node_id);
-  const sources = (transfer.sources || []).map(sourceName);
+
+// How far a transfer got: a bar, its percentage and bytes. A failed one is marked, its bar
+// frozen where it stopped, with the error; one under way of unknown size has no bar value
+// (an indeterminate bar).
+function progressCell(item, label, failed) {
+  const pct = percentOf(item);
+  const done = size(item.bytes_done);
   const amount =
     pct === null
-      ? `${size(transfer.bytes_done)} so far (size unknown)`
-      : `${size(transfer.bytes_done)} of ${size(transfer.size_bytes)}`;
-  const bar = el("progress", {
-    class: "bar",
-    max: 100,
-    "aria-label": `${transfer.file_name} onto ${nodeName}`,
-  });
-  if (pct !== null) bar.value = pct; // no value: an indeterminate bar (size unknown)
+      ? `${done} ${failed ? "fetched" : "so far"} (size unknown)`
+      : `${done} of ${size(item.size_bytes)}`;
+  const bar = el("progress", { class: "bar", max: 100, "aria-label": label });
+  if (pct !== null || failed) bar.value = pct ?? 0;
+  return el(
+    "td",
+    { class: "progress-cell" },
+    el(
+      "div",
+      { class: "bar-line" },
+      failed ? badge("FAILED") : null,
+      bar,
+      el("span", { class: "percent", text: pct === null ? "" : `${pct}%` }),
+    ),
+    el("span", { class: "sub bytes", text: amount }),
+    failed ? el("span", { class: "sub error", text: item.error || "failed" }) : null,
+  );
+}
+
+function transferRow(node, id, transfer) {
+  const nodeName = node.name || short(node.node_id);
+  const sources = (transfer.sources || []).map(sourceName);
   return el(
     "tr",
     {
@@ -368,17 +385,7 @@ function transferRow(node, id, transfer) {
         : el("span", { class: "sub late", text: "node not connected: stalled" }),
     ),
     fileCell(transfer),
-    el(
-      "td",
-      { class: "progress-cell" },
-      el(
-        "div",
-        { class: "bar-line" },
-        bar,
-        el("span", { class: "percent", text: pct === null ? "" : `${pct}%` }),
-      ),
-      el("span", { class: "sub bytes", text: amount }),
-    ),
+    progressCell(transfer, `${transfer.file_name} onto ${nodeName}`, false),
     sourceCell(sources),
     el("td", { class: "when", text: `started ${clock(transfer.started_at)}` }),
   );
@@ -397,19 +404,9 @@ function sourceCell(sources) {
 
 // A transfer that failed: how far it got, why, and when (it stays until the node has the file).
 function failedTransferRow(node, failure) {
-  const pct = percentOf(failure);
   const nodeName = node.name || short(node.node_id);
   const sources = (failure.sources || []).map(sourceName);
-  const amount =
-    pct === null
-      ? `${size(failure.bytes_done)} fetched (size unknown)`
-      : `${size(failure.bytes_done)} of ${size(failure.size_bytes)}`;
-  const bar = el("progress", {
-    class: "bar",
-    max: 100,
-    "aria-label": `${failure.file_name || "model file"} onto ${nodeName} (failed)`,
-  });
-  bar.value = pct ?? 0;
+  const label = `${failure.file_name || "model file"} onto ${nodeName} (failed)`;
   return el(
     "tr",
     {
@@ -428,19 +425,7 @@ function failedTransferRow(node, failure) {
       }),
     ),
     fileCell(failure),
-    el(
-      "td",
-      { class: "progress-cell" },
-      el(
-        "div",
-        { class: "bar-line" },
-        badge("FAILED"),
-        bar,
-        el("span", { class: "percent", text: pct === null ? "" : `${pct}%` }),
-      ),
-      el("span", { class: "sub bytes", text: amount }),
-      el("span", { class: "sub error", text: failure.error || "failed" }),
-    ),
+    progressCell(failure, label, true),
     sourceCell(sources),
     el("td", {
       class: "when failed-at",

@@ -7,6 +7,7 @@ memory, a fake gateway, a fake clock."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -121,7 +122,13 @@ async def test_an_operators_pull_asks_a_node_whose_fetch_failed_at_once() -> Non
     assert [p.node_id for p in transfers.pull(MODEL, [b])] == [b]
 
 
-def test_the_agent_reports_the_room_its_disk_and_limit_leave(tmp_path: Path) -> None:
+def test_the_agent_reports_the_room_its_disk_and_limit_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk_free = DISK_RESERVE_BYTES + 50_000  # a disk the test controls: 50,000 bytes of room
+    monkeypatch.setattr(
+        "agent.model_fetch.shutil.disk_usage", lambda path: SimpleNamespace(free=disk_free)
+    )
     models = tmp_path / "models"
     models.mkdir()
     (models / "held.gguf").write_bytes(b"x" * 3000)
@@ -131,7 +138,7 @@ def test_the_agent_reports_the_room_its_disk_and_limit_leave(tmp_path: Path) -> 
     assert models_room(models, 3000) == 0
     free = models_room(models, None)
     assert free > 0 and models_room(models, 1 << 60) == free  # the disk is the limit
-    assert free <= __import__("shutil").disk_usage(models).free - DISK_RESERVE_BYTES
+    assert free == disk_free - DISK_RESERVE_BYTES
 
 
 def test_the_room_reaches_the_node_row_only_when_the_agent_says_it() -> None:
