@@ -281,7 +281,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class ControllerMessage(_message.Message):
     FETCH_MODEL_FIELD_NUMBER: _ClassVar[int]
     EVICT_MODEL_FIELD_NUMBER: _ClassVar[int]
     NODES_REVOKED_FIELD_NUMBER: _ClassVar[int]
+    RPC_WORKER_PEERS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -304,7 +305,8 @@ class ControllerMessage(_message.Message):
     fetch_model: FetchModel
     evict_model: EvictModel
     nodes_revoked: NodesRevoked
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ...) -> None: ...
+    rpc_worker_peers: RpcWorkerPeers
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ...) -> None: ...
 
 class NodesRevoked(_message.Message):
     __slots__ = ("node_ids",)
@@ -481,16 +483,34 @@ class ExecutionPlan(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class StartRpcWorker(_message.Message):
-    __slots__ = ("job_id", "host", "port", "allowed_peers")
+    __slots__ = ("job_id", "host", "port", "allowed_peers", "peers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     host: str
     port: int
     allowed_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[RpcPeerAccess]
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[RpcPeerAccess, _Mapping]]] = ...) -> None: ...
+
+class RpcPeerAccess(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RpcWorkerPeers(_message.Message):
+    __slots__ = ("peers", "reason")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[RpcPeerAccess]
+    reason: str
+    def __init__(self, peers: _Optional[_Iterable[_Union[RpcPeerAccess, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StopRpcWorker(_message.Message):
     __slots__ = ("job_id", "reason")
