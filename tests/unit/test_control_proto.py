@@ -52,6 +52,7 @@ def test_controller_message_oneof_members() -> None:
         "fetch_model",
         "evict_model",
         "nodes_revoked",
+        "rpc_worker_peers",
     ]
 
 
