@@ -5,6 +5,7 @@ enrollment with a token unless ``identity.json`` already holds the node's identi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 from typing import Any, cast
@@ -23,10 +24,17 @@ from agent.agent_config import (
     MissingEnrollmentToken,
     parse_controller_url,
 )
-from agent.controller_tls import PinnedCa, fetch_pinned_ca, token_ca_fingerprint
+from agent.controller_tls import (
+    ControllerNotVerified,
+    PinnedCa,
+    fetch_pinned_ca,
+    token_ca_fingerprint,
+    trusted_server_name,
+    verified_server_name,
+)
 from agent.identity import NodeIdentity, load_identity, save_identity
 from agent.resources import Resources
-from proto import AGENT_RECEIVE_BYTES, MAX_CONTROL_MESSAGE_BYTES, keepalive
+from proto import AGENT_RECEIVE_BYTES, CONTROLLER_TLS_NAME, MAX_CONTROL_MESSAGE_BYTES, keepalive
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
@@ -113,8 +121,10 @@ class ControllerChannel:
             pinned = self._pinned
             if pinned is not None:
                 root = pinned.pem.encode()
-                # Trust rests on the pinned CA; the name is the one it issued the cert to.
-                options.append(("grpc.ssl_target_name_override", pinned.server_name))
+                # Trust rests on the pinned CA, and the name is the controller's own: ours,
+                # else (an operator's certificate) the URL's host, which gRPC checks unasked.
+                if pinned.server_name == CONTROLLER_TLS_NAME:
+                    options.append(("grpc.ssl_target_name_override", CONTROLLER_TLS_NAME))
             elif self.config.tls_ca_file is not None:
                 try:
                     root = self.config.tls_ca_file.read_bytes()
@@ -153,8 +163,8 @@ class ControllerChannel:
     async def _ensure_identity(self) -> NodeIdentity:
         stored = load_identity(self.config.data_dir)
         self._target = self._resolve_target(stored)
-        if stored is not None and stored.controller_ca_pem:
-            self._pinned = PinnedCa(stored.controller_ca_pem, stored.tls_server_name)
+        if stored is not None and stored.controller_ca_pem and self._target.secure:
+            stored = await self._verify_stored_pin(stored)
         if stored is not None:
             log.info(
                 "using stored identity: node %s (%s), enrolled %s",
@@ -181,6 +191,45 @@ class ControllerChannel:
         identity = await self._enroll(self.config.enrollment_token)
         self.identity = identity
         return identity
+
+    async def _verify_stored_pin(self, stored: NodeIdentity) -> NodeIdentity:
+        """The stored pin, with a server name the controller is verified under. A name saved
+        before the agent checked whose certificate it was shown (it was read from the
+        presented certificate, and may be a node's) is derived again, from a controller that
+        proves it with a certificate of the pinned CA; until one does, the agent retries with
+        the troubleshooting hint and sends its credential nowhere."""
+        assert self._target is not None
+        target = self._target
+        if trusted_server_name(stored.tls_server_name, target.host):
+            self._pinned = PinnedCa(stored.controller_ca_pem, stored.tls_server_name)
+            return stored
+        log.warning(
+            "identity.json says to verify the controller as %r, a name read from the "
+            "certificate shown at enrollment; verifying %s again",
+            stored.tls_server_name,
+            target.url,
+        )
+        while True:
+            try:
+                name = await asyncio.to_thread(
+                    verified_server_name,
+                    target.host,
+                    target.port,
+                    stored.controller_ca_pem,
+                    self.config.rpc_timeout,
+                )
+            except (OSError, ControllerNotVerified) as exc:
+                unreachable = not isinstance(exc, ControllerNotVerified)
+                await self._retry_pause(
+                    "TLS handshake", ConnectionLost(str(exc), unreachable=unreachable)
+                )
+                continue
+            break
+        self._pinned = PinnedCa(stored.controller_ca_pem, name)
+        verified = dataclasses.replace(stored, tls_server_name=name)
+        save_identity(self.config.data_dir, verified)
+        log.info("verified the controller as %r; identity.json updated", name)
+        return verified
 
     async def _pin_controller_ca(self, token: str) -> None:
         """Pins the CA the token names, from the chain the controller presents (retried

@@ -42,6 +42,9 @@ class NodeIdentity:
     enrolled_at: str  # ISO 8601, UTC
     #: The controller's CA pinned at enrollment (PEM) and the name its certificate is
     #: verified under; empty for a controller reached in plaintext or through system roots.
+    #: The name is ``proto.CONTROLLER_TLS_NAME`` or the controller URL's host (see
+    #: ``agent.controller_tls.controller_names``); any other (identities saved before the
+    #: agent checked it held a name read from the presented certificate) is verified again.
     controller_ca_pem: str = ""
     tls_server_name: str = ""
 

@@ -1,8 +1,9 @@
 """``node-agent``: enroll this machine with the controller and keep its control stream open.
 
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM/SIGHUP/Ctrl+C); 2 with a one-line message for bad
-flags, a refused enrollment token, a rejected stored identity, no token and no identity, or
-missing llama.cpp binaries (unless ``--no-runtime``).
+flags, a refused enrollment token, a controller that fails the pin at enrollment (it shows
+another CA, or a certificate of the pinned CA that is not the controller's), a rejected stored
+identity, no token and no identity, or missing llama.cpp binaries (unless ``--no-runtime``).
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """

@@ -6,8 +6,13 @@ channel and the HTTPS API both use it.
 Agents pin the CA: every enrollment token carries its sha256 fingerprint
 (:attr:`ServerTls.fingerprint`), the agent takes the certificate whose fingerprint matches
 from the chain the controller presents, and from then on verifies the controller against it
-alone. An operator's own certificate (``TLS_CERT_FILE`` + ``TLS_KEY_FILE``, its chain up to the
-CA in the file or in ``TLS_CA_FILE``) replaces the generated one; its CA is then the one pinned.
+alone, under :data:`SERVER_NAME` (else the host it was given, for an operator's certificate).
+The same CA issues every node its certificate (:func:`issue_node_cert`), named for its node:
+no node certificate can ever carry :data:`SERVER_NAME`, so none passes as the controller.
+
+An operator's own certificate (``TLS_CERT_FILE`` + ``TLS_KEY_FILE``, its chain up to the CA in
+the file or in ``TLS_CA_FILE``) replaces the generated one; its CA is then the one pinned, and
+the controller issues no node certificates (it has no CA key).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass
@@ -186,12 +192,26 @@ def issue_server_cert(
 
 #: How long a node certificate is valid (a node asks for a new one at every connect).
 NODE_VALIDITY = dt.timedelta(days=30)
+#: A node id as the controller makes them (a UUID, lowercase): all a node's name may hold.
+_NODE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def node_cert_name(node_id: str) -> str:
+    """``dacp-node-<node id>``, for a node id the controller made; :class:`TlsError` for any
+    other. A node's certificate is a valid server certificate (it serves model files), so its
+    name must never be one a client verifies the controller under: the prefix and the UUID
+    leave no room for :data:`SERVER_NAME`, a wildcard, a dot or anything a caller chose."""
+    if not _NODE_ID.fullmatch(node_id):
+        raise TlsError(f"no certificate for node id {node_id[:64]!r}: not a node id")
+    return node_tls_name(node_id)
 
 
 def issue_node_cert(ca_pem: bytes, ca_key_pem: bytes, node_id: str, csr_pem: bytes) -> bytes:
     """The node's certificate for the key of its signing request: named
     ``dacp-node-<node id>`` (its common name and DNS name), for serving and fetching model
-    files (server and client authentication). Raises :class:`TlsError` for a bad request."""
+    files (server and client authentication). Nothing else of the request is used (not its
+    subject, not its extensions). Raises :class:`TlsError` for a bad request or node id."""
+    name = node_cert_name(node_id)
     try:
         csr = x509.load_pem_x509_csr(csr_pem)
     except ValueError as e:
@@ -202,7 +222,6 @@ def issue_node_cert(ca_pem: bytes, ca_key_pem: bytes, node_id: str, csr_pem: byt
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise TlsError("the controller's CA key is not an EC key")
-    name = node_tls_name(node_id)
     now = _now()
     cert = (
         x509.CertificateBuilder()
