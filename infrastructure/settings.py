@@ -15,6 +15,11 @@ from application.deadlines import (
 )
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
 from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
+from proto.model_file_server import (
+    DEFAULT_CONNECTIONS_PER_ADDRESS,
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_WORKERS,
+)
 
 #: The controller's model store port (an agent's own file server defaults to 50053).
 DEFAULT_MODEL_STORE_PORT = 50054
@@ -125,6 +130,12 @@ class Settings:
     #: Where nodes fetch the store's files (on GRPC_HOST; 0: any free port; None: not served,
     #: MODEL_STORE_PORT=off).
     model_store_port: int | None = DEFAULT_MODEL_STORE_PORT
+    #: Seconds a connection to the store has for its TLS handshake and request head.
+    model_store_handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: Threads sending the store's files at once.
+    model_store_workers: int = DEFAULT_WORKERS
+    #: Connections open at once to the store from one address.
+    model_store_connections_per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
 
     @property
     def model_store_dir(self) -> Path:
@@ -182,6 +193,13 @@ class Settings:
             enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
             model_store_path=_path(env, "MODEL_STORE_DIR"),
             model_store_port=_store_port(env),
+            model_store_handshake_timeout=_float(
+                env, "MODEL_STORE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT
+            ),
+            model_store_workers=_int(env, "MODEL_STORE_WORKERS", DEFAULT_WORKERS),
+            model_store_connections_per_address=_int(
+                env, "MODEL_STORE_CONNECTIONS_PER_ADDRESS", DEFAULT_CONNECTIONS_PER_ADDRESS
+            ),
         )
         try:
             settings.deadlines()
@@ -205,6 +223,12 @@ class Settings:
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")
+        for key, count in (
+            ("MODEL_STORE_WORKERS", settings.model_store_workers),
+            ("MODEL_STORE_CONNECTIONS_PER_ADDRESS", settings.model_store_connections_per_address),
+        ):
+            if count < 1:
+                raise SettingsError(f"{key} must be at least 1, got {count}")
         if settings.offline_after <= settings.degraded_after:
             raise SettingsError(
                 f"OFFLINE_AFTER ({settings.offline_after}) must exceed "

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
-from proto.model_file_server import ModelFileServer
+from proto.model_file_server import ModelFileServer, ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ def start_store_server(
         context,
         tls.ca_pem.decode(),
         store.resolve,
+        ServerLimits(
+            handshake_timeout=settings.model_store_handshake_timeout,
+            workers=settings.model_store_workers,
+            per_address=settings.model_store_connections_per_address,
+        ),
     )
     server.revoke(revoked)
     server.start()
