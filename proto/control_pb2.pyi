@@ -111,7 +111,7 @@ class EnrollResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[str] = ..., controller_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted")
+    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted", "model_proof")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class AgentMessage(_message.Message):
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     MODEL_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PROOF_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     resource_report: ResourceReport
@@ -134,7 +135,8 @@ class AgentMessage(_message.Message):
     goodbye: Goodbye
     model_transfer: ModelTransfer
     model_evicted: ModelEvicted
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ...) -> None: ...
+    model_proof: ModelProof
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ..., model_proof: _Optional[_Union[ModelProof, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_version", "node_id", "csr_pem")
@@ -281,7 +283,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers", "prove_model")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +296,7 @@ class ControllerMessage(_message.Message):
     EVICT_MODEL_FIELD_NUMBER: _ClassVar[int]
     NODES_REVOKED_FIELD_NUMBER: _ClassVar[int]
     RPC_WORKER_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PROVE_MODEL_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -306,7 +309,40 @@ class ControllerMessage(_message.Message):
     evict_model: EvictModel
     nodes_revoked: NodesRevoked
     rpc_worker_peers: RpcWorkerPeers
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ...) -> None: ...
+    prove_model: ProveModel
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ..., prove_model: _Optional[_Union[ProveModel, _Mapping]] = ...) -> None: ...
+
+class ProveModel(_message.Message):
+    __slots__ = ("challenge_id", "model_sha256", "nonce", "ranges")
+    CHALLENGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    challenge_id: str
+    model_sha256: str
+    nonce: bytes
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, challenge_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., nonce: _Optional[bytes] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ModelProof(_message.Message):
+    __slots__ = ("challenge_id", "model_sha256", "digests", "error")
+    CHALLENGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    challenge_id: str
+    model_sha256: str
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    error: str
+    def __init__(self, challenge_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NodesRevoked(_message.Message):
     __slots__ = ("node_ids",)
