@@ -35,6 +35,7 @@ def test_agent_message_oneof_members() -> None:
         "goodbye",
         "model_transfer",
         "model_evicted",
+        "model_proof",
     ]
 
 
@@ -53,6 +54,7 @@ def test_controller_message_oneof_members() -> None:
         "evict_model",
         "nodes_revoked",
         "rpc_worker_peers",
+        "prove_model",
     ]
 
 
