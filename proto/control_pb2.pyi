@@ -369,18 +369,20 @@ class ModelEvicted(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., ok: _Optional[bool] = ..., file_name: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FetchModel(_message.Message):
-    __slots__ = ("transfer_id", "model_sha256", "file_name", "size_bytes", "sources")
+    __slots__ = ("transfer_id", "model_sha256", "file_name", "size_bytes", "sources", "allowed_source_cidrs")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_SOURCE_CIDRS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     model_sha256: str
     file_name: str
     size_bytes: int
     sources: _containers.RepeatedCompositeFieldContainer[TransferSource]
-    def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., file_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[TransferSource, _Mapping]]] = ...) -> None: ...
+    allowed_source_cidrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., file_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[TransferSource, _Mapping]]] = ..., allowed_source_cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransferSource(_message.Message):
     __slots__ = ("node_id", "host", "port", "ticket", "url")
