@@ -13,6 +13,7 @@ from application.deadlines import (
     DEFAULT_STREAM_IDLE_TIMEOUT,
     Deadlines,
 )
+from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
 from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
 from proto.model_file_server import (
@@ -130,6 +131,11 @@ class Settings:
     #: Where nodes fetch the store's files (on GRPC_HOST; 0: any free port; None: not served,
     #: MODEL_STORE_PORT=off).
     model_store_port: int | None = DEFAULT_MODEL_STORE_PORT
+    #: Serve /v1 without AI_API_KEY beyond loopback (``--open-api``, OPEN_API=true); without
+    #: it such a controller refuses to start.
+    open_api: bool = False
+    #: How long a live-feed stream opened with a ticket lasts from the ticket's minting (s).
+    feed_session_seconds: float = DEFAULT_FEED_SESSION_SECONDS
     #: Seconds a connection to the store has for its TLS handshake and request head.
     model_store_handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     #: Threads sending the store's files at once.
@@ -193,6 +199,8 @@ class Settings:
             enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
             model_store_path=_path(env, "MODEL_STORE_DIR"),
             model_store_port=_store_port(env),
+            open_api=_bool(env, "OPEN_API", False),
+            feed_session_seconds=_float(env, "FEED_SESSION_SECONDS", DEFAULT_FEED_SESSION_SECONDS),
             model_store_handshake_timeout=_float(
                 env, "MODEL_STORE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT
             ),

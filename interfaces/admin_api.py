@@ -286,6 +286,10 @@ class AdminRoutes(Routes):
         "/feed-tickets",
         status_code=201,
         summary="A ticket that opens the live event feed for 60 s (?ticket=): no key in URLs",
+        description=(
+            "The feed it opens ends at `session_ends_at` (FEED_SESSION_SECONDS from now): mint"
+            " a new ticket, with the key in the header, to go on."
+        ),
         operation_class=ApiOperation,
         responses={
             **success(FeedTicket, "The ticket and when it expires (unix seconds)", 201),
@@ -293,10 +297,16 @@ class AdminRoutes(Routes):
         },
     )
     async def feed_ticket(self, state: State) -> dict[str, Any]:
-        key = services(state).settings.admin_api_key
-        assert key  # the admin guard let the request in
-        ticket, expires_at = issue_ticket(key, time.time())
-        return {"ticket": ticket, "expires_at": expires_at}
+        settings = services(state).settings
+        assert settings.admin_api_key  # the admin guard let the request in
+        minted = issue_ticket(
+            settings.admin_api_key, time.time(), session_seconds=settings.feed_session_seconds
+        )
+        return {
+            "ticket": minted.ticket,
+            "expires_at": minted.expires_at,
+            "session_ends_at": minted.session_ends_at,
+        }
 
     @post(
         "/enrollment-tokens",

@@ -44,6 +44,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     if args.insecure:
         settings = dataclasses.replace(settings, insecure=True)
+    if args.open_api:
+        settings = dataclasses.replace(settings, open_api=True)
     try:
         event_loop.run(serve_forever(settings))
     except KeyboardInterrupt:
@@ -226,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure",
         action="store_true",
         help="plaintext gRPC and plain HTTP (as GRPC_INSECURE=true): only on a trusted network",
+    )
+    ctl.add_argument(
+        "--open-api",
+        action="store_true",
+        help="serve /v1 without AI_API_KEY on a HOST beyond loopback (as OPEN_API=true): "
+        "anyone who reaches it may use the cluster; without it such a controller refuses to start",
     )
     ctl.set_defaults(func=_cmd_controller)
 

@@ -28,7 +28,7 @@ from domain.node import Node
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
-from infrastructure.settings import Settings
+from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
@@ -79,6 +79,28 @@ INSECURE_WARNING = (
     "node credentials, API keys, prompts and answers cross the network readable by anyone "
     "on it. Use it only on a network you trust completely."
 )
+
+
+def open_api_check(settings: Settings) -> str | None:
+    """Whether /v1 may be served as configured: raises :class:`SettingsError` for an open
+    /v1 beyond loopback (no ``AI_API_KEY``) that was not asked for with ``--open-api``
+    (``OPEN_API=true``); else the warning to give at every start when /v1 is open (None when
+    it wants the key)."""
+    if settings.ai_api_key:
+        return None
+    if is_loopback(settings.host):
+        return "AI_API_KEY is not set: /v1 (the inference API) is open to anyone on this machine"
+    if not settings.open_api:
+        raise SettingsError(
+            f"refusing to serve /v1 on {settings.host} (HOST, not loopback) without AI_API_KEY:"
+            " anyone who reaches it could use every model and node. Set AI_API_KEY, or start"
+            " with --open-api (OPEN_API=true) to serve the inference API to anyone on purpose"
+        )
+    return (
+        f"--open-api (OPEN_API=true) and no AI_API_KEY: /v1, the inference API, is OPEN to anyone"
+        f" who can reach {settings.host}:{settings.port}, with every model and node's compute."
+        " Set AI_API_KEY unless that network is yours alone"
+    )
 
 
 def controller_tls(settings: Settings) -> ServerTls | None:
@@ -180,6 +202,9 @@ async def _reap_workers_forever(reaper: WorkerReaper) -> None:
 
 
 async def start_controller(settings: Settings) -> RunningController:
+    open_api = open_api_check(settings)  # before anything is opened or bound
+    if open_api is not None:
+        log.warning(open_api)
     services, storage = build_services(settings)
     loop = asyncio.get_running_loop()
     # Store writes run in the default pool: as many threads as store connections (pool plus
@@ -436,8 +461,6 @@ def https_files(settings: Settings, tls: ServerTls | None) -> tuple[str, str] | 
 
 
 async def serve_forever(settings: Settings) -> None:
-    if not settings.ai_api_key:
-        log.warning("AI_API_KEY is not set: /v1 (the inference API) is open to anyone")
     if not settings.admin_api_key:
         log.warning("ADMIN_API_KEY is not set: the admin API and dashboard are disabled")
     async with controller(settings) as running:

@@ -14,31 +14,37 @@ is counted (``dacp_event_feed_dropped_total``).
     data: {"position", "time", "code", "aggregate_id", "kind", "state", "version", "summary"}
     event: gap              data: {"dropped": <n>}   (then refresh from the admin API)
     : keepalive             (a comment, every 15 s without traffic)
+    event: session-end      data: {"reason": ...}    (then the stream ends)
 
 Browsers' ``EventSource`` cannot send headers, so this one route also accepts a short-lived
 ticket as ``?ticket=`` (``POST /api/admin/feed-tickets``, see ``application/feed_tickets.py``):
-the admin key itself never goes in a URL.
+the admin key itself never goes in a URL. A stream is authorized again at every wake (a batch,
+a keepalive, and the moment its session ends): one opened with a ticket ends when the ticket's
+session ends (``ready`` says in how many seconds: ``ends_in``), any one ends once the admin key
+it was opened with is no longer the controller's, each with ``event: session-end``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
-from litestar import get
+from litestar import Request, get
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import QueryParameter
 from litestar.response import Stream
 
-from application.feed_tickets import ticket_valid
+from application.feed_tickets import session_end, ticket_valid
 from application.timeline import aggregate_kind, entry_of
 from interfaces.http_auth import bearer, check_admin_key
 from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
@@ -51,6 +57,13 @@ RETRY_MS = 3000
 FEED_KINDS = frozenset({"node", "job", "model", "access"})
 
 FeedMessage = dict[str, Any]
+#: Given the time now (unix s): until when the stream may go on (``math.inf``: no end), or
+#: ``None``: not any more (its ticket's session ended, or the admin key changed).
+Authorization = Callable[[float], float | None]
+SESSION_END_REASON = (
+    "the feed's session is over (its ticket's session ended, or the admin key changed): get a"
+    " new ticket (POST /api/admin/feed-tickets) and open the feed again"
+)
 
 
 def feed_message(position: int, event: object) -> FeedMessage | None:
@@ -221,16 +234,40 @@ def encode(item: FeedMessage | Gap) -> bytes:
     return _sse(item)
 
 
-async def sse_stream(feed: EventFeed, position: int) -> AsyncIterator[bytes]:
+def _always(_now: float) -> float:
+    return math.inf
+
+
+async def sse_stream(
+    feed: EventFeed, position: int, authorization: Authorization = _always
+) -> AsyncIterator[bytes]:
     """The bytes of one feed stream. Subscribes on first iteration, so a stream that is
-    never started holds no queue; unsubscribes however it ends."""
+    never started holds no queue; unsubscribes however it ends. ``authorization`` is asked
+    again at every wake; once it says no, the stream says ``session-end`` and ends (nothing
+    that arrived after that is sent)."""
+
+    def left() -> float | None:
+        now = time.time()
+        until = authorization(now)
+        return None if until is None or until <= now else until - now
+
+    ended = _sse({"reason": SESSION_END_REASON}, "session-end")
     subscription = feed.subscribe()
     try:
-        yield f"retry: {RETRY_MS}\n".encode() + _sse({"position": position}, "ready")
+        remaining = left()
+        if remaining is None:
+            yield ended
+            return
+        ready = {"position": position, "ends_in": None if math.isinf(remaining) else remaining}
+        yield f"retry: {RETRY_MS}\n".encode() + _sse(ready, "ready")
         while True:
             try:
-                batch = await subscription.next_batch(feed.keepalive_seconds)
+                batch = await subscription.next_batch(min(feed.keepalive_seconds, remaining))
             except FeedClosed:
+                return
+            remaining = left()
+            if remaining is None:
+                yield ended
                 return
             yield b"".join(encode(item) for item in batch) if batch else b": keepalive\n\n"
     finally:
@@ -245,6 +282,7 @@ def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
         key = connection.app.state.services.settings.admin_api_key
         if key and ticket_valid(key, ticket, time.time()):
             return
+        # Malformed tickets (not ASCII, too long) are refused like any wrong one.
         connection.app.state.services.auth_failures[("admin", 401)] += 1
         raise ApiError(
             401,
@@ -253,6 +291,22 @@ def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
             code="invalid_ticket",
         )
     check_admin_key(connection, bearer(connection))
+
+
+def feed_authorization(svc: Services, key: str | None, ticket: str | None) -> Authorization:
+    """How a stream opened with the admin key ``key`` (the header) or else ``ticket`` stays
+    authorized: against the controller's admin key as it is at each check."""
+
+    def by_key(_now: float) -> float | None:
+        current = svc.settings.admin_api_key
+        same = bool(current) and hmac.compare_digest((key or "").encode(), (current or "").encode())
+        return math.inf if same else None
+
+    def by_ticket(now: float) -> float | None:
+        current = svc.settings.admin_api_key
+        return session_end(current, ticket or "", now) if current else None
+
+    return by_key if key is not None else by_ticket
 
 
 def _feed(state: State) -> tuple[Services, EventFeed]:
@@ -275,7 +329,11 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
         " read-model position at connect); `event: gap` says how many messages a slow client"
         " lost (refresh from the admin API); a `: keepalive` comment every 15 s when idle."
         " Authenticate with the Bearer header, or, where headers cannot be sent (browsers'"
-        " EventSource), with `?ticket=` from `POST /api/admin/feed-tickets` (valid 60 s)."
+        " EventSource), with `?ticket=` from `POST /api/admin/feed-tickets` (it opens the feed"
+        " for 60 s; the feed ends when the ticket's session ends, FEED_SESSION_SECONDS after it"
+        " was minted: `ready` carries `ends_in` (seconds; null with the header), and"
+        " `event: session-end` comes before the end). Any feed ends, with `session-end`, once"
+        " the admin key it was opened with is no longer the controller's."
     ),
     media_type="text/event-stream",
     operation_class=ApiOperation,
@@ -283,6 +341,7 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
 )
 async def event_stream(
     state: State,
+    request: Request[Any, Any, Any],
     ticket: Annotated[
         str | None,
         QueryParameter(
@@ -294,7 +353,7 @@ async def event_stream(
 ) -> Stream:
     svc, feed = _feed(state)
     return Stream(
-        sse_stream(feed, svc.follower.position),
+        sse_stream(feed, svc.follower.position, feed_authorization(svc, bearer(request), ticket)),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

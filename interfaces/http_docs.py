@@ -297,6 +297,7 @@ class IssuedTokens(TypedDict):
 class FeedTicket(TypedDict):
     ticket: str
     expires_at: int
+    session_ends_at: int
 
 
 class EnrollmentToken(TypedDict):

@@ -9,6 +9,13 @@ const LIVE_LIMIT = 100;
 const NODE_POLL_MS = 5000; // heartbeat ages are live state, not events: poll them
 const JOB_POLL_MS = 15000; // a safety net; events keep the job tables current
 const FEED_RETRY_MS = 3000;
+// A feed opened with a ticket ends when the ticket's session ends (the server says in how
+// long: `ready.ends_in`). The dashboard opens the next one this long before, with a new
+// ticket, and lets the old one go once the new one is ready: no event is lost between them.
+const FEED_RENEW_LEAD_MS = 30000;
+// How long the old feed stays open after the new one is ready (events in flight on it land).
+const FEED_OVERLAP_MS = 1000;
+const FEED_SEEN_LIMIT = 2000;
 
 const $ = (id) => document.getElementById(id);
 
@@ -17,7 +24,10 @@ const state = {
   nodes: new Map(), // node_id -> node view
   jobs: new Map(), // job_id -> job view
   selected: null, // {kind: "node"|"job", id}
-  source: null,
+  source: null, // the live feed's EventSource
+  renewing: null, // the next one, while it opens
+  renewTimer: null,
+  seen: new Set(), // event positions shown: what both feeds carry while renewing, once
   timers: [],
   pending: new Map(), // debounce key -> timeout id
   liveCount: 0,
@@ -662,27 +672,83 @@ function onFeedMessage(message) {
   if (state.selected?.id === id) debounce("timeline", 250, loadTimeline);
 }
 
-async function openFeed() {
-  closeFeed();
-  setFeed("connecting");
+function feedRetry() {
+  setTimeout(() => state.key && !state.source && !state.renewing && openFeed(), FEED_RETRY_MS);
+}
+
+function scheduleRenewal(source, endsIn) {
+  clearTimeout(state.renewTimer);
+  state.renewTimer = null;
+  if (endsIn === null || endsIn === undefined) return; // opened with the key: no end
+  const endsMs = endsIn * 1000;
+  const lead = Math.min(FEED_RENEW_LEAD_MS, endsMs / 4);
+  state.renewTimer = setTimeout(() => {
+    if (state.source === source) openFeed({ renew: true });
+  }, Math.max(0, endsMs - lead));
+}
+
+// Opens the live feed. `renew`: the current one is about to end with its ticket's session;
+// it stays open until the new one is ready, so nothing is missed. `quiet`: a planned reopen,
+// the pill stays as it is.
+async function openFeed({ renew = false, quiet = false } = {}) {
+  if (renew) {
+    if (state.renewing || !state.source) return;
+  } else {
+    closeFeed();
+    if (!quiet) setFeed("connecting");
+  }
   // EventSource cannot send an Authorization header, and the key never goes in a URL: a
-  // ticket minted with the key in the header opens the feed (for 60 s; a reconnect after
-  // that is refused, and lands in onerror below, which mints a new one).
+  // ticket minted with the key in the header opens the feed (for 60 s), for one session.
   let ticket;
   try {
     ticket = (await api("/api/admin/feed-tickets", { method: "POST" })).ticket;
   } catch (error) {
-    setFeed("offline");
     if (error instanceof AuthError) failed(error);
-    else setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS);
+    else if (!renew) {
+      setFeed("offline");
+      feedRetry();
+    } // a renewal: the current feed goes on until its session ends, then is reopened
     return;
   }
-  if (state.source) return; // another open won meanwhile
+  if (!state.key) return; // signed out meanwhile
+  if (renew ? state.renewing || !state.source : state.source || state.renewing) return;
   const source = new EventSource(`/api/admin/events/stream?ticket=${encodeURIComponent(ticket)}`);
-  state.source = source;
-  source.addEventListener("ready", () => {
+  if (renew) state.renewing = source;
+  else state.source = source;
+
+  source.addEventListener("ready", (event) => {
+    const ready = JSON.parse(event.data);
+    if (state.renewing === source) {
+      // The new feed is up; the old one goes. Both were open in between, so every event
+      // reached one of them, and the overlap is skipped by position.
+      state.renewing = null;
+      const previous = state.source;
+      state.source = source;
+      if (previous) setTimeout(() => previous.close(), FEED_OVERLAP_MS);
+      else refreshAll(); // the old one had ended already: re-read what may be missed
+    } else if (state.source === source) {
+      state.seen.clear(); // a fresh start: the tables are re-read
+      refreshAll(); // anything missed while (re)connecting
+    } else {
+      source.close(); // signed out, or superseded meanwhile
+      return;
+    }
     setFeed("live");
-    refreshAll(); // anything missed while (re)connecting
+    scheduleRenewal(source, ready.ends_in);
+  });
+  source.addEventListener("session-end", () => {
+    // The server ended this feed (its ticket's session is over, or the admin key changed):
+    // no automatic reconnect with the spent ticket.
+    source.close();
+    if (state.renewing === source) {
+      state.renewing = null;
+      if (!state.source) openFeed({ quiet: true });
+    } else if (state.source === source) {
+      state.source = null;
+      // A renewal under way takes over when it is ready; else a new ticket, at once. The
+      // new feed's `ready` re-reads the tables: nothing the admin API holds is lost.
+      if (!state.renewing) openFeed({ quiet: true });
+    }
   });
   source.addEventListener("gap", () => {
     toast("The live feed skipped events; refreshed.");
@@ -690,22 +756,34 @@ async function openFeed() {
   });
   source.onmessage = (event) => {
     try {
-      onFeedMessage(JSON.parse(event.data));
+      const message = JSON.parse(event.data);
+      if (state.seen.has(message.position)) return; // shown from the feed it replaces
+      state.seen.add(message.position);
+      if (state.seen.size > FEED_SEEN_LIMIT) state.seen.delete(state.seen.values().next().value);
+      onFeedMessage(message);
     } catch (error) {
       console.error("bad feed message", error);
     }
   };
   source.onerror = () => {
+    if (state.renewing === source) {
+      // The renewal failed: the current feed goes on, and is reopened when it ends.
+      source.close();
+      state.renewing = null;
+      if (!state.source) openFeed({ quiet: true });
+      return;
+    }
     if (state.source !== source) return;
     if (source.readyState === EventSource.CLOSED) {
       // Refused or the controller went away: check the key, then try again.
       setFeed("offline");
       state.source = null;
+      clearTimeout(state.renewTimer);
       api("/api/admin/nodes")
-        .then(() => setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS))
+        .then(feedRetry)
         .catch((error) => {
           if (error instanceof AuthError) failed(error);
-          else setTimeout(() => state.key && !state.source && openFeed(), FEED_RETRY_MS);
+          else feedRetry();
         });
     } else {
       setFeed("reconnecting");
@@ -714,8 +792,11 @@ async function openFeed() {
 }
 
 function closeFeed() {
-  if (state.source) state.source.close();
+  clearTimeout(state.renewTimer);
+  state.renewTimer = null;
+  for (const source of [state.source, state.renewing]) if (source) source.close();
   state.source = null;
+  state.renewing = null;
 }
 
 // ------------------------------------------------------------ sign in / out

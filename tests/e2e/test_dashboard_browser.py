@@ -27,7 +27,7 @@ from tests.conftest import controller_settings
 from tests.integration.control_client import control_target, inventory
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
-from tests.integration.test_job_flow import AI, SHA, register
+from tests.integration.test_job_flow import ADMIN, AI, SHA, register
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -374,3 +374,78 @@ async def test_dashboard_shows_model_transfers_under_way(
     await page.close()
     for agent in (alpha, beta):
         await agent.stop()
+
+
+async def test_the_live_feed_outlives_its_tickets_sessions(
+    pg_schema: str, tmp_path: Path, browser: Browser
+) -> None:
+    """Issue 21, finding 10: a feed opened with a ticket ends when the ticket's session ends
+    (FEED_SESSION_SECONDS, 2 s here). The dashboard opens the next feed with a new ticket
+    before that, and lets the old one go once the new one is ready: events that come all the
+    while are each shown once, none lost, and the pill stays "live". When a renewal cannot get
+    a ticket, the server ends the feed, and the dashboard reopens it at once, still "live"."""
+    expect.set_options(timeout=WAIT_MS)
+    settings = controller_settings(pg_schema, tmp_path, feed_session_seconds=2.0)
+    async with controller(settings) as ctl:
+        base = f"http://127.0.0.1:{ctl.http_port}"
+        live_feed = ctl.services.extras["feed"]
+        page = await browser.new_page(viewport={"width": 1440, "height": 960})
+        problems: list[str] = []
+        page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+        minted: list[int] = []  # the status of each ticket request
+        refuse_next = False
+
+        async def tickets(route: Any) -> None:
+            nonlocal refuse_next
+            if refuse_next:
+                refuse_next = False
+                minted.append(503)
+                await route.fulfill(status=503, json={"error": {"message": "busy"}})
+            else:
+                minted.append(201)
+                await route.continue_()
+
+        await page.route("**/api/admin/feed-tickets", tickets)
+        await page.goto(f"{base}/dashboard")
+        await sign_in(page, "test-admin-key")
+        pill = page.locator("#feed-status")
+        await expect(pill).to_have_text("live")
+        await page.evaluate(
+            """() => {
+              const pill = document.getElementById("feed-status");
+              window.__pills = [];
+              new MutationObserver(() => window.__pills.push(pill.textContent))
+                .observe(pill, { childList: true, characterData: true, subtree: true });
+            }"""
+        )
+        registered = page.locator('#live-events li[data-code="MODEL_REGISTERED"]')
+
+        # Events all through two renewals: each one shown once.
+        count = 0
+        async with httpx.AsyncClient(base_url=base, timeout=20) as client:
+            started = len(minted)
+            while len(minted) < started + 2 or count < 10:
+                count += 1
+                body = {"name": f"m{count}", "sha256": f"{count:064x}", "file_name": "m.gguf"}
+                r = await client.post("/api/admin/models", headers=ADMIN, json=body)
+                assert r.status_code == 201, r.text
+                await asyncio.sleep(0.15)
+            await expect(registered).to_have_count(count)
+            assert len(minted) >= 3 and set(minted) == {201}
+            await wait_for(lambda: live_feed.subscriber_count == 1)
+
+            # The next renewal gets no ticket: the server ends the feed at its session's end,
+            # and the dashboard opens a new one at once.
+            refuse_next, before = True, len(minted)
+            await wait_for(lambda: len(minted) >= before + 2, timeout=15)
+            assert minted[before:] == [503, 201]
+            body = {"name": "late", "sha256": "f" * 64, "file_name": "m.gguf"}
+            r = await client.post("/api/admin/models", headers=ADMIN, json=body)
+            assert r.status_code == 201, r.text
+            await expect(registered).to_have_count(count + 1)
+        await expect(pill).to_have_text("live")
+        pills = await page.evaluate("window.__pills")
+        assert set(pills) == {"live"}, pills
+        assert await page.locator("#toast.bad").count() == 0
+        assert not problems, problems
+        await page.close()

@@ -57,10 +57,11 @@ def namespace() -> Iterator[Namespace]:
 
 @contextlib.contextmanager
 def controller_in(
-    namespace: Namespace, tmp_path: Path, **extra_env: str
+    namespace: Namespace, tmp_path: Path, *, cli_args: tuple[str, ...] = (), **extra_env: str
 ) -> Iterator[dict[str, str]]:
-    """A controller serving HTTPS and gRPC on the namespace's address; yields its environment
-    plus ``URL`` (HTTPS), ``GRPC`` (host:port) and ``CA`` (the CA file)."""
+    """A controller (``dacp controller CLI_ARGS``) serving HTTPS and gRPC on the namespace's
+    address; yields its environment plus ``URL`` (HTTPS), ``GRPC`` (host:port), ``CA`` (the CA
+    file) and ``LOG`` (its output)."""
     port, grpc_port = free_port(), free_port()
     var = tmp_path / f"var-{port}"
     env = {
@@ -78,7 +79,7 @@ def controller_in(
     log_path = var.parent / f"controller-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            namespace.command(sys.executable, "-m", "interfaces.cli", "controller"),
+            namespace.command(sys.executable, "-m", "interfaces.cli", "controller", *cli_args),
             env=env,
             cwd=REPO,
             stdout=log,
@@ -97,7 +98,13 @@ def controller_in(
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
         try:
-            yield {**env, "URL": url, "GRPC": f"{namespace.inside}:{grpc_port}", "CA": str(ca)}
+            yield {
+                **env,
+                "URL": url,
+                "GRPC": f"{namespace.inside}:{grpc_port}",
+                "CA": str(ca),
+                "LOG": str(log_path),
+            }
         finally:
             proc.terminate()
             proc.wait(30)

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from application.feed_tickets import issue_ticket
 from application.ports import LiveNode
 from domain.access_refusal import AccessRefusal
 from infrastructure.metrics import ClusterCollector, ClusterSources, PrometheusMetrics
-from interfaces.event_feed import EventFeed, FeedClosed, Gap, encode, feed_message
+from infrastructure.settings import Settings
+from interfaces.event_feed import (
+    EventFeed,
+    FeedClosed,
+    Gap,
+    encode,
+    feed_authorization,
+    feed_message,
+    sse_stream,
+)
 from tests.unit.domain_builders import job_in, ready_node
 
 
@@ -73,6 +86,59 @@ async def test_events_from_another_thread_arrive_on_the_loop_without_blocking_it
     first = kept[0]
     assert first["kind"] == "node" and first["aggregate_id"] == str(node.id)
     assert first["state"] == "READY" and first["position"] == 2 and first["summary"]
+
+
+async def test_a_stream_ends_with_session_end_when_its_session_runs_out() -> None:
+    feed = EventFeed(keepalive_seconds=5.0)  # the end comes long before any keepalive
+    ends = time.time() + 0.3
+    chunks: list[bytes] = []
+    started = time.monotonic()
+    async for chunk in sse_stream(feed, 7, lambda now: ends if now < ends else None):
+        chunks.append(chunk)
+        if len(chunks) == 1:
+            feed.publish(message(8))
+    elapsed = time.monotonic() - started
+    ready, delivered, ended = chunks
+    assert ready.startswith(b"retry: 3000\nevent: ready\ndata: ")
+    assert orjson.loads(ready.split(b"data: ")[1])["position"] == 7
+    assert 0 < orjson.loads(ready.split(b"data: ")[1])["ends_in"] <= 0.3
+    assert b'"position":8' in delivered
+    assert ended.startswith(b"event: session-end\ndata: ") and b"feed-tickets" in ended
+    assert 0.25 <= elapsed < 2.0, elapsed  # woken at the session's end
+    assert feed.subscriber_count == 0
+
+
+async def test_nothing_that_arrives_after_the_session_is_sent() -> None:
+    feed = EventFeed(keepalive_seconds=5.0)
+    open_ = [True]
+    stream = sse_stream(feed, 1, lambda now: float("inf") if open_[0] else None)
+    assert (await anext(stream)).startswith(b"retry:")
+    open_[0] = False
+    feed.publish(message(2))
+    assert (await anext(stream)).startswith(b"event: session-end")
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+@pytest.mark.parametrize("by", ["key", "ticket"])
+async def test_a_stream_ends_at_its_next_wake_once_the_admin_key_changes(by: str) -> None:
+    svc = SimpleNamespace(settings=Settings(admin_api_key="old-key"))
+    ticket = issue_ticket("old-key", time.time()).ticket
+    authorization = feed_authorization(
+        svc,  # type: ignore[arg-type]
+        "old-key" if by == "key" else None,
+        ticket if by == "ticket" else None,
+    )
+    feed = EventFeed(keepalive_seconds=0.05)
+    stream = sse_stream(feed, 1, authorization)
+    ready = orjson.loads((await anext(stream)).split(b"data: ")[1])
+    assert (ready["ends_in"] is None) == (by == "key")
+    assert await anext(stream) == b": keepalive\n\n"
+    svc.settings = dataclasses.replace(svc.settings, admin_api_key="new-key")
+    assert (await anext(stream)).startswith(b"event: session-end")
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert feed.subscriber_count == 0
 
 
 def test_feed_message_kinds() -> None:

@@ -15,6 +15,13 @@ def test_defaults() -> None:
     assert settings.deadlines() == Deadlines(first_token=300.0, stream_idle=60.0, request=0.0)
 
 
+def test_open_api_and_the_feed_session_from_the_environment() -> None:
+    defaults = Settings.from_env({})
+    assert defaults.open_api is False and defaults.feed_session_seconds == 900.0
+    given = Settings.from_env({"OPEN_API": "true", "FEED_SESSION_SECONDS": "30"})
+    assert given.open_api is True and given.feed_session_seconds == 30.0
+
+
 def test_deadlines_from_the_environment() -> None:
     env = {"FIRST_TOKEN_TIMEOUT": "20", "STREAM_IDLE_TIMEOUT": "5", "REQUEST_TIMEOUT": "600"}
     assert Settings.from_env(env).deadlines() == Deadlines(20.0, 5.0, 600.0)
@@ -30,6 +37,9 @@ def test_deadlines_from_the_environment() -> None:
         ({"DEGRADED_AFTER": "20"}, "OFFLINE_AFTER (15.0) must exceed DEGRADED_AFTER (20.0)"),
         ({"STREAM_IDLE_TIMEOUT": "0"}, "STREAM_IDLE_TIMEOUT must be positive"),
         ({"REQUEST_TIMEOUT": "-1"}, "REQUEST_TIMEOUT must be at least 0 (0: off)"),
+        ({"OPEN_API": "please"}, "OPEN_API must be true or false"),
+        ({"FEED_SESSION_SECONDS": "0"}, "FEED_SESSION_SECONDS must be positive"),
+        ({"FEED_SESSION_SECONDS": "15m"}, "FEED_SESSION_SECONDS must be a number of seconds"),
     ],
 )
 def test_bad_values_are_refused_by_name(env: dict[str, str], message: str) -> None:
