@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
+from agent.model_fetch import FetchLimits
 from proto import (
     DEFAULT_ALLOWED_PEER_CIDRS,
     MEMORY_LIMIT_LABEL,
@@ -188,6 +189,9 @@ class AgentConfig:
     #: The most the models directory's ``*.gguf`` and ``.partial`` files may hold (None: the
     #: disk is the limit); a fetch that would go beyond it is refused.
     models_disk_limit_bytes: int | None = None
+    #: How long one source of a model file may take (``--fetch-deadline``,
+    #: ``--fetch-min-rate``, ``--fetch-rate-window``): then the next source is tried.
+    fetch_limits: FetchLimits = field(default_factory=FetchLimits)
     # build_handler() runs llama.cpp only when asked (the CLI does unless --no-runtime).
     llama_runtime: bool = False
     runtime_log_dir: Path | None = None  # None: <data_dir>/logs

@@ -131,6 +131,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             release=getattr(handler, "release_model", None),
             disk_limit=config.models_disk_limit_bytes,
             node_name=config.node_name,
+            fetch_limits=config.fetch_limits,
         )
         self._channel: grpc.aio.Channel | None = None
         self._dispatch_tasks: set[asyncio.Task[None]] = set()

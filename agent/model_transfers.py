@@ -6,7 +6,10 @@ The node's certificate comes in ``Welcome`` (asked for in ``Hello``); with it th
 models whose sha256 the hash cache knows. A ``FetchModel`` runs in a thread of its own, trying
 its sources in order (:mod:`agent.model_fetch`; ``--models-disk-limit`` caps what the models
 directory may hold), and reports ``ModelTransfer`` STARTED, then
-PROGRESS at each quarter, then COMPLETED or FAILED. A second ``FetchModel`` for a model being
+PROGRESS at each quarter, then COMPLETED or FAILED. A source that announces another size than
+the model's, sends too slowly or takes too long (``--fetch-*``) is given up for the next one; a
+URL source on a refused network (:mod:`proto.model_sources`; ``allowed_source_cidrs`` in
+``FetchModel`` widens it) is never connected to. A second ``FetchModel`` for a model being
 fetched already is answered by the first one's reports.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
@@ -19,11 +22,12 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
-from agent.model_fetch import DiskLimit, Source, TransferError, fetch
+from agent.model_fetch import DiskLimit, FetchLimits, Source, TransferError, fetch
 from agent.model_store import ModelStore
 from agent.node_tls import NodeTls
 from proto import control_pb2 as pb
 from proto.model_file_server import ModelFileServer
+from proto.model_sources import parse_cidrs
 from proto.transfer_ticket import CONTROLLER_SOURCE_ID
 
 log = logging.getLogger(__name__)
@@ -46,8 +50,12 @@ class ModelTransfers:
         *,
         disk_limit: int | None = None,
         node_name: str = "",
+        fetch_limits: FetchLimits | None = None,
     ) -> None:
         self.models_dir = models_dir
+        #: How long one source may take (``--fetch-deadline``, ``--fetch-min-rate``,
+        #: ``--fetch-rate-window``).
+        self.fetch_limits = fetch_limits or FetchLimits()
         #: ``--models-disk-limit`` (None: only the disk's free space counts).
         self.disk_limit = DiskLimit(disk_limit, node_name) if disk_limit else None
         self.tls = NodeTls(data_dir)
@@ -114,6 +122,11 @@ class ModelTransfers:
             await send(_status(msg, pb.ModelTransfer.COMPLETED, msg.size_bytes))
             self.on_model_added()
             return
+        try:
+            allowed = parse_cidrs(msg.allowed_source_cidrs)
+        except ValueError as e:
+            await send(_status(msg, pb.ModelTransfer.FAILED, 0, error=str(e)))
+            return
         self.fetching.add(msg.model_sha256)
         loop = asyncio.get_running_loop()
         reported = [0.0]
@@ -144,6 +157,8 @@ class ModelTransfers:
                         self.tls.client_context(self.ca_pem),
                         progress=progress,
                         limit=self.disk_limit,
+                        limits=self.fetch_limits,
+                        allowed=allowed,
                     )
                 except TransferError as e:
                     error = str(e)

@@ -75,6 +75,9 @@ class FetchRequest:
     file_name: str
     size_bytes: int
     sources: tuple[TransferSource, ...]
+    #: Networks a URL source may be on although agents refuse them by default
+    #: (``MODEL_SOURCE_ALLOWED_CIDRS``).
+    allowed_source_cidrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,12 @@ class TransferCoordinator:
         primary_if_held: PrimaryIfHeld | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_port: int = 0,
+        source_cidrs: tuple[str, ...] = (),
     ) -> None:
         self.app = app
+        #: Networks a URL source may be on although agents refuse them by default
+        #: (``MODEL_SOURCE_ALLOWED_CIDRS``), sent with each fetch.
+        self.source_cidrs = source_cidrs
         self.nodes = nodes
         self.gateway = gateway
         self.signer = signer
@@ -282,7 +286,7 @@ class TransferCoordinator:
         size = self._size(model, holders)
         sources = self._sources(node_id, model, holders)
         request = FetchRequest(
-            str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources
+            str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources, self.source_cidrs
         )
         self.running[request.transfer_id] = (node_id, request)
         self.uploads[sources[0].node_id] += 1  # a URL counts under "" and is never sorted

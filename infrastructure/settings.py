@@ -21,6 +21,7 @@ from proto.model_file_server import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_WORKERS,
 )
+from proto.model_sources import parse_cidrs
 
 #: The controller's model store port (an agent's own file server defaults to 50053).
 DEFAULT_MODEL_STORE_PORT = 50054
@@ -142,6 +143,9 @@ class Settings:
     model_store_workers: int = DEFAULT_WORKERS
     #: Connections open at once to the store from one address.
     model_store_connections_per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
+    #: Networks a model's http(s) source may be on although they are refused by default
+    #: (loopback, link-local, metadata: proto/model_sources.py); agents get them in FetchModel.
+    model_source_allowed_cidrs: tuple[str, ...] = ()
 
     @property
     def model_store_dir(self) -> Path:
@@ -208,6 +212,9 @@ class Settings:
             model_store_connections_per_address=_int(
                 env, "MODEL_STORE_CONNECTIONS_PER_ADDRESS", DEFAULT_CONNECTIONS_PER_ADDRESS
             ),
+            model_source_allowed_cidrs=tuple(
+                c.strip() for c in env.get("MODEL_SOURCE_ALLOWED_CIDRS", "").split(",") if c.strip()
+            ),
         )
         try:
             settings.deadlines()
@@ -231,6 +238,10 @@ class Settings:
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")
+        try:
+            parse_cidrs(settings.model_source_allowed_cidrs)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
         for key, count in (
             ("MODEL_STORE_WORKERS", settings.model_store_workers),
             ("MODEL_STORE_CONNECTIONS_PER_ADDRESS", settings.model_store_connections_per_address),

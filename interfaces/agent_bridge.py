@@ -53,6 +53,7 @@ class ProtoAgentGateway:
                 )
                 for s in request.sources
             ],
+            allowed_source_cidrs=list(request.allowed_source_cidrs),
         )
         return self.connections.send(node_id, pb.ControllerMessage(fetch_model=fetch))
 

@@ -167,7 +167,14 @@ def _admin_post(url: str, path: str, body: dict[str, object], expected: int) -> 
 def _cmd_models_source(args: argparse.Namespace) -> int:
     from application.errors import NotFound
     from domain.errors import DomainError
+    from proto.model_sources import SourceRefused, check_url, parse_cidrs
 
+    if args.action == "add":  # what the admin API checks (nodes check again before a fetch)
+        allowed = parse_cidrs(Settings.from_env().model_source_allowed_cidrs)
+        try:
+            check_url(args.url, allowed)
+        except SourceRefused as e:
+            raise CliError(f"cannot add the source of {args.name}: {e}") from e
     app = _open_app(args)
     try:
         if args.action == "add":

@@ -262,6 +262,7 @@ async def start_controller(settings: Settings) -> RunningController:
         ticket_signer(services.tls.ca_key_pem if services.tls else None),
         primary_if_held=primary_if_held,
         store_port=store_server.port if store_server is not None else 0,
+        source_cidrs=settings.model_source_allowed_cidrs,
     )
     jobs = JobManager(
         services.app,

@@ -37,6 +37,10 @@ from interfaces.http_docs import (
 )
 from interfaces.http_errors import ApiError, not_running
 from interfaces.openai_fields import INVALID_COMBINATION
+from proto.model_sources import SourceRefused, check_url, parse_cidrs
+
+#: The error code of a model source on a refused address.
+SOURCE_REFUSED = "source_refused"
 
 
 class ModelRegistration(msgspec.Struct):
@@ -81,6 +85,14 @@ class ModelSource(msgspec.Struct):
 
     model: Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
     url: Annotated[str, msgspec.Meta(pattern=SOURCE_URL_PATTERN, max_length=MAX_URL_CHARS)]
+
+
+async def _check_source(allowed_cidrs: tuple[str, ...], url: str) -> None:
+    """400 ``source_refused`` for a URL nodes would refuse to fetch from (resolved here)."""
+    try:
+        await asyncio.to_thread(check_url, url, parse_cidrs(allowed_cidrs))
+    except SourceRefused as e:
+        raise ApiError(400, str(e), param="url", code=SOURCE_REFUSED) from e
 
 
 class ModelEviction(msgspec.Struct):
@@ -229,7 +241,17 @@ class AdminModelRoutes(Routes):
         operation_class=ApiOperation,
         responses={
             **success(RegisteredModelRow, "The model with its sources", 201),
-            **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown model (`model_not_found`)"), 503),
+            **errors(
+                (
+                    400,
+                    "A malformed URL, or one whose host is (or resolves to) a loopback, "
+                    "link-local, cloud metadata, unspecified or multicast address outside "
+                    "MODEL_SOURCE_ALLOWED_CIDRS (`source_refused`)",
+                ),
+                *ADMIN_KEY_ERRORS,
+                (404, "Unknown model (`model_not_found`)"),
+                503,
+            ),
         },
     )
     async def add_source(self, state: State, data: JSONBody[ModelSource]) -> dict[str, Any]:
@@ -259,6 +281,8 @@ class AdminModelRoutes(Routes):
             raise ApiError(
                 404, f"model {data.model} has no source {data.url}", code="model_not_found"
             )
+        if add:
+            await _check_source(svc.settings.model_source_allowed_cidrs, data.url)
         command = svc.app.add_model_source if add else svc.app.remove_model_source
         result = await asyncio.to_thread(command, data.model, data.url)
         await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)

@@ -23,9 +23,12 @@ from agent.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, part
 from agent.node_tls import NodeTls
 from infrastructure.tls import issue_node_cert, load_or_create
 from proto.model_file_server import ModelFileServer
+from proto.model_sources import parse_cidrs
 from proto.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
 
 SIZE = 24 << 20
+#: The url sources here are on loopback: what MODEL_SOURCE_ALLOWED_CIDRS=127.0.0.0/8 allows.
+LOOPBACK = parse_cidrs(["127.0.0.0/8"])
 
 
 @dataclass
@@ -110,15 +113,13 @@ def test_a_corrupted_byte_is_detected_and_the_file_fetched_again(
     dest = tmp_path / "b-models" / "model.gguf"
     dest.parent.mkdir()
     damaged = bytearray(pair.path.read_bytes()[: 8 << 20])
-    damaged[12345] ^= 0xFF
+    damaged[12345] ^= 0xFF  # what an earlier source (one that lied, say) left behind
     partial_path(dest).write_bytes(bytes(damaged))
     context = pair.b_tls.client_context(pair.ca_pem)
-    with pytest.raises(TransferError, match="does not match its sha256") as failed:
-        fetch(pair.source(), pair.sha256, SIZE, dest, context)
-    assert failed.value.retry
-    assert not dest.exists() and not partial_path(dest).exists()
-    fetch(pair.source(), pair.sha256, SIZE, dest, context)  # the retry starts over
+    # The resumed file does not match: the partial file goes, and this source starts over.
+    fetch(pair.source(), pair.sha256, SIZE, dest, context)
     assert hashlib.sha256(dest.read_bytes()).hexdigest() == pair.sha256
+    assert pair.server.bytes_sent == (SIZE - (8 << 20)) + SIZE
 
 
 @pytest.fixture
@@ -231,8 +232,26 @@ def test_a_model_is_fetched_from_an_http_source_its_size_learnt_and_resumed(
     dest.parent.mkdir()
     partial_path(dest).write_bytes(pair.path.read_bytes()[: 5 << 20])  # a cut attempt
     source = Source("", "", 0, "", url_server)
-    fetch(source, pair.sha256, 0, dest, pair.b_tls.client_context(pair.ca_pem))
+    context = pair.b_tls.client_context(pair.ca_pem)
+    fetch(source, pair.sha256, 0, dest, context, allowed=LOOPBACK)
     assert dest.read_bytes() == pair.path.read_bytes()
     bad = Source("", "", 0, "", "http://127.0.0.1:99999/model.gguf")  # no such port
     with pytest.raises(TransferError, match="cannot reach"):
-        fetch(bad, pair.sha256, 0, tmp_path / "c" / "model.gguf", ssl.create_default_context())
+        fetch(
+            bad,
+            pair.sha256,
+            0,
+            tmp_path / "c" / "model.gguf",
+            ssl.create_default_context(),
+            allowed=LOOPBACK,
+        )
+    # A source whose own bytes do not match fails (the next may not), leaving nothing behind.
+    other = tmp_path / "e" / "model.gguf"
+    with pytest.raises(TransferError, match="does not match its sha256") as failed:
+        fetch(source, "0" * 64, 0, other, context, allowed=LOOPBACK)
+    assert failed.value.retry and not other.exists() and not partial_path(other).exists()
+    # Without the operator's word, a source on loopback is not even connected to.
+    again = tmp_path / "d" / "model.gguf"
+    with pytest.raises(TransferError, match=r"loopback address.*MODEL_SOURCE_ALLOWED_CIDRS"):
+        fetch(source, pair.sha256, 0, again, context)
+    assert not again.exists() and not partial_path(again).exists()

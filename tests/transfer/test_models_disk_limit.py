@@ -14,7 +14,7 @@ from agent.model_fetch import DiskLimit, Source, TransferError, fetch, partial_p
 from agent.model_transfers import ModelTransfers
 from proto import control_pb2 as pb
 from tests.transfer import test_model_transfer as base
-from tests.transfer.test_model_transfer import SIZE, Pair
+from tests.transfer.test_model_transfer import LOOPBACK, SIZE, Pair
 
 #: The fixtures of the other transfer tests: node A serving a model, an http(s) source of it.
 pair = base.pair
@@ -27,7 +27,9 @@ def _refused(pair: Pair, dest: Path, limit: DiskLimit, source: Source | None = N
     context = pair.b_tls.client_context(pair.ca_pem)
     size = 0 if source is not None else SIZE
     with pytest.raises(TransferError) as refused:
-        fetch(source or pair.source(), pair.sha256, size, dest, context, limit=limit)
+        fetch(
+            source or pair.source(), pair.sha256, size, dest, context, limit=limit, allowed=LOOPBACK
+        )
     assert not refused.value.retry  # another source would not fit either
     assert not dest.exists() and not partial_path(dest).exists()
     return str(refused.value)
@@ -122,7 +124,8 @@ def test_a_url_source_is_checked_once_its_answer_gives_the_size(
     assert message.startswith(f"model.gguf needs {SIZE} bytes (24.0 MiB), beyond")
     assert os.listdir(models) == []
     limit = DiskLimit(SIZE)
-    fetch(source, pair.sha256, 0, dest, pair.b_tls.client_context(pair.ca_pem), limit=limit)
+    context = pair.b_tls.client_context(pair.ca_pem)
+    fetch(source, pair.sha256, 0, dest, context, limit=limit, allowed=LOOPBACK)
     assert dest.read_bytes() == pair.path.read_bytes()
 
 
