@@ -267,9 +267,11 @@ class _Watchdog:
         """The connection to cut (its descriptor: the same once TLS wraps it)."""
         with self._lock:
             self._fd = sock.fileno()
-            why = self.why
-        if why is not None:  # cut before the socket was known
-            raise TransferError(why)
+
+    def forget(self) -> None:
+        """Before the watched socket is closed (its descriptor may then be reused)."""
+        with self._lock:
+            self._fd = -1
 
     def _watch(self) -> None:
         limits = self.limits
@@ -300,18 +302,24 @@ class _Watchdog:
             if self._done.is_set():
                 return
             self.why = why
-            if self._fd >= 0:
+            if self._fd < 0:
+                return
+            try:
                 sock = socket.socket(fileno=self._fd)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                finally:
-                    sock.detach()
+            except OSError:
+                return
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.detach()
 
     def stop(self) -> None:
+        """Before the connection is closed: no cut after this returns."""
         with self._lock:
             self._done.set()
+            self._fd = -1
         self._thread.join()
 
 
@@ -326,14 +334,37 @@ def _open_socket(
             sock.settimeout(timeout)
             watch.watch(sock)
             sock.connect(sockaddr)
+            if watch.why is not None:  # cut while connecting
+                raise OSError(watch.why)
             return sock
         except OSError as e:
+            watch.forget()
             sock.close()
             error = e
         except BaseException:
+            watch.forget()
             sock.close()
             raise
     raise error
+
+
+def _handshake(
+    context: ssl.SSLContext, sock: socket.socket, name: str, watch: _Watchdog
+) -> ssl.SSLSocket:
+    """TLS over ``sock`` (the same descriptor, still watched); closed when it fails."""
+    try:
+        secure = context.wrap_socket(sock, server_hostname=name, do_handshake_on_connect=False)
+    except BaseException:
+        watch.forget()
+        sock.close()
+        raise
+    try:
+        secure.do_handshake()
+    except BaseException:
+        watch.forget()
+        secure.close()
+        raise
+    return secure
 
 
 def _connect_url(
@@ -347,13 +378,14 @@ def _connect_url(
         path += "?" + parts.query
     host, port, addresses = resolve(url, allowed)
     sock = _open_socket([(a.family, a.sockaddr) for a in addresses], timeout, watch)
-    try:
-        if parts.scheme == "https":
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-    except BaseException:
-        sock.close()
-        raise
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    connection: http.client.HTTPConnection
+    if parts.scheme == "https":
+        context = ssl.create_default_context()
+        sock = _handshake(context, sock, host, watch)
+        # Connected already (never connect() again): the class only gives the Host header.
+        connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+    else:
+        connection = http.client.HTTPConnection(host, port, timeout=timeout)
     connection.sock = sock
     return connection, path
 
@@ -363,11 +395,7 @@ def _connect(
 ) -> http.client.HTTPConnection:
     infos = socket.getaddrinfo(source.host, source.port, type=socket.SOCK_STREAM)
     raw = _open_socket([(info[0], info[4]) for info in infos], timeout, watch)
-    try:
-        secure = context.wrap_socket(raw, server_hostname=source_tls_name(source.node_id))
-    except BaseException:
-        raw.close()
-        raise
+    secure = _handshake(context, raw, source_tls_name(source.node_id), watch)
     connection = http.client.HTTPConnection(source.host, source.port, timeout=timeout)
     connection.sock = secure
     return connection
@@ -524,6 +552,7 @@ def _fetch(
             cut = f"transfer from {source.label} cut after {held} bytes: {_describe(e)}"
             raise TransferError(cut) from e
         finally:
+            watch.stop()  # before the close: the descriptor is not cut once reused
             connection.close()
     finally:
         watch.stop()

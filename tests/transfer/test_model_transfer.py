@@ -21,14 +21,15 @@ import pytest
 
 from agent.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, partial_path
 from agent.node_tls import NodeTls
-from infrastructure.tls import issue_node_cert, load_or_create
+from infrastructure.tls import issue_node_cert, issue_server_cert, load_or_create
 from proto.model_file_server import ModelFileServer
 from proto.model_sources import parse_cidrs
 from proto.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
+from tests.transfer.http_sources import SERVE, http_source
 
 SIZE = 24 << 20
-#: The url sources here are on loopback: what MODEL_SOURCE_ALLOWED_CIDRS=127.0.0.0/8 allows.
-LOOPBACK = parse_cidrs(["127.0.0.0/8"])
+#: The url sources here are on loopback: what MODEL_SOURCE_ALLOWED_CIDRS=127.0.0.0/8,::1 allows.
+LOOPBACK = parse_cidrs(["127.0.0.0/8", "::1/128"])
 
 
 @dataclass
@@ -255,3 +256,44 @@ def test_a_model_is_fetched_from_an_http_source_its_size_learnt_and_resumed(
     with pytest.raises(TransferError, match=r"loopback address.*MODEL_SOURCE_ALLOWED_CIDRS"):
         fetch(source, pair.sha256, 0, again, context)
     assert not again.exists() and not partial_path(again).exists()
+
+
+def test_an_https_source_is_verified_under_its_host_at_the_address_checked(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """https against the system's CAs (here the test's CA, as SSL_CERT_FILE), the name
+    verified being the URL's host although the connection goes to the address resolved."""
+    tls = load_or_create(tmp_path / "https-ca")
+    assert tls.ca_key_pem is not None
+    cert, key = issue_server_cert(tls.ca_pem, tls.ca_key_pem, ["localhost"], ["127.0.0.1"])
+    (tmp_path / "server.pem").write_bytes(cert)
+    (tmp_path / "server.key").write_bytes(key)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(tmp_path / "server.pem", tmp_path / "server.key")
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls.ca_file))
+    data = pair.path.read_bytes()
+    with http_source(data, SERVE, server) as source:
+        for host in ("127.0.0.1", "localhost"):
+            url = f"https://{host}:{source.port}/models/model.gguf"
+            dest = tmp_path / host / "model.gguf"
+            fetch(
+                Source("", "", 0, "", url),
+                pair.sha256,
+                0,
+                dest,
+                ssl.create_default_context(),
+                allowed=LOOPBACK,
+            )
+            assert dest.read_bytes() == data
+        assert source.requests == 2
+        # A name the certificate does not carry is refused (verified, not just encrypted).
+        other = f"https://127.0.0.2:{source.port}/models/model.gguf"
+        with pytest.raises(TransferError, match="cannot reach"):
+            fetch(
+                Source("", "", 0, "", other),
+                pair.sha256,
+                0,
+                tmp_path / "other" / "model.gguf",
+                ssl.create_default_context(),
+                allowed=LOOPBACK,
+            )
