@@ -343,6 +343,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             self.transfers.welcomed(
                 welcome.node_certificate_pem, identity.controller_ca_pem, welcome.revoked_node_ids
             )
+        self._nodes_revoked(welcome.revoked_node_ids)
         # Before anything else goes out on the new stream: what the controller missed.
         self._resume_jobs(conn, welcome)
         self._conn = conn

@@ -5,7 +5,7 @@ common replies."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from proto import control_pb2 as pb
@@ -45,6 +45,17 @@ class ControlHandler(Protocol):
     def active_job_ids(self) -> list[str]: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RpcPeerHandler(Protocol):
+    """What a handler that runs an RPC worker also hears: who may reach the worker now that a
+    job using it ended (``RpcWorkerPeers``), and which nodes were revoked (``NodesRevoked`` and
+    ``Welcome.revoked_node_ids``: their addresses are refused at once)."""
+
+    async def on_rpc_worker_peers(self, msg: pb.RpcWorkerPeers, send: Send) -> None: ...
+
+    async def on_nodes_revoked(self, node_ids: Sequence[str]) -> None: ...
 
 
 NO_RUNTIME = "no runtime configured"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import grpc.aio
 
 from agent.control_handler import (
     ControlHandler,
+    RpcPeerHandler,
     job_failure,
     role_name,
     setup_failure,
@@ -109,8 +110,12 @@ class JobTraffic:
         elif kind == "evict_model":
             coro = self.transfers.on_evict(message.evict_model, send)
         elif kind == "nodes_revoked":
-            self.transfers.revoke(message.nodes_revoked.node_ids)
+            self._nodes_revoked(message.nodes_revoked.node_ids)
             return
+        elif kind == "rpc_worker_peers":
+            if not isinstance(handler, RpcPeerHandler):
+                return
+            coro = handler.on_rpc_worker_peers(message.rpc_worker_peers, send)
         elif kind == "cancel_job":
             coro = handler.on_cancel(message.cancel_job, send)
         elif kind == "drain":
@@ -137,6 +142,23 @@ class JobTraffic:
         task = asyncio.create_task(self._run_handler(kind, message, coro))
         self._dispatch_tasks.add(task)
         task.add_done_callback(self._dispatch_tasks.discard)
+
+    def _nodes_revoked(self, node_ids: Sequence[str]) -> None:
+        """Revoked nodes: refused by the model file server and the RPC worker at once."""
+        if not node_ids:
+            return
+        self.transfers.revoke(node_ids)
+        handler = self.handler
+        if isinstance(handler, RpcPeerHandler):
+            task = asyncio.create_task(self._revoke_rpc_peers(handler, list(node_ids)))
+            self._dispatch_tasks.add(task)
+            task.add_done_callback(self._dispatch_tasks.discard)
+
+    async def _revoke_rpc_peers(self, handler: RpcPeerHandler, node_ids: list[str]) -> None:
+        try:
+            await handler.on_nodes_revoked(node_ids)
+        except Exception:
+            log.exception("handler failed on revoked nodes %s", node_ids)
 
     async def _run_handler(
         self, kind: str, message: pb.ControllerMessage, coro: Coroutine[Any, Any, None]

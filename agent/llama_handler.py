@@ -2,14 +2,18 @@
 
 Downlink messages and what this handler does with them:
 
-* ``StartRpcWorker{host, port, allowed_peers}`` — make sure the node's single
-  ``ggml-rpc-server`` runs on exactly ``host:port`` and lets in ``allowed_peers`` only (its
+* ``StartRpcWorker{host, port, peers}`` — make sure the node's single
+  ``ggml-rpc-server`` runs on exactly ``host:port`` and lets in exactly ``peers`` (its
   accept filter, ``agent/rpc_filter.py``, or where that cannot load the copying guard,
   ``agent/rpc_guard.py``; see ``agent/rpc_host.py``; reused when already alive there; a dead
   one or one on another address is replaced) and answer
   ``RpcWorkerStatus`` ``STARTED`` or ``FAILED`` with the reason (a wildcard or public bind
-  address is refused). The worker keeps running across jobs so a warm ``llama-server`` on a
-  primary keeps its connection. ``StopRpcWorker`` stops it (``STOPPED``).
+  address is refused). The set replaces the one before, and a connection still open from an
+  address it leaves out is closed. The worker keeps running across jobs so a warm
+  ``llama-server`` on a primary keeps its connection. ``RpcWorkerPeers`` (a job using it
+  ended) replaces the set without touching open connections; ``NodesRevoked`` takes the
+  revoked nodes' addresses out and closes their connections at once. ``StopRpcWorker`` stops
+  it (``STOPPED``).
 * ``ExecutionPlan`` with role ``PRIMARY`` — setup and validation, answered by one
   ``SetupResult``: the model file is looked up by name in the models dir (``MODEL_NOT_FOUND``),
   its sha256 checked against the plan through the model store's hash cache
@@ -163,6 +167,7 @@ class LlamaHandler(RpcWorkerHost):
         #: Who may reach this node's RPC worker (:mod:`agent.rpc_host`).
         self._guard: WorkerGate | None = None
         self._worker_lock = threading.Lock()
+        self._revoked_peers: set[str] = set()
         # Jobs holding the llama-server (from setup until their generation ends) and its spec.
         self._server_users = 0
         self._server_spec: ServerSpec | None = None

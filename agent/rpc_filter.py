@@ -9,11 +9,12 @@ worker listens on the node's LAN address; accepted connections are its own socke
 traffic (a round trip per token in split decode) crosses nothing extra.
 
 The file starts empty (nobody gets in) and lists only addresses inside the agent's
-``ALLOWED_PEER_CIDRS``; :meth:`PeerFilter.verify` checks, from ``/proc``, that the filter is
-really mapped into the worker before the agent reports it ready (a library the dynamic loader
-could not load would otherwise leave the worker open). Where the filter cannot be used (not
-Linux, no C compiler at build time), the agent falls back to the copying guard
-(:mod:`agent.rpc_guard`).
+``ALLOWED_PEER_CIDRS``. Every ``StartRpcWorker`` (and ``RpcWorkerPeers``) names the exact set,
+which replaces the file; a revoked node's addresses leave it at once (:class:`PeerSet`).
+:meth:`PeerFilter.verify` checks, from ``/proc``, that the filter is really mapped into the
+worker before the agent reports it ready (a library the dynamic loader could not load would
+otherwise leave the worker open). Where the filter cannot be used (not Linux, no C compiler at
+build time), the agent falls back to the copying guard (:mod:`agent.rpc_guard`).
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -25,7 +26,8 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,38 @@ def admissible(addresses: Iterable[str], cidrs: Sequence[str], endpoint: str) ->
     return admitted
 
 
+#: A peer as the controller names it: (node id, address); the node id may be "" (unknown).
+NamedPeer = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class PeerSet:
+    """The addresses a worker's gate lets in, each with the nodes it was named for (so that a
+    node's revocation takes its addresses out)."""
+
+    owners: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        return frozenset(self.owners)
+
+    @classmethod
+    def of(cls, peers: Iterable[NamedPeer], cidrs: Sequence[str], endpoint: str) -> PeerSet:
+        """Exactly ``peers`` that lie inside ``cidrs`` (the others are logged), as the gate
+        compares them (:func:`canonical`)."""
+        owners: dict[str, set[str]] = {}
+        for node_id, address in peers:
+            for admitted in admissible((address,), cidrs, endpoint):
+                owners.setdefault(admitted, set()).add(node_id)
+        return cls({address: frozenset(nodes) for address, nodes in owners.items()})
+
+    def without_nodes(self, node_ids: Iterable[str]) -> PeerSet:
+        """This set less every address named for one of ``node_ids`` (another node named at
+        the same address loses it too: the gate tells peers apart by address only)."""
+        gone = set(node_ids) - {""}
+        return PeerSet({a: n for a, n in self.owners.items() if not n & gone})
+
+
 class PeerFilter:
     """The worker on ``host:port`` and the file of addresses its accept filter lets in."""
 
@@ -93,23 +127,38 @@ class PeerFilter:
         self.library = library
         self.peers_file = peers_file
         self.cidrs = tuple(cidrs)
-        #: The addresses that may connect (the primaries using the worker).
-        self.allowed: set[str] = set()
+        #: Who may connect (the primaries using the worker), by address.
+        self.peers = PeerSet()
         self._write()
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def allowed(self) -> frozenset[str]:
+        """The addresses that may connect."""
+        return self.peers.addresses
+
     def env(self) -> dict[str, str]:
         """What the worker is started with."""
         return {"LD_PRELOAD": str(self.library), ALLOWED_PEERS_ENV: str(self.peers_file)}
 
-    def allow(self, addresses: Iterable[str]) -> None:
-        """Lets ``addresses`` in too; an address outside the agent's CIDRs is refused (logged)."""
-        admitted = admissible(addresses, self.cidrs, self.endpoint)
-        if not admitted <= self.allowed:
-            self.allowed |= admitted
+    def admit_only(self, peers: Iterable[NamedPeer]) -> None:
+        """From now on exactly ``peers`` may connect (an address outside the agent's CIDRs is
+        refused, logged); whoever was let in before and is not named is refused."""
+        self._set(PeerSet.of(peers, self.cidrs, self.endpoint))
+
+    def revoke(self, node_ids: Iterable[str]) -> frozenset[str]:
+        """Refuses the addresses named for ``node_ids`` at once; returns them."""
+        before = self.allowed
+        self._set(self.peers.without_nodes(node_ids))
+        return before - self.allowed
+
+    def _set(self, peers: PeerSet) -> None:
+        changed = peers.addresses != self.allowed
+        self.peers = peers
+        if changed:
             self._write()
 
     def verify(self, pid: int) -> None:
@@ -123,7 +172,7 @@ class PeerFilter:
 
     async def close(self) -> None:
         """Empties the file (nobody gets in) and removes it; the worker is stopped apart."""
-        self.allowed = set()
+        self.peers = PeerSet()
         self._write()
         self.peers_file.unlink(missing_ok=True)
 

@@ -23,7 +23,7 @@ import socket
 import threading
 from collections.abc import Iterable, Sequence
 
-from agent.rpc_filter import admissible, canonical
+from agent.rpc_filter import NamedPeer, PeerSet, canonical
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 
 
-def _listed(address: str, allowed: set[str]) -> bool:
+def _listed(address: str, allowed: frozenset[str]) -> bool:
     try:
         return canonical(address) in allowed
     except ValueError:
@@ -76,23 +76,54 @@ class RpcGuard:
     ) -> None:
         self.host, self.port, self.backend = host, port, backend
         self.cidrs = tuple(cidrs)
-        #: The addresses that may connect (the primaries using the worker).
-        self.allowed: set[str] = set()
+        #: Who may connect (the primaries using the worker), by address.
+        self.peers = PeerSet()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        #: Accepted connections: client socket → (peer address, backend socket).
+        self._clients: dict[socket.socket, tuple[str, socket.socket]] = {}
         self._closed = False
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def allow(self, addresses: Iterable[str]) -> None:
-        """Lets ``addresses`` in too; an address outside the agent's CIDRs is refused (logged)."""
-        admitted = admissible(addresses, self.cidrs, self.endpoint)
+    @property
+    def allowed(self) -> frozenset[str]:
+        """The addresses that may connect."""
+        return self.peers.addresses
+
+    def admit_only(self, peers: Iterable[NamedPeer]) -> None:
+        """From now on exactly ``peers`` may connect (an address outside the agent's CIDRs is
+        refused, logged); whoever was let in before and is not named is refused."""
+        admitted = PeerSet.of(peers, self.cidrs, self.endpoint)
         with self._lock:
-            self.allowed = self.allowed | admitted
+            self.peers = admitted
+
+    def revoke(self, node_ids: Iterable[str]) -> frozenset[str]:
+        """Refuses the addresses named for ``node_ids`` at once; returns them."""
+        with self._lock:
+            before = self.peers.addresses
+            self.peers = self.peers.without_nodes(node_ids)
+            return before - self.peers.addresses
+
+    def connected(self) -> set[str]:
+        """The addresses with a connection open through the guard."""
+        with self._lock:
+            return {address for address, _ in self._clients.values()}
+
+    def disconnect(self, addresses: Iterable[str]) -> int:
+        """Closes every open connection from ``addresses``; returns how many."""
+        gone = set(addresses)
+        with self._lock:
+            doomed = [(c, b) for c, (a, b) in self._clients.items() if a in gone]
+        for client, backend in doomed:
+            for sock in (client, backend):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        return len(doomed)
 
     async def start(self) -> None:
         listener = socket.create_server((self.host, self.port), backlog=64)
@@ -114,7 +145,7 @@ class RpcGuard:
                 return  # closed
             address = str(peer[0])
             with self._lock:
-                allowed = self.allowed
+                allowed = self.peers.addresses
             if not _listed(address, allowed):
                 log.warning(
                     "RPC worker %s: refused a connection from %s (allowed: %s)",
@@ -134,7 +165,15 @@ class RpcGuard:
             for sock in (client, backend):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._open.update((client, backend))
+                # Checked again where a revocation is seen: one that came meanwhile wins.
+                still = _listed(address, self.peers.addresses)
+                if still:
+                    self._open.update((client, backend))
+                    self._clients[client] = (canonical(address), backend)
+            if not still:
+                client.close()
+                backend.close()
+                continue
             threading.Thread(
                 target=self._serve, args=(client, backend), name="rpc-guard-pump", daemon=True
             ).start()
@@ -148,6 +187,7 @@ class RpcGuard:
             sock.close()
         with self._lock:
             self._open.difference_update((client, backend))
+            self._clients.pop(client, None)
 
     async def close(self) -> None:
         self._closed = True

@@ -10,6 +10,14 @@ Two gates, one guarantee (no byte from anyone else reaches the worker's RPC code
 
 Both also check the named primaries against the agent's own ``ALLOWED_PEER_CIDRS``.
 
+Who may connect is the exact set the controller names, never a sum of past ones: every
+``StartRpcWorker`` replaces it, and closes the connections still open from addresses it leaves
+out (the worker is restarted where the accept filter guards it: its sockets are its own); an
+``RpcWorkerPeers`` (a job using the worker ended) replaces it too, but leaves open connections
+alone, so a warm llama-server keeps its link until the worker is stopped or taken over. A
+revoked node (``NodesRevoked``, ``Welcome.revoked_node_ids``) loses its addresses and its open
+connections at once, and is left out of every later set.
+
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
 
@@ -18,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from agent.control_handler import Send, worker_status
 from agent.endpoints import free_loopback_port, validate_rpc_bind_host
-from agent.rpc_filter import PeerFilter
+from agent.rpc_filter import NamedPeer, PeerFilter
 from agent.rpc_guard import RpcGuard
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
@@ -42,14 +50,28 @@ class WorkerGate(Protocol):
 
     host: str
     port: int
-    allowed: set[str]
 
     @property
     def endpoint(self) -> str: ...
 
-    def allow(self, addresses: Iterable[str]) -> None: ...
+    @property
+    def allowed(self) -> frozenset[str]: ...
+
+    def admit_only(self, peers: Iterable[NamedPeer]) -> None: ...
+
+    def revoke(self, node_ids: Iterable[str]) -> frozenset[str]: ...
 
     async def close(self) -> None: ...
+
+
+def named_peers(
+    peers: Sequence[pb.RpcPeerAccess], addresses: Iterable[str] = ()
+) -> list[NamedPeer]:
+    """(node id, address) of ``peers``, and of ``addresses`` they do not name (a controller
+    that predates ``peers`` names addresses only)."""
+    named = [(peer.node_id, peer.address) for peer in peers]
+    known = {address for _, address in named}
+    return named + [("", address) for address in addresses if address not in known]
 
 
 class RpcWorkerHost:
@@ -64,12 +86,15 @@ class RpcWorkerHost:
     _guard: WorkerGate | None
     _worker_lock: threading.Lock
     _attach: Callable[[Send], None]
+    #: Nodes revoked (their addresses are left out of every set the controller names).
+    _revoked_peers: set[str]
 
     async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
-        """Starts (or reuses) the RPC worker on ``msg.host:msg.port``, letting in
-        ``msg.allowed_peers`` only."""
+        """Starts (or reuses) the RPC worker on ``msg.host:msg.port``, letting in exactly
+        ``msg.peers`` (and closing what is open from anyone else)."""
         self._attach(send)
         port = msg.port or self.rpc_port
+        peers = self._unrevoked(named_peers(msg.peers, msg.allowed_peers))
         try:
             if self._closed:
                 raise LlamaRuntimeError("agent is stopping")
@@ -77,6 +102,8 @@ class RpcWorkerHost:
             self._workers_starting += 1
             try:
                 guard = await self._ensure_guarded_worker(bind, port)
+                guard.admit_only(peers)
+                await self._cut_off(guard)
             finally:
                 self._workers_starting -= 1
         except (LlamaRuntimeError, ValueError, OSError) as exc:
@@ -84,7 +111,6 @@ class RpcWorkerHost:
             failed = pb.RpcWorkerStatus.FAILED
             await send(worker_status(msg.job_id, failed, msg.host, port, str(exc)))
             return
-        guard.allow(tuple(msg.allowed_peers))
         log.info(
             "job %s: RPC worker ready on %s for %s",
             msg.job_id,
@@ -92,6 +118,100 @@ class RpcWorkerHost:
             ", ".join(sorted(guard.allowed)) or "nobody",
         )
         await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, guard.host, guard.port))
+
+    async def on_rpc_worker_peers(self, msg: pb.RpcWorkerPeers, send: Send) -> None:
+        """A job using the worker ended: exactly ``msg.peers`` may connect from now on (open
+        connections stay: a warm llama-server keeps its link)."""
+        self._attach(send)
+        guard = self._guard
+        if guard is None:
+            log.debug("RPC worker peers (%s): no worker runs", msg.reason or "-")
+            return
+        guard.admit_only(self._unrevoked(named_peers(msg.peers)))
+        log.info(
+            "RPC worker %s now lets in %s (%s)",
+            guard.endpoint,
+            ", ".join(sorted(guard.allowed)) or "nobody",
+            msg.reason or "-",
+        )
+
+    async def on_nodes_revoked(self, node_ids: Sequence[str]) -> None:
+        """Revoked nodes: their addresses leave the worker's set and their open connections
+        are closed, at once; later sets that name them leave them out."""
+        revoked = set(node_ids) - {""}
+        if not revoked:
+            return
+        self._revoked_peers |= revoked
+        guard = self._guard
+        if guard is None:
+            return
+        removed = guard.revoke(revoked)
+        if not removed:
+            return
+        log.warning(
+            "RPC worker %s: revoked node(s) %s: refusing %s",
+            guard.endpoint,
+            ", ".join(sorted(revoked)),
+            ", ".join(sorted(removed)),
+        )
+        self._workers_starting += 1
+        try:
+            await self._cut_off(guard, among=removed)
+        except (LlamaRuntimeError, ValueError, OSError) as exc:
+            log.warning("RPC worker %s: restarting it failed: %s", guard.endpoint, exc)
+        finally:
+            self._workers_starting -= 1
+
+    def _unrevoked(self, peers: list[NamedPeer]) -> list[NamedPeer]:
+        kept = [peer for peer in peers if peer[0] not in self._revoked_peers]
+        for node_id, address in peers:
+            if node_id in self._revoked_peers:
+                log.warning("RPC worker: not letting in %s: node %s is revoked", address, node_id)
+        return kept
+
+    async def _cut_off(self, guard: WorkerGate, among: Iterable[str] | None = None) -> None:
+        """Closes the connections open to the worker from addresses the gate no longer lets
+        in (only from ``among``, when given). The copying guard closes them itself; a worker
+        behind the accept filter owns its sockets, so it is restarted (on the same address,
+        with the same filter): the primary that keeps the right to connect reconnects."""
+        if isinstance(guard, RpcGuard):
+            strangers = guard.connected() - guard.allowed
+            if among is not None:
+                strangers &= set(among)
+            if strangers:
+                closed = guard.disconnect(strangers)
+                log.warning(
+                    "RPC worker %s: closed %d connection(s) from %s, no longer let in",
+                    guard.endpoint,
+                    closed,
+                    ", ".join(sorted(strangers)),
+                )
+            return
+        worker = self.rpc_worker
+        if worker is None or not isinstance(guard, PeerFilter):
+            return
+        connected = await asyncio.to_thread(worker.connected_peers)
+        # Sockets that cannot be read: restart rather than leave someone connected.
+        strangers = (
+            set(among if among is not None else ("?",))
+            if connected is None
+            else connected - guard.allowed
+        )
+        if among is not None:
+            strangers &= set(among)
+        if not strangers:
+            return
+        log.warning(
+            "RPC worker %s: restarting it to close the connection(s) of %s, no longer let in",
+            guard.endpoint,
+            ", ".join(sorted(strangers)),
+        )
+        await asyncio.to_thread(self._restart_rpc_worker, guard)
+
+    def _restart_rpc_worker(self, accept_filter: PeerFilter) -> None:
+        with self._worker_lock:
+            self.runtime.stop_rpc_worker(accept_filter.host, accept_filter.port)
+        self._ensure_rpc_worker(accept_filter.host, accept_filter.port, accept_filter)
 
     async def _ensure_guarded_worker(self, bind: str, port: int) -> WorkerGate:
         """The gate on ``bind:port`` with a live worker (a new pair replaces an old one on

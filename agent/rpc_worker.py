@@ -14,7 +14,7 @@ from agent.agent_config import DEFAULT_RPC_PORT
 from agent.endpoints import port_is_free, validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
-from agent.rpc_filter import PeerFilter
+from agent.rpc_filter import PeerFilter, canonical
 from agent.runtime_errors import PortInUseError
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,22 @@ class RpcWorker(ManagedChild):
             s.status == psutil.CONN_LISTEN and tuple(s.laddr) == (self.host, self.port)
             for s in sockets
         )
+
+    def connected_peers(self) -> set[str] | None:
+        """The addresses of the clients the worker has a connection open with (as its accept
+        filter compares them); None when its sockets cannot be read."""
+        pid = self.pid
+        if pid is None or not self.alive:
+            return set()
+        try:
+            sockets = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return None
+        return {
+            canonical(s.raddr.ip)
+            for s in sockets
+            if s.raddr and s.status == psutil.CONN_ESTABLISHED and s.laddr.port == self.port
+        }
 
     def _check_filter(self) -> None:
         """A worker whose filter did not load would serve anyone: stopped, never used."""

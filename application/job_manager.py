@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, assert_never
@@ -42,7 +43,7 @@ from application.commands import Delta, JobOutcome, Submission
 from application.controller import Controller
 from application.deadlines import Deadlines
 from application.dispatch_batcher import DispatchBatcher
-from application.errors import NotFound
+from application.errors import ConcurrencyExhausted, NotFound
 from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
 from application.ports import (
     AgentGateway,
@@ -55,6 +56,7 @@ from application.ports import (
 from application.scheduler import Scheduler
 from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
+from application.worker_access import WorkerAccess
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
 from domain.model import EMBEDDING
@@ -68,8 +70,13 @@ T = TypeVar("T")
 
 #: How often one placement may lose the race for a slot before the job queues instead.
 MAX_PLACEMENT_RACES = 16
-#: Backoff between attempts to record a job's ending while the store is unreachable (s).
+#: Backoff between attempts to record a job's ending while the store cannot take it (s).
 ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
+#: How long a job of this controller may stay unfinished in the store with no run here, and no
+#: ending on its way, before reconciliation ends it (s): its ending was lost.
+STALE_JOB_GRACE = 30.0
+#: The error code of a job ended so.
+ABANDONED = "abandoned"
 
 
 def capped(params: dict[str, Any], context_size: int) -> dict[str, Any]:
@@ -96,6 +103,7 @@ class JobManager:
         deadlines: Deadlines | None = None,
         clock: Callable[[], float] = time.monotonic,
         fetcher: ModelFetcher | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.metrics: Metrics = metrics or NullMetrics()
         #: Fetches a model onto a node that lacks it when no holder has room (None: never).
@@ -104,6 +112,8 @@ class JobManager:
         self.queue = queue if queue is not None else AdmissionQueue()
         self.queue_timeout = queue_timeout
         self.clock = clock
+        #: Waits between attempts to record an ending (tests pass one that does not sleep).
+        self.sleep = sleep
         self._placing = asyncio.Lock()
         self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
         self._background = BackgroundTasks("handling an agent message")
@@ -116,6 +126,13 @@ class JobManager:
         self.setup_timeout = setup_timeout
         self.max_replans = max_replans
         self.runs: dict[str, JobRun] = {}
+        #: Who may reach each node's RPC worker (the primaries of the jobs using it).
+        self.worker_access = WorkerAccess()
+        #: Endings being recorded (retried until the store takes them), per job.
+        self._endings = BackgroundTasks("recording a job's ending")
+        self._ending_jobs: Counter[str] = Counter()
+        #: Jobs reconciliation found unfinished with no run here, since when (``clock``).
+        self._stale_since: dict[str, float] = {}
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -161,12 +178,12 @@ class JobManager:
             self.queue.leave(run.ticket)
             run.ticket = None
         self._cancel_on_primary(run, reason)
-        if run.recorded:
-            if cancelled:
-                await self._quietly(self.app.cancel, run.job_id, reason)
-            else:
-                await self._quietly(self.app.fail, run.job_id, reason, "internal")
-        self._ended(run.job_id)
+        if not run.recorded:
+            self._ended(run.job_id)
+        elif cancelled:
+            await self._record_ending(run.job_id, self.app.cancel, reason, wait=False)
+        else:
+            await self._record_ending(run.job_id, self.app.fail, reason, "internal", wait=False)
 
     async def _record(self, run: JobRun, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Runs a store write that creates or places ``run``'s job to its end even when the
@@ -192,8 +209,15 @@ class JobManager:
 
     def _ended(self, job_id: str) -> None:
         """The job's ending (or release) is recorded: its slots are free for placement now."""
+        self._release_workers(job_id, "job ended")
         self.scheduler.ledger.released(job_id)
         self.capacity_changed()
+
+    def _release_workers(self, job_id: str, reason: str) -> None:
+        """The job no longer uses its RPC workers: each worker whose set of primaries that
+        changes hears the set left, so a former primary can no longer connect."""
+        for node_id, allowed in self.worker_access.release(job_id).items():
+            self.gateway.rpc_worker_peers(node_id, allowed, reason)
 
     async def _setup(self, run: JobRun) -> None:
         failure: tuple[str, str] | None = None
@@ -211,6 +235,7 @@ class JobManager:
             reason, blamed = failure
             run.past_nodes |= run.nodes  # their late answers are expected, not protocol errors
             self._cancel_on_primary(run, f"re-planning: {reason}")
+            self._release_workers(run.job_id, "job re-planned")
             await self._call(self.app.release_nodes, run.job_id, "replanning")
             self.scheduler.ledger.released(run.job_id)
             log.warning(
@@ -223,8 +248,7 @@ class JobManager:
                 run.excluded.add(blamed)
         assert failure is not None
         why = f"setup failed after {self.max_replans + 1} plans: {failure[0]}"
-        await self._quietly(self.app.fail, run.job_id, why, "setup_failed")
-        self._ended(run.job_id)
+        await self._record_ending(run.job_id, self.app.fail, why, "setup_failed", wait=False)
         raise NoCapacityError(why)
 
     async def _record_validation(self, run: JobRun) -> None:
@@ -245,8 +269,8 @@ class JobManager:
             run.queue.put_nowait(
                 StreamItem("error", error=f"recording the job failed: {e}", error_code=code)
             )
-            await self._quietly(self.app.fail, run.job_id, f"store error: {e}", "store_error")
-            self._ended(run.job_id)
+            why = f"store error: {e}"
+            await self._record_ending(run.job_id, self.app.fail, why, "store_error", wait=False)
             return
         if run.held:
             self.recorder.add(run.job_id, run.held)
@@ -277,8 +301,7 @@ class JobManager:
         why = f"{reason}; earlier attempt failed: {failure[0]}" if failure else reason
         if not run.recorded:
             await self._record(run, self.app.submit, run.submission, run.uid)
-        await self._quietly(self.app.fail, run.job_id, why, "no_capacity")
-        self._ended(run.job_id)
+        await self._record_ending(run.job_id, self.app.fail, why, "no_capacity", wait=False)
         return NoCapacityError(why)
 
     async def _wait_in_queue(self, run: JobRun, reason: str) -> ExecutionPlan:
@@ -323,7 +346,7 @@ class JobManager:
             f"(joined at position {ticket.position}) and no slot came free"
         )
         self.metrics.observe_queue_wait(self.queue_timeout)
-        await self._quietly(self.app.fail, run.job_id, why, "queue_timeout")
+        await self._record_ending(run.job_id, self.app.fail, why, "queue_timeout", wait=False)
         return QueueTimeoutError(why)
 
     async def _place(
@@ -420,9 +443,11 @@ class JobManager:
         multi = bool(plan.workers)
         if multi:
             run.worker_futures = {n.node_id: loop.create_future() for n in plan.nodes}
+            self.worker_access.use(run.job_id, plan)
             for node in plan.nodes:
-                # Only the primary's llama-server may reach the workers (their agents' guard).
-                allowed = (plan.primary.address,)
+                # Only the primaries of the jobs using a worker may reach it (their agents'
+                # gate): the exact set, which replaces the one before.
+                allowed = self.worker_access.allowed(node.node_id)
                 if not self.gateway.start_rpc_worker(
                     node.node_id, run.job_id, node.address, node.rpc_port, allowed
                 ):
@@ -503,6 +528,7 @@ class JobManager:
             self.runs.pop(run.job_id, None)
             log.warning("job %s: %s", run.job_id, why)
             self._cancel_on_primary(run, why)
+            self._ending_jobs[run.job_id] += 1  # reconciliation leaves it alone meanwhile
             self._background.spawn(self._end_past_deadline(run, why, code))
             ended.append(run.job_id)
         return ended
@@ -511,13 +537,16 @@ class JobManager:
         # Its tokens so far are recorded once JOB_SETUP_VALIDATED is: wait for that first,
         # so they land before the ending, in the execution phase.
         try:
-            await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
-        except TimeoutError:
-            log.warning("job %s passed a deadline before its setup was recorded", run.job_id)
-        tell = functools.partial(
-            run.queue.put_nowait, StreamItem("error", error=why, error_code=code)
-        )
-        await self._record_ending(run.job_id, self.app.fail, why, code, tell=tell)
+            try:
+                await asyncio.wait_for(run.validated.wait(), self.setup_timeout)
+            except TimeoutError:
+                log.warning("job %s passed a deadline before its setup was recorded", run.job_id)
+            tell = functools.partial(
+                run.queue.put_nowait, StreamItem("error", error=why, error_code=code)
+            )
+            await self._record_ending(run.job_id, self.app.fail, why, code, tell=tell)
+        finally:
+            self._ending_jobs -= Counter({run.job_id: 1})
 
     def _label(self, node_id: str) -> str:
         """``name (id prefix)`` for messages people read; the id alone if unknown."""
@@ -537,39 +566,74 @@ class JobManager:
         end: Callable[..., Any],
         *args: Any,
         tell: Callable[[], None] = lambda: None,
+        wait: bool = True,
     ) -> None:
         """Records the job's last token chunk and its ending (``end(job_id, *args)``), then
         frees its slots. The client hears the ending (``tell``) once it is written, or at
-        once when the store is unreachable: the write is then retried with backoff until
-        the store takes it, so the job and its nodes never stay busy in the store."""
+        once when the store cannot take it now: the write is then retried with backoff until
+        the store takes it (an outage, or version conflicts lost to other writers: each
+        attempt reads the job afresh), so the job and its nodes never stay busy in the
+        store. Unless ``wait``, only the first attempt is waited for; the retries go on in
+        the background (the caller answers its client meanwhile). The ending goes on when
+        the caller is cancelled."""
+        self._release_workers(job_id, "job ended")
+        first_refused = asyncio.Event()
+        self._ending_jobs[job_id] += 1
+        task = self._endings.spawn(self._write_ending(job_id, end, args, tell, first_refused))
+        if wait:
+            await asyncio.shield(task)
+            return
+        refused: asyncio.Future[Any] = asyncio.ensure_future(first_refused.wait())
+        try:
+            waiting: set[asyncio.Future[Any]] = {task, refused}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+
+    async def _write_ending(
+        self,
+        job_id: str,
+        end: Callable[..., Any],
+        args: tuple[Any, ...],
+        tell: Callable[[], None],
+        refused: asyncio.Event,
+    ) -> None:
         name = getattr(end, "__name__", "ending")
         delay, told = ENDING_RETRY_FIRST, False
-        while True:
-            try:
-                await self.recorder.flush(job_id)
-                await self._call(end, job_id, *args)
-            except (DomainError, NotFound) as e:
-                log.info("%s of job %s skipped: %s", name, job_id, e)
-            except Exception as e:
-                if not is_outage(e):
-                    log.exception("%s of job %s failed", name, job_id)
-                else:
-                    if not told:
-                        log.warning("job %s: recording its %s waits for the store", job_id, name)
-                        tell()
-                        told = True
-                    await asyncio.sleep(delay)
-                    delay = min(ENDING_RETRY_MAX, delay * 2)
-                    continue
-            break
-        if not told:
-            tell()
-        self._ended(job_id)
+        try:
+            while True:
+                try:
+                    await self.recorder.flush(job_id)
+                    await self._call(end, job_id, *args)
+                except (DomainError, NotFound) as e:
+                    log.info("%s of job %s skipped: %s", name, job_id, e)
+                except Exception as e:
+                    if not (is_outage(e) or isinstance(e, ConcurrencyExhausted)):
+                        # Not the store's state but a fault: reconciliation tries again later
+                        # (end_stale_jobs), rather than this in a tight loop.
+                        log.exception("%s of job %s failed", name, job_id)
+                    else:
+                        if not told:
+                            log.warning(
+                                "job %s: recording its %s waits for the store (%r)", job_id, name, e
+                            )
+                            tell()
+                            told = True
+                            refused.set()
+                        await self.sleep(delay)
+                        delay = min(ENDING_RETRY_MAX, delay * 2)
+                        continue
+                break
+            if not told:
+                tell()
+            self._ended(job_id)
+        finally:
+            self._ending_jobs -= Counter({job_id: 1})
 
     async def _quietly(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Runs a command on a path that must go on whatever happens to the command: a
-        refusal means someone else recorded the ending; a store error is logged, and a job
-        left unfinished is failed by the next controller start."""
+        """Runs a command that is no job's ending on a path that must go on whatever happens
+        to the command (a security violation, an RPC worker's start or stop): a refusal or a
+        store error is logged. Endings go through :meth:`_record_ending`, which retries."""
         try:
             await self._call(fn, *args)
         except (DomainError, NotFound) as e:
@@ -794,10 +858,33 @@ class JobManager:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""
         count = 0
         for job_id in await describe():
-            if job_id in self.runs:
+            if job_id in self.runs or self._ending_jobs[job_id]:
                 continue
-            await self._quietly(
-                self.app.fail, job_id, "controller restarted during the job", "controller_restarted"
+            why = "controller restarted during the job"
+            await self._record_ending(
+                job_id, self.app.fail, why, "controller_restarted", wait=False
             )
             count += 1
         return count
+
+    async def end_stale_jobs(
+        self, describe: Callable[[], Awaitable[list[str]]], grace: float = STALE_JOB_GRACE
+    ) -> list[str]:
+        """Ends this controller's own jobs that the store shows unfinished (``describe``:
+        their ids) while no run here holds them and no ending is on its way, once they have
+        stayed so for ``grace`` seconds: their ending was lost (before endings were retried,
+        a store outage during setup left them DISPATCHED, holding their nodes' slots until a
+        restart). Each is failed as ``abandoned`` (JOB_FAILED) and its slots come free;
+        returns their ids. The controller's reconciliation calls it every
+        RECONCILE_INTERVAL."""
+        listed = await describe()
+        now = self.clock()
+        stale = {j for j in listed if j not in self.runs and not self._ending_jobs[j]}
+        self._stale_since = {j: self._stale_since.get(j, now) for j in stale}
+        due = sorted(j for j, since in self._stale_since.items() if now - since >= grace)
+        for job_id in due:
+            del self._stale_since[job_id]
+            log.warning("job %s: unfinished in the store with no run here; ending it", job_id)
+            why = f"its controller lost track of it for {grace:g}s (its ending was not recorded)"
+            await self._record_ending(job_id, self.app.fail, why, ABANDONED, wait=False)
+        return due

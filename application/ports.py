@@ -59,6 +59,14 @@ class RpcPeer:
     port: int
 
 
+@dataclass(frozen=True, order=True)
+class AllowedPeer:
+    """A primary that may reach an RPC worker: its node, and the address it connects from."""
+
+    node_id: str
+    address: str
+
+
 @dataclass(frozen=True)
 class PrimaryAssignment:
     """What the primary of a plan needs to set up and run a job."""
@@ -87,9 +95,15 @@ class AgentGateway(Protocol):
     def is_connected(self, node_id: str) -> bool: ...
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
+        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
     ) -> bool:
-        """Starts the node's RPC worker on ``host:port`` for ``allowed_peers`` only."""
+        """Starts the node's RPC worker on ``host:port``; exactly ``allowed`` may reach it from
+        now on (the set replaces the one before; connections open from others are closed)."""
+        ...
+
+    def rpc_worker_peers(self, node_id: str, allowed: tuple[AllowedPeer, ...], reason: str) -> bool:
+        """Exactly ``allowed`` may open a connection to the node's RPC worker from now on (a job
+        using it ended; open connections stay)."""
         ...
 
     def fetch_model(self, node_id: str, request: FetchRequest) -> bool:

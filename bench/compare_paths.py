@@ -553,7 +553,7 @@ def start_direct(
                 gate = PeerFilter(
                     LOOPBACK, port, binaries.accept_filter, log_dir / f"peers-{port}", (LOOPBACK,)
                 )
-                gate.allow([LOOPBACK])
+                gate.admit_only([("", LOOPBACK)])
             worker = rpc_worker.RpcWorker(
                 binaries, LOOPBACK, port, log_dir=log_dir, threads=rpc_threads, accept_filter=gate
             )

@@ -18,7 +18,7 @@ from application.agent_messages import (
 from application.commands import Delta, FetchRequest, TransferReport
 from application.job_manager import JobManager
 from application.model_transfers import TransferCoordinator
-from application.ports import PrimaryAssignment
+from application.ports import AllowedPeer, PrimaryAssignment
 from interfaces.grpc_server import AgentConnections
 from proto import control_pb2 as pb
 
@@ -33,13 +33,21 @@ class ProtoAgentGateway:
         return self.connections.is_connected(node_id)
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
+        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
     ) -> bool:
         start = pb.StartRpcWorker(
-            job_id=job_id, host=host, port=port, allowed_peers=list(allowed_peers)
+            job_id=job_id,
+            host=host,
+            port=port,
+            allowed_peers=sorted({peer.address for peer in allowed}),
+            peers=_peer_access(allowed),
         )
         message = pb.ControllerMessage(start_rpc_worker=start)
         return self.connections.send(node_id, message)
+
+    def rpc_worker_peers(self, node_id: str, allowed: tuple[AllowedPeer, ...], reason: str) -> bool:
+        update = pb.RpcWorkerPeers(peers=_peer_access(allowed), reason=reason)
+        return self.connections.send(node_id, pb.ControllerMessage(rpc_worker_peers=update))
 
     def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
         fetch = pb.FetchModel(
@@ -110,6 +118,10 @@ class ProtoAgentGateway:
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool:
         message = pb.ControllerMessage(cancel_job=pb.CancelJob(job_id=job_id, reason=reason))
         return self.connections.send(node_id, message)
+
+
+def _peer_access(allowed: tuple[AllowedPeer, ...]) -> list[pb.RpcPeerAccess]:
+    return [pb.RpcPeerAccess(node_id=peer.node_id, address=peer.address) for peer in allowed]
 
 
 #: ModelTransfer.State → TransferReport.state.

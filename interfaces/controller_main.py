@@ -399,16 +399,32 @@ def _orphaned_jobs(services: Services) -> list[str]:
     ]
 
 
+def _own_unfinished_jobs(services: Services) -> list[str]:
+    """This controller's own unfinished jobs, as the store shows them (reconciliation ends
+    those no run here holds any more: :meth:`JobManager.end_stale_jobs`)."""
+    services.app.guard.check()  # store unreachable: nothing to decide now
+    owner = services.app.owner
+    return [
+        row["job_id"]
+        for state in sorted(UNFINISHED_JOB_STATES)
+        for row in services.read_model.list_jobs(state=state, limit=10_000)
+        if row.get("controller", "") == owner
+    ]
+
+
 async def _lease_forever(services: Services, jobs: JobManager) -> None:
-    """Keeps this controller's lease alive, and fails the jobs of controllers that died
-    (their lease ran out): their clients are gone and their node slots must come free."""
+    """Keeps this controller's lease alive, fails the jobs of controllers that died (their
+    lease ran out): their clients are gone and their node slots must come free; and ends this
+    controller's own jobs whose ending was lost."""
     last_reconcile = time.monotonic()
     while True:
         await asyncio.sleep(LEASE_RENEW_INTERVAL)
+        due = time.monotonic() - last_reconcile >= RECONCILE_INTERVAL
+        if due:
+            last_reconcile = time.monotonic()
         try:
             await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
-            if time.monotonic() - last_reconcile >= RECONCILE_INTERVAL:
-                last_reconcile = time.monotonic()
+            if due:
                 failed = await jobs.fail_orphans(
                     lambda: asyncio.to_thread(_orphaned_jobs, services)
                 )
@@ -416,6 +432,15 @@ async def _lease_forever(services: Services, jobs: JobManager) -> None:
                     log.warning("failed %d job(s) whose controller is gone", failed)
         except Exception as e:
             log.warning("controller lease or reconciliation skipped: %r", e)
+        if due:
+            try:  # needs the store only, not the leases
+                ended = await jobs.end_stale_jobs(
+                    lambda: asyncio.to_thread(_own_unfinished_jobs, services)
+                )
+                if ended:
+                    log.warning("ended %d job(s) of this controller left unfinished", len(ended))
+            except Exception as e:
+                log.warning("reconciling this controller's own jobs skipped: %r", e)
 
 
 async def stop_controller(running: RunningController) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# Before anything imports grpc: tests run a controller's or an agent's gRPC in the process that
+# forks llama.cpp children, which gRPC's fork handlers would break (see agent/grpc_fork.py).
+import agent.grpc_fork  # noqa: F401  # isort: skip
+
 import dataclasses
 import os
 import uuid

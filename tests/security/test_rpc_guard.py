@@ -160,8 +160,11 @@ async def test_only_named_addresses_inside_the_agents_cidrs_are_written(tmp_path
     peers = tmp_path / "rpc" / "peers"
     gate = PeerFilter("10.0.0.1", 50052, Path("/unused.so"), peers, ("10.0.0.0/8",))
     assert peers.read_text() == ""  # nobody before the controller names a primary
-    gate.allow(["10.0.0.5", "::ffff:10.0.0.6", "192.168.1.9", "8.8.8.8", "not-an-address"])
+    named = ["10.0.0.5", "::ffff:10.0.0.6", "192.168.1.9", "8.8.8.8", "not-an-address"]
+    gate.admit_only(("node", address) for address in named)
     assert peers.read_text().splitlines() == ["10.0.0.5", "10.0.0.6"]
+    gate.admit_only([("b", "10.0.0.7")])  # the exact set replaces the one before
+    assert peers.read_text().splitlines() == ["10.0.0.7"]
     await gate.close()
     assert not peers.exists()
 

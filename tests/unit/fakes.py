@@ -10,7 +10,7 @@ from typing import Any
 
 from application.commands import FetchRequest
 from application.controller import Controller
-from application.ports import PrimaryAssignment
+from application.ports import AllowedPeer, PrimaryAssignment
 from application.read_models import eligibility_of, project_job, project_model, project_node
 
 
@@ -93,6 +93,10 @@ class FakeAgentGateway:
     workers: list[tuple[str, str]] = field(default_factory=list)  # (node, job)
     #: The addresses each worker start let in (the plan's primary).
     allowed_peers: list[tuple[str, ...]] = field(default_factory=list)
+    #: (node, the exact set) of each worker start.
+    worker_sets: list[tuple[str, tuple[AllowedPeer, ...]]] = field(default_factory=list)
+    #: (node, the set left) each time a job stopped using a worker (``RpcWorkerPeers``).
+    peer_updates: list[tuple[str, tuple[AllowedPeer, ...]]] = field(default_factory=list)
     primaries: list[tuple[str, PrimaryAssignment]] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes told to stop their RPC worker, with the reason.
@@ -110,11 +114,16 @@ class FakeAgentGateway:
         return node_id not in self.disconnected
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed_peers: tuple[str, ...]
+        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
     ) -> bool:
         self.workers.append((node_id, job_id))
-        self.allowed_peers.append(allowed_peers)
+        self.allowed_peers.append(tuple(peer.address for peer in allowed))
+        self.worker_sets.append((node_id, allowed))
         self.worker_asked.set()
+        return self.is_connected(node_id)
+
+    def rpc_worker_peers(self, node_id: str, allowed: tuple[AllowedPeer, ...], reason: str) -> bool:
+        self.peer_updates.append((node_id, allowed))
         return self.is_connected(node_id)
 
     def fetch_model(self, node_id: str, request: FetchRequest) -> bool:
