@@ -18,7 +18,7 @@ certificate:
   address; one more is closed as soon as it is accepted;
 * only a complete request, from a client whose certificate the CA issued, reaches one of at
   most ``workers`` threads, which sends the file (one request per connection); a fetcher that
-  reads nothing for ``send_timeout`` seconds is cut.
+  takes more than ``send_timeout`` seconds over a 1 MiB piece of it is cut.
 
 A transfer moves hundreds of megabytes and must be bound by the link, not by a loop: the
 workers write with blocking sockets, outside any event loop.
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: Bytes read from the file and written to the connection at a time.
 CHUNK = 1 << 20
+#: A piece of a chunk written with the time left of the chunk's deadline.
+WRITE_PIECE = 256 << 10
 _PATH = re.compile(r"^" + re.escape(MODELS_PATH) + r"([0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d+)-$")
 #: The largest request head (request line and headers) a server reads.
@@ -78,7 +80,7 @@ class ServerLimits:
     per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
     #: Connections open at once, from every address.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    #: Seconds a send may wait for a fetcher that reads nothing.
+    #: Seconds a fetcher has to take each 1 MiB of the file.
     send_timeout: float = DEFAULT_SEND_TIMEOUT
 
     def __post_init__(self) -> None:
@@ -157,6 +159,17 @@ class _Handler(BaseHTTPRequestHandler):
             "model server: refused %s from %s: %s", self.path[:200], self.client_address[0], why
         )
 
+    def _write_within(self, data: memoryview, seconds: float) -> None:
+        """Sends ``data`` (a piece of the file) within ``seconds``, or raises TimeoutError: a
+        fetcher that reads a byte now and then cannot hold a worker."""
+        deadline = time.monotonic() + seconds
+        for at in range(0, len(data), WRITE_PIECE):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(data)} bytes not taken within {seconds:g} s")
+            self.connection.settimeout(left)
+            self.connection.sendall(data[at : at + WRITE_PIECE])
+
     def do_GET(self) -> None:
         match = _PATH.match(self.path)
         if match is None:
@@ -209,7 +222,7 @@ class _Handler(BaseHTTPRequestHandler):
                 buffer = bytearray(CHUNK)
                 view = memoryview(buffer)
                 while n := source.readinto(buffer):
-                    self.wfile.write(view[:n])
+                    self._write_within(view[:n], self.server.limits.send_timeout)
                     sent += n
                     self.server.bytes_sent += n
         except OSError as e:  # the fetcher went away: it resumes later

@@ -33,8 +33,9 @@ import pytest
 from agent.model_fetch import Source, fetch
 from agent.node_tls import NodeTls
 from infrastructure.model_store import ControllerModelStore
-from infrastructure.tls import issue_node_cert
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket
+from infrastructure.tls import issue_node_cert, load_or_create
+from proto.model_file_server import ModelFileServer, ServerLimits
+from proto.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket, source_tls_name
 from tests.faults.services import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -261,3 +262,55 @@ def test_a_node_that_never_sends_its_request_is_cut(store: Store, tmp_path: Path
     finally:
         for sock in silent:
             sock.close()
+
+
+def test_a_node_that_reads_a_trickle_is_cut(tmp_path: Path) -> None:
+    """A fetcher with a valid ticket that reads a trickle (16 KiB every 0.2 s) holds its worker
+    for about one send timeout per MiB (a real server with a 1 s one; the default is 60 s)."""
+    ca = load_or_create(tmp_path / "tls")
+    assert ca.ca_key_pem is not None
+    ca_pem, ca_key = ca.ca_pem.decode(), ca.ca_key_pem
+    holder, reader = str(uuid.uuid4()), str(uuid.uuid4())
+    data = os.urandom(32 << 20)  # more than the socket buffers hold
+    held = tmp_path / "model.gguf"
+    held.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    server_tls = NodeTls(tmp_path / holder)
+    cert = issue_node_cert(ca.ca_pem, ca_key, holder, server_tls.csr(holder).encode())
+    server_tls.store(cert.decode())
+    server = ModelFileServer(
+        "127.0.0.1",
+        0,
+        server_tls.server_context(ca_pem),
+        ca_pem,
+        lambda wanted: held if wanted == sha else None,
+        ServerLimits(send_timeout=1.0),
+    ).start()
+    ticket = sign_ticket(ca_key, Ticket(sha, reader, time.time() + 60))
+    try:
+        client = NodeTls(tmp_path / reader)
+        cert = issue_node_cert(ca.ca_pem, ca_key, reader, client.csr(reader).encode())
+        client.store(cert.decode())
+        raw = _connect(server.port, "127.0.5.1")
+        sock = client.client_context(ca_pem).wrap_socket(
+            raw, server_hostname=source_tls_name(holder)
+        )
+        request = f"GET /models/{sha} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ticket}\r\n\r\n"
+        sock.sendall(request.encode())
+        started = time.monotonic()
+        got = 0
+        while server.connections() and time.monotonic() - started < 15:
+            got += len(sock.recv(16 << 10))
+            time.sleep(0.2)
+        took = time.monotonic() - started
+        assert server.connections() == 0, (
+            f"a trickle reader still holds its worker after {took:.1f} s"
+        )
+        assert took < 5, f"cut after {took:.1f} s"
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+        assert got < len(data)  # cut, not finished
+        sock.close()
+    finally:
+        server.stop()
