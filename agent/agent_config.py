@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from agent.model_fetch import FetchLimits
+from agent.fetch_limits import FetchLimits
 from proto import (
     DEFAULT_ALLOWED_PEER_CIDRS,
     MEMORY_LIMIT_LABEL,

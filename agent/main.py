@@ -37,14 +37,9 @@ from agent.agent_config import (
     parse_controller_url,
 )
 from agent.control_client import run_agent
+from agent.fetch_limits import add_fetch_arguments, fetch_limits_from_args
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
-from agent.model_fetch import (
-    DEFAULT_FETCH_DEADLINE,
-    DEFAULT_FETCH_MIN_RATE,
-    DEFAULT_FETCH_RATE_WINDOW,
-    FetchLimits,
-)
 from infrastructure import event_loop
 from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
 
@@ -355,29 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(default: no limit beyond the disk; env MODELS_DISK_LIMIT)"
         ),
     )
-    parser.add_argument(
-        "--fetch-deadline",
-        type=_positive_float,
-        default=DEFAULT_FETCH_DEADLINE,
-        metavar="SECONDS",
-        help="longest one source may take to send a model file; then the next source is tried "
-        "(default: %(default)g)",
-    )
-    parser.add_argument(
-        "--fetch-min-rate",
-        type=_byte_size,
-        default=DEFAULT_FETCH_MIN_RATE,
-        metavar="BYTES",
-        help="least a source must send a second, averaged over --fetch-rate-window, in bytes "
-        "or with a K/M/G suffix; a slower one is given up for the next (default: 1M)",
-    )
-    parser.add_argument(
-        "--fetch-rate-window",
-        type=_positive_float,
-        default=DEFAULT_FETCH_RATE_WINDOW,
-        metavar="SECONDS",
-        help="the window --fetch-min-rate is averaged over (default: %(default)g)",
-    )
+    add_fetch_arguments(parser, seconds=_positive_float, size=_byte_size)
     parser.add_argument(
         "--heartbeat-interval",
         type=_positive_float,
@@ -461,11 +434,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         insecure=args.insecure,
         memory_limit_bytes=args.memory_limit,
         models_disk_limit_bytes=args.models_disk_limit,
-        fetch_limits=FetchLimits(
-            deadline=args.fetch_deadline,
-            min_rate=args.fetch_min_rate,
-            rate_window=args.fetch_rate_window,
-        ),
+        fetch_limits=fetch_limits_from_args(args),
         llama_runtime=not args.no_runtime,
         runtime_log_dir=Path(args.runtime_log_dir).expanduser() if args.runtime_log_dir else None,
     )

@@ -9,14 +9,15 @@ directory, safely:
 * a file that does not fit the disk, or would take the models directory beyond
   ``--models-disk-limit`` (:class:`DiskLimit`), is refused before a byte is written, and a disk
   that fills meanwhile removes the partial file: a clear failure, nothing left behind;
-* a source is given up for the next one (:class:`FetchLimits`) when its answer announces a
+* a source is given up for the next one (:mod:`agent.fetch_limits`) when its answer announces a
   size other than the model's, when it sends less than ``min_rate`` bytes a second over any
   ``rate_window`` (the TLS handshake and the answer's head included), and when it has not
   finished within ``deadline``: a peer that trickles a byte at a time cannot hold a fetch;
 * a URL source (the operator's http(s) server) is checked after DNS resolution and reached at
-  the very address checked (:mod:`proto.model_sources`: not on loopback, link-local or a
-  metadata address unless allowed), and what it answers besides the file is never read: a
-  failure records its status code and a fixed description, never its body.
+  the very address checked (:mod:`agent.fetch_sources`, :mod:`proto.model_sources`: not on
+  loopback, link-local or a metadata address unless allowed), and what it answers besides the
+  file is never read: a failure records its status code and a fixed description, never its
+  body.
 
 Blocking (it runs in a thread of its own): the bytes go socket → buffer → hash and file in
 1 MiB pieces, so a LAN transfer is bound by the link.
@@ -34,20 +35,19 @@ import logging
 import os
 import queue
 import shutil
-import socket
 import ssl
 import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlsplit
 
-from proto.model_sources import Network, SourceRefused, resolve
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID, MODELS_PATH, source_tls_name
+from agent.fetch_limits import FetchLimits, Watchdog
+from agent.fetch_sources import announced_size, connect_node, connect_url, describe, refusal_text
+from proto.model_sources import Network, SourceRefused
+from proto.transfer_ticket import CONTROLLER_SOURCE_ID, MODELS_PATH
 
 log = logging.getLogger(__name__)
 
@@ -60,37 +60,6 @@ PARTIAL_SUFFIX = ".partial"
 
 #: Called with (bytes held, total) as the file grows.
 Progress = Callable[[int, int], None]
-#: Defaults of :class:`FetchLimits` (the agent's ``--fetch-deadline``, ``--fetch-min-rate``
-#: and ``--fetch-rate-window``): a LAN moves a multi-GB file at tens to hundreds of MB/s; a
-#: source below 1 MiB/s for a minute is broken or hostile, and six hours is enough for 80 GB
-#: at 4 MB/s.
-DEFAULT_FETCH_DEADLINE = 6 * 3600.0
-DEFAULT_FETCH_MIN_RATE = 1 << 20
-DEFAULT_FETCH_RATE_WINDOW = 60.0
-#: The least a read asks for at once (see :meth:`FetchLimits.read_size`).
-MIN_READ = 64 << 10
-
-
-@dataclass(frozen=True)
-class FetchLimits:
-    """How long one source may take to send a file."""
-
-    #: Seconds from the first connect to the last byte.
-    deadline: float = DEFAULT_FETCH_DEADLINE
-    #: Bytes a second a source must average over every ``rate_window``.
-    min_rate: float = DEFAULT_FETCH_MIN_RATE
-    #: Seconds the rate is averaged over (the first window starts with the connect).
-    rate_window: float = DEFAULT_FETCH_RATE_WINDOW
-
-    def __post_init__(self) -> None:
-        if self.deadline <= 0 or self.rate_window <= 0 or self.min_rate < 0:
-            raise ValueError("fetch limits: deadline and rate window must be positive")
-
-    def read_size(self) -> int:
-        """Bytes one read waits for: at most a quarter of what the minimum rate asks of a
-        window, so a source just above the floor is seen to be (a read completes only once
-        its bytes are all there)."""
-        return max(MIN_READ, min(CHUNK, int(self.min_rate * self.rate_window / 4)))
 
 
 class TransferError(RuntimeError):
@@ -245,199 +214,6 @@ def _make_room(dest: Path, size: int, held: int, limit: DiskLimit | None) -> Non
     _check_room(dest, size, held)
 
 
-class _Watchdog:
-    """Cuts a source's connection (shuts its socket down, which ends any read under way) when
-    the source stays below the minimum rate over a window, or outlives the deadline. Started
-    before the connect; :meth:`stop` before the socket is closed."""
-
-    def __init__(self, limits: FetchLimits) -> None:
-        self.limits = limits
-        #: Bytes of the file received so far (written by the receiving thread only).
-        self.received = 0
-        #: Why the connection was cut (None: it was not).
-        self.why: str | None = None
-        self._fd = -1
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._watch, name="model-fetch-watch", daemon=True)
-        self._thread.start()
-
-    def watch(self, sock: socket.socket) -> None:
-        """The connection to cut (its descriptor: the same once TLS wraps it)."""
-        with self._lock:
-            self._fd = sock.fileno()
-
-    def forget(self) -> None:
-        """Before the watched socket is closed (its descriptor may then be reused)."""
-        with self._lock:
-            self._fd = -1
-
-    def _watch(self) -> None:
-        limits = self.limits
-        step = min(limits.rate_window / 4, limits.deadline)
-        samples: list[tuple[float, int]] = [(self._started, 0)]
-        while not self._done.wait(step):
-            now, received = time.monotonic(), self.received
-            samples.append((now, received))
-            if now - self._started >= limits.deadline:
-                self._cut(f"it had not finished within {limits.deadline:g} s (--fetch-deadline)")
-                return
-            # The latest sample a whole window old: the rate over (at least) the last window.
-            old = [sample for sample in samples if sample[0] <= now - limits.rate_window]
-            if not old:
-                continue
-            since, base = old[-1]
-            del samples[: len(old) - 1]
-            rate = (received - base) / (now - since)
-            if rate < limits.min_rate:
-                self._cut(
-                    f"it sent {received - base} bytes in {now - since:.1f} s, below the "
-                    f"minimum {limits.min_rate:g} bytes/s (--fetch-min-rate)"
-                )
-                return
-
-    def _cut(self, why: str) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self.why = why
-            if self._fd < 0:
-                return
-            try:
-                sock = socket.socket(fileno=self._fd)
-            except OSError:
-                return
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            finally:
-                sock.detach()
-
-    def stop(self) -> None:
-        """Before the connection is closed: no cut after this returns."""
-        with self._lock:
-            self._done.set()
-            self._fd = -1
-        self._thread.join()
-
-
-def _open_socket(
-    addresses: Sequence[tuple[int, tuple[object, ...]]], timeout: float, watch: _Watchdog
-) -> socket.socket:
-    """A connection to the first of ``addresses`` that answers."""
-    error: OSError = OSError("no address to connect to")
-    for family, sockaddr in addresses:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            watch.watch(sock)
-            sock.connect(sockaddr)
-            if watch.why is not None:  # cut while connecting
-                raise OSError(watch.why)
-            return sock
-        except OSError as e:
-            watch.forget()
-            sock.close()
-            error = e
-        except BaseException:
-            watch.forget()
-            sock.close()
-            raise
-    raise error
-
-
-def _handshake(
-    context: ssl.SSLContext, sock: socket.socket, name: str, watch: _Watchdog
-) -> ssl.SSLSocket:
-    """TLS over ``sock`` (the same descriptor, still watched); closed when it fails."""
-    try:
-        secure = context.wrap_socket(sock, server_hostname=name, do_handshake_on_connect=False)
-    except BaseException:
-        watch.forget()
-        sock.close()
-        raise
-    try:
-        secure.do_handshake()
-    except BaseException:
-        watch.forget()
-        secure.close()
-        raise
-    return secure
-
-
-def _connect_url(
-    url: str, timeout: float, allowed: Sequence[Network], watch: _Watchdog
-) -> tuple[http.client.HTTPConnection, str]:
-    """A connection to an http(s) URL, at an address checked after resolution (the one
-    connected to), and the path to ask for."""
-    parts = urlsplit(url)
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-    host, port, addresses = resolve(url, allowed)
-    sock = _open_socket([(a.family, a.sockaddr) for a in addresses], timeout, watch)
-    connection: http.client.HTTPConnection
-    if parts.scheme == "https":
-        context = ssl.create_default_context()
-        sock = _handshake(context, sock, host, watch)
-        # Connected already (never connect() again): the class only gives the Host header.
-        connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
-    else:
-        connection = http.client.HTTPConnection(host, port, timeout=timeout)
-    connection.sock = sock
-    return connection, path
-
-
-def _connect(
-    source: Source, context: ssl.SSLContext, timeout: float, watch: _Watchdog
-) -> http.client.HTTPConnection:
-    infos = socket.getaddrinfo(source.host, source.port, type=socket.SOCK_STREAM)
-    raw = _open_socket([(info[0], info[4]) for info in infos], timeout, watch)
-    secure = _handshake(context, raw, source_tls_name(source.node_id), watch)
-    connection = http.client.HTTPConnection(source.host, source.port, timeout=timeout)
-    connection.sock = secure
-    return connection
-
-
-def _describe(error: BaseException) -> str:
-    """An error to record: the system's words for an OSError, only the kind of an HTTP
-    protocol error (whose message may quote what the source sent)."""
-    if isinstance(error, http.client.HTTPException):
-        return f"not a valid HTTP answer ({type(error).__name__})"
-    return str(error) or type(error).__name__
-
-
-def _refusal_text(response: http.client.HTTPResponse, source: Source) -> str:
-    """What a refusal says: for a node or the controller (the file server of this project,
-    behind TLS and a node id), its short reason; for a URL, the status and its standard
-    phrase only: an error page there may be a service the node can reach and we cannot."""
-    try:
-        phrase = HTTPStatus(response.status).phrase
-    except ValueError:
-        phrase = "an unknown status"
-    if source.url:
-        return f"{response.status} {phrase}"
-    reason = response.read(200).decode("ascii", errors="replace")
-    reason = "".join(c if c.isprintable() else " " for c in reason).strip()
-    return f"{response.status} {phrase}: {reason}" if reason else f"{response.status} {phrase}"
-
-
-def _announced_size(response: http.client.HTTPResponse, held: int) -> int | None:
-    """The whole file's size as the answer announces it (None: it does not say)."""
-    length = (response.getheader("Content-Length") or "").strip()
-    content_range = response.getheader("Content-Range")
-    if response.status == 206 and content_range is not None:
-        start, _, total = content_range.removeprefix("bytes ").partition("/")
-        if total.strip().isdigit() and start.partition("-")[0].strip() == str(held):
-            return int(total)
-        return None
-    if not length.isdigit():
-        return None
-    return (held if response.status == 206 else 0) + int(length)
-
-
 class _Resumed(TransferError):
     """The bytes held from an earlier attempt did not add up with this source's: they may
     have come from a source that lied. The partial file is gone; this source starts over."""
@@ -499,14 +275,16 @@ def _fetch(
     if size:
         _make_room(dest, size, held, limit)
     started = time.monotonic()
-    watch = _Watchdog(limits)
+    watch = Watchdog(limits)
     try:
         try:
             if source.url:
-                connection, path = _connect_url(source.url, timeout, allowed, watch)
+                connection, path = connect_url(source.url, timeout, allowed, watch)
                 headers: dict[str, str] = {}
             else:
-                connection = _connect(source, context, timeout, watch)
+                connection = connect_node(
+                    source.host, source.port, source.node_id, context, timeout, watch
+                )
                 path = MODELS_PATH + sha256
                 headers = {"Authorization": f"Bearer {source.ticket}"}
         except SourceRefused as e:
@@ -515,21 +293,22 @@ def _fetch(
             if watch.why is not None:
                 raise TransferError(f"gave up on {source.label}: {watch.why}") from e
             where = source.url or f"{source.label} at {source.host}:{source.port}"
-            raise TransferError(f"cannot reach {where}: {_describe(e)}") from e
+            raise TransferError(f"cannot reach {where}: {describe(e)}") from e
         try:
             if held:
                 headers["Range"] = f"bytes={held}-"
             connection.request("GET", path, headers=headers)
             response = connection.getresponse()
             if response.status not in (200, 206):
+                why = refusal_text(response, from_url=bool(source.url))
                 raise TransferError(
-                    f"{source.label} refused the transfer ({_refusal_text(response, source)})",
+                    f"{source.label} refused the transfer ({why})",
                     # Another source may hold the file, or answer once it is whole again.
                     retry=response.status >= 500 or response.status == 404,
                 )
             if response.status == 200 and held:  # the range was not honoured: start over
                 hasher, held = hashlib.sha256(), 0
-            announced = _announced_size(response, held)
+            announced = announced_size(response, held)
             if announced is None:
                 raise TransferError(f"{source.label} did not say how large {dest.name} is")
             if size and announced != size:
@@ -549,7 +328,7 @@ def _fetch(
                 raise TransferError(why, retry=False) from e
             if watch.why is not None:
                 raise TransferError(f"gave up on {source.label}: {watch.why}") from e
-            cut = f"transfer from {source.label} cut after {held} bytes: {_describe(e)}"
+            cut = f"transfer from {source.label} cut after {held} bytes: {describe(e)}"
             raise TransferError(cut) from e
         finally:
             watch.stop()  # before the close: the descriptor is not cut once reused
@@ -616,7 +395,7 @@ def _receive(
     size: int,
     hasher: hashlib._Hash,
     progress: Progress | None,
-    watch: _Watchdog,
+    watch: Watchdog,
 ) -> int:
     mode = "r+b" if held and partial.exists() else "wb"
     with partial.open(mode, buffering=0) as out:
@@ -624,7 +403,7 @@ def _receive(
         out.truncate()
         sink = _Sink(out, hasher)
         try:
-            read = watch.limits.read_size()
+            read = watch.limits.read_size(CHUNK)
             while held < size and sink.failure is None:
                 buffer = sink.free.get()
                 n = response.readinto(memoryview(buffer)[:read])

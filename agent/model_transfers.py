@@ -22,7 +22,8 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
-from agent.model_fetch import DiskLimit, FetchLimits, Source, TransferError, fetch
+from agent.fetch_limits import FetchLimits
+from agent.model_fetch import DiskLimit, Source, TransferError, fetch
 from agent.model_store import ModelStore
 from agent.node_tls import NodeTls
 from proto import control_pb2 as pb

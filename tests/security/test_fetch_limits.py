@@ -25,7 +25,7 @@ import pytest
 
 from agent.control_client import AgentState
 from agent.control_handler import NullHandler
-from agent.model_fetch import FetchLimits
+from agent.fetch_limits import FetchLimits
 from agent.model_transfers import ModelTransfers
 from agent.node_tls import NodeTls
 from domain.node import Node

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.fetch_limits import MIN_READ, FetchLimits
 from agent.main import build_parser, config_from_args
-from agent.model_fetch import CHUNK, MIN_READ, FetchLimits
+from agent.model_fetch import CHUNK
 from infrastructure.settings import Settings, SettingsError
 from proto.model_sources import SourceRefused, check_url, parse_cidrs, refusal, resolve
 
@@ -110,9 +111,9 @@ def test_settings_parse_and_check_the_networks_and_the_file_server_limits() -> N
 
 
 def test_a_read_waits_for_a_quarter_of_what_the_floor_asks_of_a_window() -> None:
-    assert FetchLimits().read_size() == CHUNK  # 1 MiB/s over 60 s: 15 MiB a quarter
-    assert FetchLimits(min_rate=64 << 10, rate_window=1.0).read_size() == MIN_READ
-    assert FetchLimits(min_rate=1 << 20, rate_window=2.0).read_size() == 512 << 10
+    assert FetchLimits().read_size(CHUNK) == CHUNK  # 1 MiB/s over 60 s: 15 MiB a quarter
+    assert FetchLimits(min_rate=64 << 10, rate_window=1.0).read_size(CHUNK) == MIN_READ
+    assert FetchLimits(min_rate=1 << 20, rate_window=2.0).read_size(CHUNK) == 512 << 10
     with pytest.raises(ValueError):
         FetchLimits(rate_window=0)
 
