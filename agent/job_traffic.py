@@ -25,6 +25,7 @@ from agent.control_handler import (
 )
 from agent.job_journal import JobJournal
 from agent.job_messages import JOB_LOST
+from agent.model_proof import prove
 from agent.model_transfers import ModelTransfers
 from proto import control_pb2 as pb
 
@@ -109,6 +110,8 @@ class JobTraffic:
             coro = self.transfers.on_fetch(message.fetch_model, send)
         elif kind == "evict_model":
             coro = self.transfers.on_evict(message.evict_model, send)
+        elif kind == "prove_model":
+            coro = prove(self.transfers.store, message.prove_model, send)
         elif kind == "nodes_revoked":
             self._nodes_revoked(message.nodes_revoked.node_ids)
             return

@@ -35,10 +35,11 @@ from application.commands import (
 from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from domain.access_refusal import AccessRefusal
-from domain.errors import IllegalTransition, SlotTaken
+from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
 from domain.issued_token import IssuedToken, issued_token_id
 from domain.job import Job
 from domain.model import CHAT, DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
+from domain.model_claims import STORE, Samples, facts_of
 from domain.node import Node
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
@@ -419,6 +420,77 @@ class Controller(Application[UUID]):
         self, node_id: UUID | str, address: str, reason: str, job_id: str = ""
     ) -> int:
         return self._node_command(node_id, lambda n: n.security_violation(address, reason, job_id))
+
+    def model_proven(
+        self, node_id: UUID | str, sha256: str, basis: str, claim: dict[str, Any]
+    ) -> int:
+        """MODEL_PROVEN: the node answered a challenge of the file's byte ranges rightly."""
+        return self._node_command(node_id, lambda n: n.model_proven(sha256, basis, claim))
+
+    def refuse_model_claim(
+        self,
+        node_id: UUID | str,
+        sha256: str,
+        file_name: str,
+        reason: str,
+        claim: dict[str, Any],
+        basis: str,
+    ) -> int:
+        """MODEL_CLAIM_REFUSED: the node's claim of a registered model's file counts for
+        nothing (it disagrees with the model's facts, or was not proven)."""
+        return self._node_command(
+            node_id, lambda n: n.refuse_model_claim(sha256, file_name, reason, claim, basis)
+        )
+
+    def prove_first(
+        self, node_id: UUID | str, name: str, sha256: str, claim: dict[str, Any], samples: Samples
+    ) -> int:
+        """A first proof of a file only nodes hold: the node's claim fixes the model's facts
+        (MODEL_SHAPE_FIXED, with its answers as the samples later proofs are checked
+        against) and the node is proven (MODEL_PROVEN), in one transaction. Refused when the
+        facts are known already, unless the node that fixed them has been revoked since."""
+
+        def command() -> list[Aggregate]:
+            model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
+            if model.sha256 != sha256:
+                raise InvalidCommand(f"model {name} is registered to another file now")
+            fixer = getattr(model, "shape_from", None)
+            fixer_revoked = False
+            if fixer is not None and fixer != STORE:
+                try:
+                    fixer_revoked = self._node(fixer).revoked
+                except NotFound:
+                    fixer_revoked = True
+            node = self._node(node_id)
+            nonce, recorded = samples.to_event()
+            model.fix_shape(
+                facts_of(claim), str(node.id), nonce, recorded, fixer_revoked=fixer_revoked
+            )
+            node.model_proven(sha256, str(node.id), facts_of(claim))
+            return [model, node]
+
+        return self._run(command)
+
+    def sample_stored_model(self, name: str, sha256: str, samples: Samples) -> int:
+        """MODEL_SHAPE_FIXED from the controller's own copy: samples of the stored file, so
+        that proofs can be checked once the store no longer holds it."""
+
+        def act(model: RegisteredModel) -> None:
+            if model.sha256 != sha256:
+                raise InvalidCommand(f"model {name} is registered to another file now")
+            nonce, recorded = samples.to_event()
+            model.fix_shape(dict(getattr(model, "shape", None) or {}), STORE, nonce, recorded)
+
+        return self._model_command(name, act).position
+
+    def model_samples(self, name: str) -> tuple[str, Samples | None]:
+        """The sha256 of model ``name``'s file and the samples its facts were recorded with
+        (None: none; NotFound: no such model)."""
+        model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
+        recorded = getattr(model, "samples", None)
+        if not recorded:
+            return model.sha256, None
+        return model.sha256, Samples.from_event(recorded["nonce"], recorded["samples"])
 
     def reject_message(
         self, node_id: UUID | str, kind: str, job_id: str, reason: str, suppressed: int = 0

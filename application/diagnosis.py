@@ -125,7 +125,13 @@ _CONTROLLER = (
 _LOSS_CODES = frozenset({"HEARTBEAT_TIMEOUT", "NODE_OFFLINE", "NODE_ERROR"})
 #: Node events that are troubles without losing the node.
 _TROUBLE_CODES = frozenset(
-    {"SECURITY_VIOLATION", "RPC_WORKER_STOPPED", "NODE_MESSAGE_REJECTED", "MODEL_TRANSFER_FAILED"}
+    {
+        "SECURITY_VIOLATION",
+        "RPC_WORKER_STOPPED",
+        "NODE_MESSAGE_REJECTED",
+        "MODEL_TRANSFER_FAILED",
+        "MODEL_CLAIM_REFUSED",
+    }
 )
 #: How many of a node's model transfers the report lists (newest first).
 TRANSFERS_SHOWN = 10

@@ -2,12 +2,13 @@
 (``FetchModel``), with a ticket for each source, and records what the node reports
 (``MODEL_TRANSFER_STARTED``, ``_PROGRESS`` at each quarter, ``_COMPLETED``, ``_FAILED``).
 
-Sources are the nodes in service that report the file and serve model files (the
-``dacp.transfer_port`` label) and the controller's own model store when it holds the file
-(``MODEL_STORED``), those sending the fewest files right now first: several nodes needing the
-same model do not all pull from one source when a peer that just finished can serve too. The
-model's http(s) URLs come last. A transfer is the node's own activity; it outlives the
-request that caused it.
+Sources are the nodes in service that proved they hold the file (``MODEL_PROVEN``: a node's
+report alone is not believed) and serve model files (the ``dacp.transfer_port`` label), and
+the controller's own model store when it holds the file (``MODEL_STORED``), those sending the
+fewest files right now first: several nodes needing the same model do not all pull from one
+source when a peer that just finished can serve too. The model's http(s) URLs come last. The
+file's size is the model's registered one, never a node's word. A transfer is the node's own
+activity; it outlives the request that caused it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from application.commands import FetchRequest, TransferReport, TransferSource
 from application.controller import Controller
 from application.errors import NotFound
 from application.ports import AgentGateway
-from application.read_models import ReadModel
+from application.read_models import ReadModel, model_facts, proven_holders
 from domain.errors import DomainError
 from domain.states import NodeState
 from proto import TRANSFER_PORT_LABEL
@@ -66,6 +67,8 @@ class Pull:
 
 
 def _size_of(node: dict[str, Any], sha256: str) -> int:
+    """The size the node reports for the file (0: it does not report it). Its own word: only
+    good to tell whether it says it holds the file, never how large the file is."""
     for model in node.get("local_models") or ():
         if model.get("sha256") == sha256:
             return int(model.get("size_bytes") or 0)
@@ -118,15 +121,26 @@ class TransferCoordinator:
         self.failed: dict[tuple[str, str], float] = {}
         #: Evictions waiting for the node's answer: (node, sha256) → (ok, file name, error).
         self.evictions: dict[tuple[str, str], asyncio.Future[tuple[bool, str, str]]] = {}
+        #: Whether a node that reports the model's file is proving it holds it now (the
+        #: model-claims sweep): jobs wait for the proof as they wait for a fetch.
+        self.proving: Callable[[dict[str, Any]], bool] = lambda _model: False
 
-    def holders(self, sha256: str) -> list[dict[str, Any]]:
-        """Nodes in service that hold the model and serve model files."""
+    def _rows(self) -> dict[str, dict[str, Any]]:
+        return {n["node_id"]: n for n in self.nodes.list_nodes()}
+
+    def _current(self, model: dict[str, Any]) -> dict[str, Any]:
+        """``model`` with its facts as they are now (a request's row may predate them)."""
+        now = self.nodes.get_model(model["name"])
+        if now is None or now["sha256"] != model["sha256"]:
+            return model
+        return {**model, "shape": now.get("shape"), "shape_from": now.get("shape_from")}
+
+    def holders(self, model: dict[str, Any]) -> list[dict[str, Any]]:
+        """Nodes in service that proved they hold the model's file and serve model files."""
         return [
             n
-            for n in self.nodes.list_nodes()
-            if n["state"] in _SERVING
-            and _size_of(n, sha256)
-            and (n.get("labels") or {}).get(TRANSFER_PORT_LABEL)
+            for n in proven_holders(self._current(model), self._rows(), frozenset(_SERVING))
+            if (n.get("labels") or {}).get(TRANSFER_PORT_LABEL)
         ]
 
     def stores(self, model: dict[str, Any]) -> bool:
@@ -137,7 +151,7 @@ class TransferCoordinator:
         """Asks each node to fetch ``model`` (nodes that hold it already are left alone). Either
         every node named can be asked, or none is: :class:`TransferRefused` says why not."""
         sha256 = model["sha256"]
-        holders = self.holders(sha256) if self.signer is not None else []
+        holders = self.holders(model) if self.signer is not None else []
         if not holders and not self.stores(model) and not model.get("sources"):
             if self.signer is None:
                 raise TransferRefused(
@@ -149,8 +163,8 @@ class TransferCoordinator:
                 f"no node in service holds model {model['name']} to fetch from, the "
                 "controller's model store does not hold it, and it has no http(s) source"
             )
-        size = self._size(model, holders)
-        rows = {n["node_id"]: n for n in self.nodes.list_nodes()}
+        size = self._size(model)
+        rows = self._rows()
         wanted = []
         for node_id in dict.fromkeys(node_ids):
             if any(h["node_id"] == node_id for h in holders):
@@ -183,13 +197,16 @@ class TransferCoordinator:
             return True
         if any(sha == sha256 for _, sha in self.completed):
             return True
+        if self.proving(model):
+            return True
         if self.signer is None or self.primary_if_held is None:
             return False
-        holders = self.holders(sha256)
+        holders = self.holders(model)
         if not holders and not self.stores(model):
             return False
-        held = {h["node_id"] for h in holders}
-        size = self._size(model, holders)
+        # A node that reports the file already is no target: it has it, or its claim failed.
+        held = {n["node_id"] for n in self.nodes.list_nodes() if _size_of(n, sha256)}
+        size = self._size(model)
         self.failed = {k: t for k, t in self.failed.items() if now - t < FAILED_COOLDOWN_SECONDS}
         targets = [
             n
@@ -274,16 +291,14 @@ class TransferCoordinator:
             TransferSource("", "", 0, "", url) for url in model.get("sources") or ()
         )
 
-    @staticmethod
-    def _size(model: dict[str, Any], holders: list[dict[str, Any]]) -> int:
-        """The model file's size, when a holder or the store says (0: a URL's answer will)."""
-        size = _size_of(holders[0], model["sha256"]) if holders else 0
-        if not size and model.get("stored"):
-            size = int(model["stored"]["size_bytes"])
-        return size
+    def _size(self, model: dict[str, Any]) -> int:
+        """The model file's size, from its registered facts (0: none known; a URL's answer
+        will say). Never a node's word: a forged size would refuse every pull."""
+        facts = model_facts(self._current(model), self._rows())
+        return int(facts[0]["size_bytes"]) if facts is not None else 0
 
     def _ask(self, node_id: str, model: dict[str, Any], holders: list[dict[str, Any]]) -> Pull:
-        size = self._size(model, holders)
+        size = self._size(model)
         sources = self._sources(node_id, model, holders)
         request = FetchRequest(
             str(uuid.uuid4()), model["sha256"], model["file_name"], size, sources, self.source_cidrs

@@ -13,7 +13,8 @@ from domain.catalog import code_of
 from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel, shape_of, use_of
-from domain.node import Node
+from domain.model_claims import STORE, facts_of
+from domain.node import Node, still_proven
 from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
 
@@ -65,6 +66,10 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
             "inventory": event.inventory,
             "resources": event.inventory,
             "local_models": [],
+            #: Files it proved it holds: sha256 → {"basis", "claim"} (MODEL_PROVEN).
+            "proven_models": {},
+            #: Its claims refused: sha256 → {"file_name", "reason", "claim", "basis", "at"}.
+            "refused_models": {},
             "slots": event.slots,
             "current_jobs": [],
             "runtime": None,
@@ -93,6 +98,30 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
     if isinstance(event, Node.ResourcesReported):
         new["resources"] = event.resources
         new["local_models"] = event.local_models
+        new["proven_models"] = still_proven(row.get("proven_models") or {}, event.local_models)
+        reported = {str(m.get("sha256")) for m in event.local_models}
+        refused = row.get("refused_models") or {}
+        new["refused_models"] = {k: v for k, v in refused.items() if k in reported}
+    elif isinstance(event, Node.ModelProven):
+        new["proven_models"] = {
+            **(row.get("proven_models") or {}),
+            event.sha256: {"basis": event.basis, "claim": event.claim},
+        }
+        refused = row.get("refused_models") or {}
+        new["refused_models"] = {k: v for k, v in refused.items() if k != event.sha256}
+    elif isinstance(event, Node.ModelClaimRefused):
+        proven = row.get("proven_models") or {}
+        new["proven_models"] = {k: v for k, v in proven.items() if k != event.sha256}
+        new["refused_models"] = {
+            **(row.get("refused_models") or {}),
+            event.sha256: {
+                "file_name": event.file_name,
+                "reason": event.reason,
+                "claim": event.claim,
+                "basis": event.basis,
+                "at": at,
+            },
+        }
     elif isinstance(event, Node.WentOffline | Node.ErrorReported | Node.Revoked):
         new["current_jobs"] = []
         new["rpc_workers"] = {}
@@ -101,6 +130,7 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
             new["error"] = event.message
         if isinstance(event, Node.Revoked):
             new["revoked"] = True
+            new["proven_models"] = {}
     elif isinstance(event, Node.Recovered):
         new["error"] = None
         new["runtime"] = None
@@ -193,7 +223,51 @@ def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
         "runtime_key": runtime_key(node.get("runtime")),
         "free_memory_bytes": _free_memory_bytes(node["resources"]),
         "local_models": sorted({str(m["sha256"]) for m in node["local_models"] if m.get("sha256")}),
+        #: What the scheduler counts as there: files proven, by sha256 → the facts' basis.
+        "proven_models": {
+            sha: str(p.get("basis")) for sha, p in (node.get("proven_models") or {}).items()
+        },
     }
+
+
+def model_facts(
+    model: dict[str, Any], nodes: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], str] | None:
+    """A registered model's file facts (size and shape) and their basis, or None when none
+    count: never known, or fixed by a node that has been revoked since (see
+    domain/model_claims.py). ``nodes`` are node rows by id."""
+    shape = model.get("shape") or model.get("stored")  # views older than "shape": the store's
+    basis = model.get("shape_from") or (STORE if model.get("stored") else None)
+    if not shape or not basis:
+        return None
+    if basis != STORE:
+        fixer = nodes.get(basis)
+        if fixer is None or fixer.get("revoked"):
+            return None
+    return facts_of(shape), str(basis)
+
+
+def proves(node: dict[str, Any], sha256: str, basis: str) -> bool:
+    """Whether the node (a row or an eligibility row) proved it holds the file against
+    the facts of ``basis``."""
+    proof = (node.get("proven_models") or {}).get(sha256)
+    if isinstance(proof, dict):
+        proof = proof.get("basis")
+    return proof == basis
+
+
+def proven_holders(
+    model: dict[str, Any], nodes: dict[str, dict[str, Any]], states: frozenset[str]
+) -> list[dict[str, Any]]:
+    """The nodes in ``states`` (never a revoked one) that proved they hold the model's file."""
+    facts = model_facts(model, nodes)
+    if facts is None:
+        return []
+    return [
+        n
+        for n in nodes.values()
+        if n["state"] in states and not n.get("revoked") and proves(n, model["sha256"], facts[1])
+    ]
 
 
 def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
@@ -290,16 +364,41 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "pooling": use_of(event)[1],
             "sources": [],
             "stored": None,
+            #: The file's facts and their basis ("store" or the fixing node's id; None: not
+            #: known yet). The samples stay in the event store.
+            "shape": None,
+            "shape_from": None,
+            #: How many byte-range samples were recorded with the facts (0: none yet).
+            "proof_samples": 0,
             "registered_at": at,
             "updated_at": at,
+            "version": event.originator_version,
         }
+    if row is not None and isinstance(event, RegisteredModel.Event):
+        row = {**row, "version": event.originator_version}
     if isinstance(event, RegisteredModel.SourceAdded) and row is not None:
         return {**row, "sources": [*(row.get("sources") or []), event.url], "updated_at": at}
     if isinstance(event, RegisteredModel.SourceRemoved) and row is not None:
         sources = [u for u in row.get("sources") or [] if u != event.url]
         return {**row, "sources": sources, "updated_at": at}
     if isinstance(event, RegisteredModel.Stored) and row is not None:
-        return {**row, "stored": shape_of(event), "updated_at": at}
+        shape = shape_of(event)
+        return {
+            **row,
+            "stored": shape,
+            "shape": shape,
+            "shape_from": STORE,
+            "proof_samples": 0,
+            "updated_at": at,
+        }
+    if isinstance(event, RegisteredModel.ShapeFixed) and row is not None:
+        return {
+            **row,
+            "shape": shape_of(event),
+            "shape_from": event.source,
+            "proof_samples": len(event.samples),
+            "updated_at": at,
+        }
     if isinstance(event, RegisteredModel.Unstored) and row is not None:
         return {**row, "stored": None, "updated_at": at}
     if isinstance(event, RegisteredModel.Updated) and row is not None:
@@ -307,6 +406,9 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
         return {
             **row,
             "stored": None if changed else row.get("stored"),
+            "shape": None if changed else row.get("shape"),
+            "shape_from": None if changed else row.get("shape_from"),
+            "proof_samples": 0 if changed else row.get("proof_samples", 0),
             "sha256": event.sha256,
             "file_name": event.file_name,
             "context_size": event.context_size,

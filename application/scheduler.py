@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from application.ports import LiveNode, LiveState
-from application.read_models import ReadModel, eligibility_of
+from application.read_models import ReadModel, eligibility_of, model_facts, proves
 from application.slot_ledger import SlotLedger
 from domain.placement import (
+    MAX_NODE_MEMORY_BYTES,
+    MAX_SLOTS,
     MODEL_NOT_PRESENT,
     Candidate,
     ModelNeeds,
@@ -46,8 +48,22 @@ def _live_free_bytes(live: LiveNode | None) -> int | None:
     return int(ram) if ram else None
 
 
+def _total_memory_bytes(node: dict[str, Any]) -> int | None:
+    """The memory the node says it has in all (its GPUs', else its RAM), if it says."""
+    resources = node.get("resources") or {}
+    gpus = [g for g in resources.get("gpus") or [] if isinstance(g, dict)]
+    gpu_total = sum(int(g.get("memory_total_bytes") or 0) for g in gpus)
+    if gpu_total > 0:
+        return gpu_total
+    ram = resources.get("ram_total_bytes")
+    return int(ram) if ram else None
+
+
 def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode | None) -> int:
-    """min(read-model free memory, live free memory), capped by the node's offered limit."""
+    """min(read-model free memory, live free memory), capped by the node's offered limit.
+
+    The node's own figures (it runs the work), kept sane: free memory never counts for
+    more than the node's total, nor beyond MAX_NODE_MEMORY_BYTES."""
     usable = int(eligible["free_memory_bytes"])
     live_free = _live_free_bytes(live)
     if live_free is not None:
@@ -55,18 +71,18 @@ def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode
     limit = int((node.get("inventory") or {}).get("memory_limit_bytes") or 0)
     if limit > 0:
         usable = min(usable, limit)
-    return max(0, usable)
+    total = _total_memory_bytes(node)
+    if total is not None:
+        usable = min(usable, total)
+    return max(0, min(usable, MAX_NODE_MEMORY_BYTES))
 
 
-def model_needs(model: dict[str, Any], nodes: list[dict[str, Any]]) -> ModelNeeds | None:
-    """The model's size and shape, from any node that reported its GGUF file, or else from
-    the controller's model store (MODEL_STORED)."""
-    for node in nodes:
-        for local in node.get("local_models") or []:
-            if local.get("sha256") == model["sha256"]:
-                return _needs(model, local)
-    stored = model.get("stored")
-    return _needs(model, stored) if stored else None
+def model_needs(model: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> ModelNeeds | None:
+    """The model's size and shape: its registered facts (the controller's model store, or
+    the first node that proved it holds the file, unless revoked since), never what a node
+    reports (see domain/model_claims.py). ``nodes`` are node rows by id."""
+    facts = model_facts(model, nodes)
+    return _needs(model, facts[0]) if facts is not None else None
 
 
 def _needs(model: dict[str, Any], shape: dict[str, Any]) -> ModelNeeds:
@@ -104,7 +120,7 @@ class Scheduler:
         #: after a placement lost a slot to a write the ledger cannot know about).
         self.catch_up = catch_up
         self.ledger = ledger if ledger is not None else SlotLedger()
-        # node → ((row, live entry, model sha256), its candidate): see _candidate.
+        # node → ((row, live entry, model sha256 and basis), its candidate): see _candidate.
         self._candidates: dict[str, tuple[Any, LiveNode | None, str, Candidate | None]] = {}
 
     def _candidate(
@@ -112,17 +128,20 @@ class Scheduler:
         row: dict[str, Any],
         live: LiveNode | None,
         sha256: str,
+        basis: str,
         assume_idle: bool,
         pretend_holding: frozenset[str] = frozenset(),
     ) -> Candidate | None:
         """The node as a cold plan sees it (heartbeat assumed fresh), or None: ineligible.
+        It holds the model only once it proved so against the model's facts (``basis``).
 
         Rows and live entries are replaced, never changed, so the candidate built for the same
         row, live entry and model before is still right: most placements build none.
         """
         fresh = assume_idle or bool(pretend_holding)
         seen = None if fresh else self._candidates.get(row["node_id"])
-        if seen is not None and seen[0] is row and seen[1] is live and seen[2] == sha256:
+        model_key = f"{sha256}:{basis}"
+        if seen is not None and seen[0] is row and seen[1] is live and seen[2] == model_key:
             return seen[3]
         eligible = (idle_eligibility if assume_idle else eligibility_of)(row)
         candidate = None
@@ -136,13 +155,13 @@ class Scheduler:
                 usable_memory_bytes=usable_memory(eligible, row, live),
                 # A cold server needs idle nodes: a node with jobs serves their runtime.
                 free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
-                has_model=sha256 in eligible["local_models"] or row["node_id"] in pretend_holding,
+                has_model=proves(eligible, sha256, basis) or row["node_id"] in pretend_holding,
                 heartbeat_fresh=True,
-                slot_cap=int(eligible["slots"]),
+                slot_cap=min(int(eligible["slots"]), MAX_SLOTS),
                 warm=bool(row.get("runtime")),
             )
         if not fresh:
-            self._candidates[row["node_id"]] = (row, live, sha256, candidate)
+            self._candidates[row["node_id"]] = (row, live, model_key, candidate)
         return candidate
 
     def place(
@@ -166,16 +185,27 @@ class Scheduler:
         # This controller's own assignments and releases count at once (the ledger); the
         # read model supplies everyone else's, a little late.
         nodes = self.ledger.adjust_all(self.read_model.list_nodes())
-        needs = model_needs(model, list(nodes.values()))
-        if needs is None:
+        # The model's facts as they are now: a request's row may predate them.
+        current = self.read_model.get_model(model["name"])
+        if current is not None and current["sha256"] == model["sha256"]:
+            model = {
+                **model,
+                "shape": current.get("shape"),
+                "shape_from": current.get("shape_from"),
+            }
+        facts = model_facts(model, nodes)
+        if facts is None:
             return PlacementResult(
                 plan=None,
                 no_capacity=NoCapacity(
-                    f"no node has reported the file of model {model['name']} "
-                    f"({model['file_name']}, sha256 {model['sha256'][:12]}…)",
+                    f"no node has proven it holds the file of model {model['name']} "
+                    f"({model['file_name']}, sha256 {model['sha256'][:12]}…), and the "
+                    "controller's model store does not hold it",
                     code=MODEL_NOT_PRESENT,
                 ),
             )
+        needs = _needs(model, facts[0])
+        basis = facts[1]
         live = self.live.all()
 
         def reachable(node_id: str) -> bool:
@@ -193,6 +223,7 @@ class Scheduler:
                 context_size=context_size,
                 exclude=exclude,
                 reachable=reachable,
+                primary_holds=lambda node_id: proves(nodes[node_id], model["sha256"], basis),
             )
             if warm is not None:
                 return PlacementResult(plan=warm.plan, fallback_used=warm.degraded, warm=True)
@@ -200,7 +231,7 @@ class Scheduler:
         sha256 = model["sha256"]
         for node_id, node in nodes.items():
             entry = live.get(node_id)
-            candidate = self._candidate(node, entry, sha256, assume_idle, pretend_holding)
+            candidate = self._candidate(node, entry, sha256, basis, assume_idle, pretend_holding)
             if candidate is None or candidate.free_slots <= 0:
                 continue  # ineligible either way; the planner need not look at it
             if not (

@@ -275,6 +275,13 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"fetching model {str(p.get('sha256'))[:12]} failed: {p.get('error')}{_transfer_tag(p)}"
     ),
     "MODEL_EVICTED": lambda p: f"model file {p.get('file_name')} deleted (evicted)",
+    "MODEL_PROVEN": lambda p: (
+        f"proved it holds model file {str(p.get('sha256'))[:12]} (facts from {p.get('basis')})"
+    ),
+    "MODEL_CLAIM_REFUSED": lambda p: (
+        f"its claim of model file {p.get('file_name')} ({str(p.get('sha256'))[:12]}) "
+        f"refused: {p.get('reason')}"
+    ),
     "NODE_RUNTIME_RETIRED": lambda p: (
         f"runtime {p.get('runtime_key')} retired after {p.get('idle_seconds')} s idle"
     ),
@@ -303,6 +310,10 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{p.get('name')} = {p.get('file_name')} sha256 {str(p.get('sha256'))[:12]}..."
     ),
     "MODEL_UPDATED": lambda p: f"{p.get('file_name')} sha256 {str(p.get('sha256'))[:12]}...",
+    "MODEL_SHAPE_FIXED": lambda p: (
+        f"facts fixed from {p.get('source')}: {p.get('size_bytes')} bytes, {p.get('layers')} "
+        f"layers, {len(p.get('samples') or [])} samples"
+    ),
 }
 
 

@@ -20,20 +20,38 @@ from application.controller import Controller
 from application.read_models import ReadModel, project_node
 from application.scheduler import Scheduler, SchedulerConfig
 from bench import stats
+from domain.model_claims import STORE, facts_of
 from domain.placement import ExecutionPlan, PlanNode
 from domain.runtimes import runtime_of
 from infrastructure.live_state import InProcessLiveState
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "5e" * 32
-MODEL = {"name": "m", "sha256": SHA, "file_name": "m.gguf", "context_size": 2048}
+LOCAL: dict[str, Any] = {
+    "sha256": SHA,
+    "file_name": "m.gguf",
+    "size_bytes": 100 << 20,
+    "layers": 30,
+    "kv_bytes_per_token": 1024,
+    "context_length": 8192,
+}
+#: The model as the views hold it: its facts from the controller's store (MODEL_STORED).
+MODEL = {
+    "name": "m",
+    "sha256": SHA,
+    "file_name": "m.gguf",
+    "context_size": 2048,
+    "shape": facts_of(LOCAL),
+    "shape_from": STORE,
+}
 #: Warm servers of the model: 100, or a tenth of the nodes when there are fewer than 1,000.
 WARM_SERVERS = 100
 GIB = 1 << 30
 
 
 class StaticRows:
-    """The read-model port over fixed node rows (only ``list_nodes`` is used)."""
+    """The read-model port over fixed node rows and MODEL (``list_nodes`` and ``get_model``
+    are used)."""
 
     def __init__(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
@@ -41,18 +59,14 @@ class StaticRows:
     def list_nodes(self) -> list[dict[str, Any]]:
         return list(self.rows)
 
+    def get_model(self, name: str) -> dict[str, Any] | None:
+        return MODEL if name == MODEL["name"] else None
+
 
 def _rows(nodes: int, *, full: bool) -> tuple[list[dict[str, Any]], list[str]]:
     warm_servers = max(1, min(WARM_SERVERS, nodes // 10))
     app = Controller()
-    local = {
-        "sha256": SHA,
-        "file_name": "m.gguf",
-        "size_bytes": 100 << 20,
-        "layers": 30,
-        "kv_bytes_per_token": 1024,
-        "context_length": 8192,
-    }
+    local = LOCAL
     resources = {"ram_total_bytes": 16 * GIB, "ram_free_bytes": 12 * GIB, "gpus": []}
     ids = []
     for i in range(nodes):
@@ -75,6 +89,8 @@ def _rows(nodes: int, *, full: bool) -> tuple[list[dict[str, Any]], list[str]]:
         app.mark_ready(node_id)
         holds = i < warm_servers + max(1, warm_servers // 4)  # idle holders for cold plans
         app.report_resources(node_id, resources, [local] if holds else [])
+        if holds:  # and proved it holds the file (MODEL_PROVEN)
+            app.model_proven(node_id, SHA, STORE, facts_of(local))
     for i, node_id in enumerate(ids[:warm_servers]):
         node = app.get_node(node_id)
         plan = ExecutionPlan(

@@ -5,7 +5,10 @@ idle nodes), heartbeats at the controller's interval, and answers the controller
 agent: ``StartRpcWorker`` → ``RpcWorkerStatus STARTED``; a primary ``ExecutionPlan`` →
 ``SetupResult ok``, then ``--tokens`` tokens in ``TokenChunk`` messages of
 ``--tokens-per-message`` tokens every ``--message-interval`` seconds, then ``JobResult``;
-``CancelJob`` stops the stream. Many agents share one process and a few gRPC channels.
+``CancelJob`` stops the stream; ``ProveModel`` → ``ModelProof`` over the bytes of a virtual
+file (the same for every synthetic agent reporting one sha256: the first proof fixes the
+model's facts, the others agree with it). Many agents share one process and a few gRPC
+channels.
 
     python -m bench.synthetic_agents --target 127.0.0.1:50051 --token TOKEN --count 100
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import signal
 import sys
 import time
@@ -60,6 +64,29 @@ class Totals:
     heartbeats: int = 0
     connected: int = 0
     jobs: set[str] = field(default_factory=set)
+
+
+def virtual_bytes(sha256: str, offset: int, length: int) -> bytes:
+    """Bytes ``[offset, offset + length)`` of the virtual file a synthetic agent "holds" as
+    ``sha256``: a 32-byte pattern derived from it, repeated."""
+    pattern = hashlib.sha256(sha256.encode()).digest()
+    start = offset % len(pattern)
+    return (pattern * ((start + length) // len(pattern) + 1))[start : start + length]
+
+
+def proof_of(challenge: pb.ProveModel, size: int) -> pb.ModelProof:
+    """The answer to a challenge about the virtual file (``size`` bytes)."""
+    proof = pb.ModelProof(challenge_id=challenge.challenge_id, model_sha256=challenge.model_sha256)
+    if any(r.offset + r.length > size for r in challenge.ranges):
+        proof.error = "a range goes beyond the file"
+        return proof
+    proof.digests.extend(
+        hashlib.sha256(
+            challenge.nonce + virtual_bytes(challenge.model_sha256, r.offset, r.length)
+        ).digest()
+        for r in challenge.ranges
+    )
+    return proof
 
 
 def inventory(memory: int, slots: int) -> pb.Inventory:
@@ -175,6 +202,9 @@ class Agent:
         elif kind == "cancel_job":
             self.totals.cancels += 1
             self.cancelled.add(message.cancel_job.job_id)
+        elif kind == "prove_model" and message.prove_model.model_sha256 == self.opts.holds:
+            proof = proof_of(message.prove_model, 100 * MIB)
+            self.outbox.put_nowait(pb.AgentMessage(model_proof=proof))
 
     async def _generate(self, job_id: str) -> None:
         opts = self.opts

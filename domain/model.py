@@ -9,6 +9,7 @@ from uuid import NAMESPACE_URL, UUID, uuid5
 from eventsourcing.domain import Aggregate
 
 from domain.errors import InvalidCommand
+from domain.model_claims import STORE, implausible
 
 #: The rules of a registration, as patterns the HTTP API also documents (JSON Schema flavour:
 #: ``$`` is the end of the text). Matched whole: Python's ``$`` also matches before a final
@@ -95,6 +96,7 @@ class RegisteredModel(Aggregate):
         def apply(self, aggregate: Any) -> None:
             if aggregate.sha256 != self.sha256:
                 aggregate.stored = None  # the store's copy is of the file no longer registered
+                aggregate.shape = aggregate.shape_from = aggregate.samples = None
             aggregate.sha256 = self.sha256
             aggregate.file_name = self.file_name
             aggregate.context_size = self.context_size
@@ -113,14 +115,38 @@ class RegisteredModel(Aggregate):
 
         def apply(self, aggregate: Any) -> None:
             aggregate.stored = shape_of(self)
+            # The controller read these facts itself: they replace a node's, and its samples.
+            aggregate.shape, aggregate.shape_from, aggregate.samples = shape_of(self), STORE, None
 
     class Unstored(Event):
-        """The controller's model store no longer holds the file."""
+        """The controller's model store no longer holds the file (its facts stay: the file
+        is the one its sha256 names, and they were read from it)."""
 
         code: ClassVar[str] = "MODEL_UNSTORED"
 
         def apply(self, aggregate: Any) -> None:
             aggregate.stored = None
+
+    class ShapeFixed(Event):
+        """The file's facts are fixed, with samples later proofs are checked against: read
+        from the controller's model store (``source`` ``store``: only the samples are new),
+        or, when only nodes hold the file, those of the first node that proved it holds it
+        (``source``: its node id)."""
+
+        code: ClassVar[str] = "MODEL_SHAPE_FIXED"
+        size_bytes: int
+        layers: int
+        context_length: int
+        kv_bytes_per_token: int
+        architecture: str
+        source: str
+        #: The samples: ``nonce`` (hex) and ``[offset, length, sha256(nonce || bytes) hex]``.
+        nonce: str
+        samples: list[list[Any]]
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.shape, aggregate.shape_from = shape_of(self), self.source
+            aggregate.samples = {"nonce": self.nonce, "samples": self.samples}
 
     class SourceAdded(Event):
         """An http(s) URL the model's file can be fetched from (checked by its sha256)."""
@@ -151,6 +177,12 @@ class RegisteredModel(Aggregate):
         self.sources: list[str] = []
         #: The file's shape when the controller's model store holds it (else None).
         self.stored: dict[str, Any] | None = None
+        #: The file's facts (size and shape) and where they come from (``STORE`` or the id of
+        #: the node whose proof fixed them); None until known. See domain/model_claims.py.
+        self.shape: dict[str, Any] | None = None
+        self.shape_from: str | None = None
+        #: What proofs are checked against without a copy: {"nonce": hex, "samples": [...]}.
+        self.samples: dict[str, Any] | None = None
         self.name = name
         self.sha256 = sha256
         self.file_name = file_name
@@ -238,6 +270,47 @@ class RegisteredModel(Aggregate):
             return False
         self.trigger_event(self.Stored, **shape)
         return True
+
+    def fix_shape(
+        self,
+        shape: dict[str, Any],
+        source: str,
+        nonce: str,
+        samples: list[list[Any]],
+        *,
+        fixer_revoked: bool = False,
+    ) -> None:
+        """Records the file's facts with their samples (MODEL_SHAPE_FIXED). From the store:
+        only when the store's facts have no samples yet (and ``shape`` is them). From a node's
+        first proof: only when no facts are known, or the node that fixed them was revoked
+        (``fixer_revoked``: the caller looked)."""
+        if not samples:
+            raise InvalidCommand("facts are fixed with samples of the file")
+        current = getattr(self, "shape_from", None)
+        if source == STORE:
+            if current != STORE or getattr(self, "shape", None) != shape:
+                raise InvalidCommand(f"the model store's facts of {self.name} are not these")
+            if getattr(self, "samples", None) is not None:
+                raise InvalidCommand(f"the model store's copy of {self.name} is sampled already")
+        else:
+            if current == STORE:
+                raise InvalidCommand(f"the facts of {self.name} come from the model store")
+            if current is not None and not fixer_revoked:
+                raise InvalidCommand(f"the facts of {self.name} were fixed by node {current}")
+            why = implausible(shape)
+            if why is not None:
+                raise InvalidCommand(f"no file is like that: {why}")
+        self.trigger_event(
+            self.ShapeFixed,
+            size_bytes=int(shape["size_bytes"]),
+            layers=int(shape["layers"]),
+            context_length=int(shape["context_length"]),
+            kv_bytes_per_token=int(shape["kv_bytes_per_token"]),
+            architecture=str(shape["architecture"]),
+            source=source,
+            nonce=nonce,
+            samples=samples,
+        )
 
     def unstore(self) -> None:
         if getattr(self, "stored", None) is None:

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 from eventsourcing.domain import Aggregate
 
 from domain.errors import IllegalTransition, InvalidCommand
+from domain.model_claims import facts_of
+from domain.placement import MAX_SLOTS
 from domain.runtimes import runtime_capacity, runtime_key
 from domain.states import NodeState
 
@@ -72,6 +74,7 @@ class Node(Aggregate):
         def evolve(self, node: Node) -> None:
             node.resources = self.resources
             node.local_models = self.local_models
+            node.proven_models = still_proven(node.proofs(), self.local_models)
 
     class HeartbeatTimedOut(Event):
         code: ClassVar[str] = "HEARTBEAT_TIMEOUT"
@@ -180,6 +183,7 @@ class Node(Aggregate):
             node.credential_sha256 = ""
             node.jobs = []
             node.rpc_workers = {}
+            node.proven_models = {}
 
     class MessageRejected(Event):
         """The node's agent sent a message the controller could not take (malformed, too
@@ -191,6 +195,37 @@ class Node(Aggregate):
         job_id: str
         reason: str
         suppressed: int
+
+    class ModelProven(Event):
+        """The node answered a challenge of random byte ranges of a registered model's file
+        rightly: it may be that model's primary while it reports the file as ``claim`` and
+        the model's facts keep their ``basis`` (``store``, or the node that fixed them)."""
+
+        code: ClassVar[str] = "MODEL_PROVEN"
+        sha256: str
+        basis: str
+        claim: dict[str, Any]
+
+        def evolve(self, node: Node) -> None:
+            node.proven_models = {
+                **node.proofs(),
+                self.sha256: {"basis": self.basis, "claim": self.claim},
+            }
+
+    class ModelClaimRefused(Event):
+        """The node's claim of a registered model's file was refused: it disagrees with the
+        model's facts (``basis``; "" when none are known), or the node did not prove it holds
+        the file. The file counts for nothing on that node until its claim changes."""
+
+        code: ClassVar[str] = "MODEL_CLAIM_REFUSED"
+        sha256: str
+        file_name: str
+        reason: str
+        claim: dict[str, Any]
+        basis: str
+
+        def evolve(self, node: Node) -> None:
+            node.proven_models = {k: v for k, v in node.proofs().items() if k != self.sha256}
 
     class ModelTransferStarted(Event):
         """The node began fetching a model file (its own activity, not a job's)."""
@@ -296,6 +331,9 @@ class Node(Aggregate):
         self.transfers: dict[str, dict[str, str]] = {}
         #: The (warm) server this node serves, kept after its last job: ``runtime_of(plan)``.
         self.runtime: dict[str, Any] | None = None
+        #: Model files the node proved it holds: sha256 → {"basis", "claim"} (MODEL_PROVEN;
+        #: read with :meth:`proofs`, since snapshots older than it lack the attribute).
+        self.proven_models: dict[str, dict[str, Any]] = {}
 
     # ----------------------------------------------------------------- queries
 
@@ -306,6 +344,10 @@ class Node(Aggregate):
             self.capacity,
             self.drain_requested if drain is None else drain,
         )
+
+    def proofs(self) -> dict[str, dict[str, Any]]:
+        """The model files the node proved it holds (see :attr:`proven_models`)."""
+        return dict(getattr(self, "proven_models", {}))
 
     @property
     def capacity(self) -> int:
@@ -344,6 +386,8 @@ class Node(Aggregate):
             raise InvalidCommand("a node needs a non-empty name")
         if slots < 1:
             raise InvalidCommand("a node needs at least one job slot")
+        # Its own figure (it runs the work), within reason: the planner tries every count.
+        slots = min(slots, MAX_SLOTS)
         return cls._create(
             cls.Enrolled,
             id=node_id,
@@ -521,6 +565,29 @@ class Node(Aggregate):
             self.RuntimeRetired, state=self.state, runtime_key=key, idle_seconds=idle_seconds
         )
 
+    def model_proven(self, sha256: str, basis: str, claim: dict[str, Any]) -> None:
+        if self.revoked:
+            raise self._refuse("prove a model file", "the node was revoked")
+        reported = [facts_of(m) for m in self.local_models if m.get("sha256") == sha256]
+        if claim not in reported:
+            raise self._refuse("prove a model file", f"it no longer reports {sha256[:12]} so")
+        self.trigger_event(
+            self.ModelProven, state=self.state, sha256=sha256, basis=basis, claim=claim
+        )
+
+    def refuse_model_claim(
+        self, sha256: str, file_name: str, reason: str, claim: dict[str, Any], basis: str
+    ) -> None:
+        self.trigger_event(
+            self.ModelClaimRefused,
+            state=self.state,
+            sha256=sha256,
+            file_name=file_name,
+            reason=reason,
+            claim=claim,
+            basis=basis,
+        )
+
     def security_violation(self, address: str, reason: str, job_id: str = "") -> None:
         self.trigger_event(
             self.SecurityViolation, state=self.state, address=address, reason=reason, job_id=job_id
@@ -575,6 +642,14 @@ class Node(Aggregate):
             self.settled_state(jobs=len(self.jobs) - 1) if self.state in _IN_SERVICE else self.state
         )
         self.trigger_event(self.JobReleased, state=state, job_id=job_id, outcome=outcome)
+
+
+def still_proven(
+    proofs: dict[str, dict[str, Any]], local_models: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The proofs a new report keeps: those of files it still claims exactly as proven."""
+    claims = {str(m.get("sha256")): facts_of(m) for m in local_models}
+    return {sha: p for sha, p in proofs.items() if claims.get(sha) == p.get("claim")}
 
 
 def settled_state(jobs: int, slots: int, drain_requested: bool) -> NodeState:

@@ -63,6 +63,12 @@ DEFAULT_MAX_NODES = 8
 SPLIT_RESOLUTION = 1_000_000
 """The tensor split is expressed in millionths (six decimal places)."""
 
+#: What a node says of itself is its own (it runs the work), within sane bounds: at most this
+#: many llama-server slots (the planner tries every count down from it) ...
+MAX_SLOTS = 64
+#: ... and at most this much usable memory, whatever it reports (16 TiB).
+MAX_NODE_MEMORY_BYTES = 1 << 44
+
 
 NO_ELIGIBLE_NODES = "NO_ELIGIBLE_NODES"
 MODEL_NOT_PRESENT = "MODEL_NOT_PRESENT"
@@ -510,7 +516,7 @@ def _best_plan(pool: Sequence[Candidate], required: int, limit: int) -> _Choice 
 def _most_slots(request: PlacementRequest, choice: _Choice) -> tuple[int, int]:
     """(parallel, required bytes): the most slots up to the primary's cap that still fit."""
     usables = [c.usable_memory_bytes for c in (choice.primary, *choice.workers)]
-    for parallel in range(max(1, choice.primary.slot_cap), 1, -1):
+    for parallel in range(min(max(1, choice.primary.slot_cap), MAX_SLOTS), 1, -1):
         required = required_bytes(
             request.needs,
             request.context_size * parallel,

@@ -65,6 +65,7 @@ def warm_choice(
     context_size: int,
     exclude: frozenset[str] = frozenset(),
     reachable: Callable[[str], bool] = lambda _node_id: True,
+    primary_holds: Callable[[str], bool] = lambda _node_id: True,
 ) -> WarmChoice | None:
     """The warm server that should take a job for the model, or None. A server runs one
     registered model: another name for the same file (an embedding model, say) is another
@@ -72,7 +73,9 @@ def warm_choice(
 
     ``rows`` are node read-model rows by node id (with this controller's own assignments
     applied); ``reachable`` says whether a node's heartbeat is fresh and its agent is connected
-    here. Servers on READY nodes only come first; among them the one with the most free slots
+    here; ``primary_holds`` whether a primary still holds the model's file as proven (a
+    server whose primary's claim was refused since is not reused). Servers on READY nodes
+    only come first; among them the one with the most free slots
     (spreading load over warm servers), then the smallest primary id.
     """
     best: tuple[tuple[int, int, str], WarmChoice] | None = None
@@ -86,6 +89,7 @@ def warm_choice(
             or spec.get("model_name") != model_name
             or spec["model_sha256"] != model_sha256
             or int(spec["context_size"]) != context_size
+            or not primary_holds(node_id)
         ):
             continue
         free = int(spec.get("parallel", 1)) - len(row["current_jobs"])

@@ -18,9 +18,11 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from domain.model_claims import ByteRange
 
 CHUNK = 1 << 20
 #: Space a copy leaves free on the store's disk.
@@ -140,6 +142,25 @@ class ControllerModelStore:
             tmp.unlink(missing_ok=True)
             raise
         return StoredFile(sha256, done, final)
+
+    def read_ranges(self, sha256: str, ranges: Sequence[ByteRange]) -> list[bytes] | None:
+        """The bytes of ``ranges`` of the stored file (a node's proof is checked against
+        them); None when the store does not hold it or it is shorter than a range needs."""
+        path = self.resolve(sha256)
+        if path is None:
+            return None
+        out = []
+        try:
+            with path.open("rb") as handle:
+                for r in ranges:
+                    handle.seek(r.offset)
+                    data = handle.read(r.length)
+                    if len(data) != r.length:
+                        return None
+                    out.append(data)
+        except OSError:
+            return None
+        return out
 
     def remove(self, sha256: str) -> bool:
         """Deletes a stored file; False when the store did not hold it."""

@@ -17,6 +17,7 @@ from application.agent_messages import (
 )
 from application.commands import Delta, FetchRequest, TransferReport
 from application.job_manager import JobManager
+from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.model_transfers import TransferCoordinator
 from application.ports import AllowedPeer, PrimaryAssignment
 from interfaces.grpc_server import AgentConnections
@@ -68,6 +69,15 @@ class ProtoAgentGateway:
     def evict_model(self, node_id: str, sha256: str) -> bool:
         evict = pb.EvictModel(model_sha256=sha256)
         return self.connections.send(node_id, pb.ControllerMessage(evict_model=evict))
+
+    def prove_model(self, node_id: str, challenge: ProofChallenge) -> bool:
+        prove = pb.ProveModel(
+            challenge_id=challenge.challenge_id,
+            model_sha256=challenge.sha256,
+            nonce=challenge.nonce,
+            ranges=[pb.ByteRange(offset=r.offset, length=r.length) for r in challenge.ranges],
+        )
+        return self.connections.send(node_id, pb.ControllerMessage(prove_model=prove))
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
         stop = pb.StopRpcWorker(reason=reason)
@@ -137,9 +147,16 @@ class JobUplink:
     """The servicer's :class:`interfaces.grpc_server.UplinkHandler`: job messages up, and
     model transfer reports."""
 
-    def __init__(self, jobs: JobManager, transfers: TransferCoordinator | None = None) -> None:
+    def __init__(
+        self,
+        jobs: JobManager,
+        transfers: TransferCoordinator | None = None,
+        claims: ModelClaims | None = None,
+    ) -> None:
         self.jobs = jobs
         self.transfers = transfers
+        #: Judges the nodes' answers to model-proof challenges.
+        self.claims = claims
 
     async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> Rejection | None:
         kind = message.WhichOneof("payload")
@@ -152,6 +169,8 @@ class JobUplink:
                     node_id, evicted.model_sha256, evicted.ok, evicted.file_name, evicted.error
                 )
             return None
+        if kind == "model_proof":
+            return await self._proof(node_id, message.model_proof)
         typed = job_message(message)
         if typed is None or isinstance(typed, Rejection):
             return typed
@@ -175,6 +194,15 @@ class JobUplink:
                 ),
             )
         return None
+
+    async def _proof(self, node_id: str, proof: pb.ModelProof) -> Rejection | None:
+        if self.claims is None:
+            return Rejection("a model proof, and this controller sends no challenges")
+        answer = ProofAnswer(
+            proof.challenge_id, proof.model_sha256, tuple(proof.digests), proof.error
+        )
+        refused = await self.claims.answer(node_id, answer)
+        return None if refused is None else Rejection(refused)
 
     async def on_node_disconnected(self, node_id: str) -> None:
         self.jobs.node_disconnected(node_id)

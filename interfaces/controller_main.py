@@ -20,6 +20,7 @@ from application.background import BackgroundTasks
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
+from application.model_claims import ModelClaims
 from application.model_transfers import TicketSigner, TransferCoordinator
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
@@ -27,6 +28,7 @@ from application.worker_reaper import WorkerReaper
 from domain.node import Node
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
+from infrastructure.model_store import ControllerModelStore
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
@@ -282,7 +284,18 @@ async def start_controller(settings: Settings) -> RunningController:
     services.extras["transfers"] = transfers
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
     services.extras["recorder"] = recorder
-    servicer.uplink = JobUplink(jobs, transfers)
+    # Nodes prove the model files they claim before they are planned as their primaries.
+    claims = ModelClaims(
+        services.app,
+        node_views,
+        gateway,
+        ControllerModelStore(settings.model_store_dir).read_ranges,
+        on_proven=jobs.capacity_changed,
+    )
+    transfers.proving = claims.proving
+    services.extras["claims"] = claims
+    services.follower.add_event_listener(claims.listener)
+    servicer.uplink = JobUplink(jobs, transfers, claims)
     services.follower.add_event_listener(_revocations(services, jobs, loop, store_server))
     services.app.owner = str(uuid.uuid4())
     await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
@@ -338,6 +351,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),
+        asyncio.create_task(claims.run(), name="model-claims"),
     ]
     while not http_server.started:
         if tasks[0].done():

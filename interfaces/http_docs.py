@@ -130,10 +130,14 @@ class RegisteredModelRow(TypedDict):
     pooling: Literal["", "mean", "cls", "last"]
     #: http(s) URLs the file can be fetched from.
     sources: list[str]
-    #: The nodes that report the file.
+    #: The nodes that proved they hold the file (neither revoked nor offline).
     held_by: list[str]
     #: The file in the controller's model store (``dacp models add``), or null.
     stored: StoredModelFile | None
+    #: The file's size and shape the planner uses (null: not known yet), never a node's word.
+    shape: StoredModelFile | None
+    #: Where they come from: "store", or the id of the node whose proof fixed them.
+    shape_from: str | None
     registered_at: str
     updated_at: str
 

@@ -12,6 +12,7 @@ from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from application.model_transfers import TransferCoordinator, TransferRefused
+from application.read_models import proven_holders
 from domain.model import (
     DEFAULT_CONTEXT_SIZE,
     EMBEDDING,
@@ -23,6 +24,8 @@ from domain.model import (
     SHA256_PATTERN,
     SOURCE_URL_PATTERN,
 )
+from domain.model_claims import STORE
+from domain.states import NodeState
 from interfaces.admin_api import READ_YOUR_WRITES_TIMEOUT, services
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
@@ -67,15 +70,24 @@ class ModelPull(msgspec.Struct):
     nodes: Annotated[list[str], msgspec.Meta(min_length=1, max_length=256)]
 
 
+#: Node states in which a node counts as holding what it proved it holds.
+_HOLDING = frozenset(s.value for s in NodeState if s != NodeState.OFFLINE)
+
+
 async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The model rows with the names of the nodes that report each file (``held_by``)."""
+    """The model rows with the names of the nodes that proved they hold each file
+    (``held_by``: neither revoked nor offline; a node's report alone is not enough)."""
     nodes = await asyncio.to_thread(svc.read_model.list_nodes)
-    held: dict[str, list[str]] = {}
-    for node in nodes:
-        for local in node.get("local_models") or ():
-            held.setdefault(str(local.get("sha256")), []).append(node["name"])
+    by_id = {n["node_id"]: n for n in nodes}
     return [
-        {**row, "held_by": sorted(held.get(row["sha256"], [])), "stored": row.get("stored")}
+        {
+            **row,
+            "held_by": sorted(n["name"] for n in proven_holders(row, by_id, _HOLDING)),
+            "stored": row.get("stored"),
+            # Rows projected before facts had a basis: the store's, if any.
+            "shape": row.get("shape") or row.get("stored"),
+            "shape_from": row.get("shape_from") or (STORE if row.get("stored") else None),
+        }
         for row in rows
     ]
 
@@ -161,6 +173,11 @@ class AdminModelRoutes(Routes):
         await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)
         row = await asyncio.to_thread(svc.read_model.get_model, data.name)
         assert row is not None
+        claims = svc.extras.get("claims")
+        if claims is not None:  # the nodes that report the file prove it first (held_by)
+            await claims.settled(row, READ_YOUR_WRITES_TIMEOUT)
+            row = await asyncio.to_thread(svc.read_model.get_model, data.name)
+            assert row is not None
         return (await _with_holders(svc, [row]))[0]
 
     @get(

@@ -27,6 +27,7 @@ from application.commands import JobOutcome, Submission
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
+from application.read_models import proven_holders
 from application.store_guard import STORE_UNAVAILABLE
 from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
@@ -91,8 +92,13 @@ async def _cards(svc: Services) -> list[ModelCard]:
         asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
     )
     serving = [n for n in nodes if n["state"] in _SERVING and not n.get("drain_requested")]
-    held = {m.get("sha256") for n in serving for m in n.get("local_models") or ()}
+    rows = {n["node_id"]: n for n in nodes}
     transfers = svc.extras.get("transfers")
+
+    def held(row: dict[str, Any]) -> bool:
+        """A node in service proved it holds the file (a node's report alone is not)."""
+        holders = proven_holders(row, rows, frozenset(_SERVING))
+        return any(not n.get("drain_requested") for n in holders)
 
     def fetchable(row: dict[str, Any]) -> bool:
         """Only the controller's store holds the file: a node in service fetches it first."""
@@ -105,7 +111,7 @@ async def _cards(svc: Services) -> list[ModelCard]:
             "created": int(_epoch(r["registered_at"])),
             "owned_by": "dacp",
             "kind": r.get("kind") or CHAT,
-            "available": r["sha256"] in held or fetchable(r),
+            "available": held(r) or fetchable(r),
         }
         for r in models
     ]

@@ -1,4 +1,6 @@
 """FakeAgent: speaks the real control protocol but fakes llama.cpp (for fast job-flow tests).
+It proves it holds the model it reports with the bytes of a virtual file (see
+``bench.synthetic_agents.virtual_bytes``): every FakeAgent holding one sha256 agrees.
 
 The real agent with real llama.cpp is tested end to end in tests/e2e.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from bench.synthetic_agents import proof_of
 from proto import SLOTS_LABEL
 from proto import control_pb2 as pb
 from tests.integration.control_client import RawSession, Target, as_target, enroll, inventory
@@ -97,7 +100,8 @@ class FakeAgent:
             while seen < len(self.session.received):
                 message = self.session.received[seen]
                 seen += 1
-                if not self.unresponsive:
+                # Proofs are the agent's own business, not its jobs': answered regardless.
+                if not self.unresponsive or message.WhichOneof("payload") == "prove_model":
                     task = asyncio.create_task(self._handle(message))
                     self._handlers.add(task)
                     task.add_done_callback(self._handlers.discard)
@@ -157,6 +161,8 @@ class FakeAgent:
             )
         elif kind == "cancel_job":
             self.cancelled.append(message.cancel_job.job_id)
+        elif kind == "prove_model" and message.prove_model.model_sha256 == self.holds:
+            await send(pb.AgentMessage(model_proof=proof_of(message.prove_model, 100 << 20)))
 
     async def stop(self) -> None:
         if self._task is not None:

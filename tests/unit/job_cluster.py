@@ -19,6 +19,7 @@ from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from domain.catalog import code_of
+from domain.model_claims import STORE, ByteRange, Samples, facts_of
 from infrastructure.live_state import InProcessLiveState
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.fakes import FakeAgentGateway, FakeReadModel
@@ -54,6 +55,7 @@ class Cluster:
         self.model = MODEL
         self._held: dict[str, list[dict[str, Any]]] = {}  # node → models it reports
         self._resources: dict[str, dict[str, Any]] = {}
+        self._fixers: dict[str, str] = {}  # model name → the node whose proof fixed its facts
         self.app = Controller()
         self.read = FakeReadModel(self.app)
         self.live = InProcessLiveState()
@@ -80,18 +82,34 @@ class Cluster:
         self.node_ids = [self.add_node(f"n{i:02d}") for i in range(nodes)]
 
     def hold_model(self, node_id: str, model: dict[str, Any]) -> None:
-        """The node reports the model's file (100 MiB, 1 KiB of KV cache per token)."""
-        self._held[node_id].append(
-            {
-                "sha256": model["sha256"],
-                "file_name": model["file_name"],
-                "size_bytes": 100 << 20,
-                "layers": 30,
-                "kv_bytes_per_token": 1024,
-                "context_length": 8192,
-            }
-        )
+        """The node reports the model's file (100 MiB, 1 KiB of KV cache per token) and proves
+        it holds it: the first node to do so fixes the model's facts (see
+        application/model_claims.py, which the job manager's tests leave out)."""
+        claim = {
+            "sha256": model["sha256"],
+            "file_name": model["file_name"],
+            "size_bytes": 100 << 20,
+            "layers": 30,
+            "kv_bytes_per_token": 1024,
+            "context_length": 8192,
+        }
+        self._held[node_id].append(claim)
         self.app.report_resources(node_id, self._resources[node_id], list(self._held[node_id]))
+        fixer = self._fixers.get(model["name"])
+        if fixer is None:
+            sample = Samples(b"n", (ByteRange(0, 1),), (b"\0" * 32,))
+            self.app.prove_first(node_id, model["name"], model["sha256"], claim, sample)
+            self._fixers[model["name"]] = node_id
+        else:
+            self.app.model_proven(node_id, model["sha256"], fixer, facts_of(claim))
+
+    def prove_against_store(self) -> None:
+        """Every node that holds a model proves it again against the controller's store copy
+        (MODEL_STORED replaced the facts its first proof was checked against), as the
+        model-claims sweep would have it do."""
+        for node_id, held in self._held.items():
+            for claim in held:
+                self.app.model_proven(node_id, claim["sha256"], STORE, facts_of(claim))
 
     def _on_save(self, _position: int) -> None:
         self.loop.call_soon_threadsafe(self.saved.set)

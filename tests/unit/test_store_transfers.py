@@ -26,12 +26,13 @@ from tests.unit.test_model_transfers import lacking, serving
 
 STORE_PORT = 50054
 URL = "http://10.0.0.9:8080/models/m.gguf"
+#: The file as the nodes of job_cluster report it (100 MiB), read by the store.
 SHAPE: dict[str, Any] = {
-    "size_bytes": 60 << 20,  # unlike the 100 MiB the nodes of job_cluster report
+    "size_bytes": 100 << 20,
     "layers": 30,
     "context_length": 8192,
     "kv_bytes_per_token": 1024,
-    "architecture": "llama",
+    "architecture": "",
 }
 
 
@@ -57,11 +58,14 @@ def coordinator(
     )
 
 
-def stored_row(cluster: Cluster) -> dict[str, Any]:
-    """MODEL, now in the controller's model store (MODEL_STORED)."""
-    cluster.app.store_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], SHAPE)
+def stored_row(cluster: Cluster, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
+    """MODEL, now in the controller's model store (MODEL_STORED); the nodes that hold it
+    proved so against the store's copy (when their claims agree with ``shape``)."""
+    cluster.app.store_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], shape)
+    if shape == SHAPE:
+        cluster.prove_against_store()
     row = cluster.read.get_model(MODEL["name"])
-    assert row is not None and row["stored"] == SHAPE
+    assert row is not None and row["stored"] == shape
     return row
 
 
@@ -87,13 +91,16 @@ async def test_the_store_is_a_source_named_controller_with_a_ticket() -> None:
     assert (request.sha256, request.file_name) == (MODEL["sha256"], MODEL["file_name"])
 
 
-async def test_a_holders_size_is_used_when_a_node_holds_the_file() -> None:
+async def test_the_size_is_the_stores_whatever_a_node_reports() -> None:
+    """A node that reports the file with another size (100 MiB) than the store's copy has
+    (60 MiB) is no source, and the fetch is sized as the store's copy."""
     cluster = Cluster(nodes=0)
     serving(cluster, "a")
     c = lacking(cluster, "c")
-    coordinator(cluster).pull(stored_row(cluster), [c])
+    (pull,) = coordinator(cluster).pull(stored_row(cluster, {**SHAPE, "size_bytes": 60 << 20}), [c])
     ((_, request),) = cluster.gateway.fetches
-    assert request.size_bytes == 100 << 20
+    assert request.size_bytes == 60 << 20
+    assert pull.sources == ("controller",)
 
 
 async def test_sources_are_ordered_by_uploads_peers_first_on_a_tie_urls_last() -> None:

@@ -172,8 +172,8 @@ def node_holding(sha256: str, size: int, layers: int) -> dict[str, Any]:
     return {"node_id": "n1", "local_models": [{**local, "kv_bytes_per_token": 512}]}
 
 
-def test_needs_fall_back_to_the_stored_shape_when_no_node_reports_the_file() -> None:
-    nodes = [node_holding(OTHER_SHA, 5, 5), {"node_id": "n2", "local_models": None}]
+def test_needs_come_from_the_stored_shape() -> None:
+    nodes = {"n1": node_holding(OTHER_SHA, 5, 5), "n2": {"node_id": "n2", "local_models": None}}
     needs = model_needs(model_row(SHAPE), nodes)
     assert needs is not None
     assert (needs.name, needs.sha256, needs.file_name) == ("m", SHA, "m.gguf")
@@ -181,21 +181,21 @@ def test_needs_fall_back_to_the_stored_shape_when_no_node_reports_the_file() -> 
     assert needs.kv_bytes_per_token == 1024 and needs.context_length_max == 8192
 
 
-def test_a_nodes_report_wins_over_the_stored_shape() -> None:
-    needs = model_needs(model_row(SHAPE), [node_holding(SHA, 7 << 20, 12)])
+def test_a_nodes_report_never_changes_the_stored_shape() -> None:
+    needs = model_needs(model_row(SHAPE), {"n1": node_holding(SHA, 7 << 20, 12)})
     assert needs is not None
-    assert (needs.weights_bytes, needs.layers) == (7 << 20, 12)
-    assert (needs.kv_bytes_per_token, needs.context_length_max) == (512, 4096)
+    assert (needs.weights_bytes, needs.layers) == (100 << 20, 30)
+    assert (needs.kv_bytes_per_token, needs.context_length_max) == (1024, 8192)
 
 
-def test_no_needs_without_a_report_or_a_stored_file() -> None:
-    assert model_needs(model_row(None), [node_holding(OTHER_SHA, 5, 5)]) is None
-    assert model_needs({k: v for k, v in model_row(None).items() if k != "stored"}, []) is None
+def test_no_needs_from_a_report_alone_nor_without_a_stored_file() -> None:
+    assert model_needs(model_row(None), {"n1": node_holding(SHA, 5, 5)}) is None
+    assert model_needs({k: v for k, v in model_row(None).items() if k != "stored"}, {}) is None
 
 
 def test_a_stored_shape_without_layers_or_context_still_plans() -> None:
     shape = {**SHAPE, "layers": 0, "context_length": 0, "kv_bytes_per_token": 0}
-    needs = model_needs(model_row(shape), [])
+    needs = model_needs(model_row(shape), {})
     assert needs is not None
     assert needs.layers == 1 and needs.context_length_max == 2048
 
