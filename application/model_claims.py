@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from application.controller import Controller
 from application.errors import NotFound
 from application.read_models import ReadModel, model_facts, proves
+from application.store_guard import StoreUnavailable
 from domain.errors import DomainError
 from domain.model import RegisteredModel
 from domain.model_claims import (
@@ -191,6 +192,8 @@ class ModelClaims:
         while True:
             try:
                 await asyncio.to_thread(self.sweep)
+            except StoreUnavailable as e:  # the next sweep tries again
+                log.info("model claims not judged now: %s", e)
             except Exception:
                 log.exception("judging the nodes' model claims failed")
             try:

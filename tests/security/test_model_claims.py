@@ -28,6 +28,7 @@ from agent.agent_config import AgentConfig
 from agent.control_client import AgentSession, AgentState
 from domain.catalog import code_of
 from domain.model import model_id
+from domain.placement import ExecutionPlan, ModelNeeds, required_bytes
 from infrastructure.model_store import ControllerModelStore
 from interfaces.controller_main import RunningController
 from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
@@ -272,12 +273,26 @@ async def admin_model(ctl: RunningController) -> dict[str, Any]:
     return dict(model)
 
 
-def planned_primary(ctl: RunningController) -> str | None:
-    """Whom the planner would make model m's primary now (None: no plan)."""
+def planned(ctl: RunningController) -> ExecutionPlan | None:
+    """The plan the planner would give model m now (None: none)."""
     model = ctl.services.read_model.get_model("m")
     assert model is not None
-    placed = ctl.services.extras["jobs"].scheduler.place(model)
-    return None if placed.plan is None else str(placed.plan.primary.node_id)
+    plan: ExecutionPlan | None = ctl.services.extras["jobs"].scheduler.place(model).plan
+    return plan
+
+
+def sized_by(shape: dict[str, Any], plan: ExecutionPlan) -> bool:
+    """Whether ``plan`` needs what the file of ``shape`` needs (with its slots' context)."""
+    needs = ModelNeeds(
+        "m",
+        plan.model_sha256,
+        "m.gguf",
+        shape["size_bytes"],
+        shape["layers"],
+        shape["kv_bytes_per_token"],
+        shape["context_length"],
+    )
+    return plan.required_bytes == required_bytes(needs, plan.context_size * plan.parallel)
 
 
 @contextlib.asynccontextmanager
@@ -328,7 +343,8 @@ async def test_a_forged_claim_of_a_stored_model_is_refused_recorded_and_never_pr
         model = await admin_model(ctl)
         assert model["shape"] == shape and model["shape_from"] == "store"
         assert model["held_by"] == ["honest"]
-        assert planned_primary(ctl) == honest
+        plan = planned(ctl)
+        assert plan is not None and plan.primary.node_id == honest and sized_by(shape, plan)
         await fake.stop()
 
 

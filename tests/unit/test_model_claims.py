@@ -571,3 +571,22 @@ def test_the_store_reads_ranges_of_its_copy(tmp_path: Path) -> None:
     assert store.read_ranges(SHA, [ByteRange(10, 5)]) == [FILE[10:15]]
     assert store.read_ranges(SHA, [ByteRange(len(FILE) - 2, 5)]) is None
     assert store.read_ranges("e" * 64, [ByteRange(0, 1)]) is None
+
+
+def test_a_warm_server_whose_primary_no_longer_proves_the_file_is_not_reused() -> None:
+    from domain.placement import ExecutionPlan, PlanNode
+    from domain.runtimes import runtime_of, warm_choice
+
+    plan = ExecutionPlan(
+        "m", SHA, "m.gguf", 2048, 1, PlanNode("n1", "10.0.0.1", 50052, 1), (), (1.0,), 2
+    )
+    row = {
+        "node_id": "n1",
+        "state": "READY",
+        "drain_requested": False,
+        "current_jobs": ["j1"],
+        "runtime": runtime_of(plan),
+    }
+    args: dict[str, Any] = {"model_name": "m", "model_sha256": SHA, "context_size": 2048}
+    assert warm_choice({"n1": row}, **args) is not None
+    assert warm_choice({"n1": row}, primary_holds=lambda _n: False, **args) is None

@@ -52,3 +52,22 @@ async def test_rows_follow_the_events_and_match_the_views() -> None:
     mine = next(r for r in rows.list_nodes() if r["node_id"] == node)
     assert mine["current_jobs"] == ["j1"] and mine["runtime"] == runtime
     assert NodeRowsReadModel(views, rows).list_nodes() == rows.list_nodes()
+
+
+async def test_model_rows_follow_the_events_and_match_the_views() -> None:
+    """The scheduler reads each model's current facts from memory too."""
+    cluster = Cluster(nodes=1)
+    follower = FakeFollower(cluster)
+    views = FakeReadModel(cluster.app)
+    rows = NodeRows(views).attach(follower)  # type: ignore[arg-type]
+    follower.position = cluster.app.recorder.max_notification_id() or 0
+    cluster.app.add_model_source("m", "http://10.0.0.9/m.gguf")
+    cluster.app.register_model("other", "b" * 64, "o.gguf")
+    follower.deliver()
+    follower.deliver(again_from=1)  # applied twice: counted once
+    read = NodeRowsReadModel(views, rows)
+    assert read.list_models() == sorted(views.list_models(), key=lambda m: m["name"])
+    model = read.get_model("m")
+    assert model is not None and model["sources"] == ["http://10.0.0.9/m.gguf"]
+    assert model["shape_from"] == cluster.node_ids[0]  # its proof fixed the facts
+    assert read.get_model("nobody") is None
