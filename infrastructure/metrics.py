@@ -6,8 +6,13 @@ Three kinds of figures, each from where it is cheapest and truest:
   (time to first token, inter-token latency, event-store append latency);
 * counters moved by the projection follower's event listener, once per applied event
   (jobs by terminal state, failures by phase, tokens generated, events by catalog code);
-* gauges collected at scrape time (nodes by state from the read model, heartbeat age and
-  connection per node from live state, jobs active on this controller, store positions).
+* gauges collected at scrape time (nodes by state from the read model, nodes connected,
+  jobs active on this controller, store positions).
+
+``GET /metrics`` needs no key, so it names no node: a node's id is what a caller needs to try
+credentials against it. The per-node gauges (heartbeat age and connection, by node id and
+name) are a second registry, :attr:`PrometheusMetrics.nodes`, served at ``GET /metrics/nodes``
+with the admin key.
 
 Every controller owns its own ``CollectorRegistry``: several controllers can share one
 process (the tests do), and nothing lands in the global default registry.
@@ -54,6 +59,8 @@ class PrometheusMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        #: The per-node gauges (node ids and names): the admin key's view only.
+        self.nodes = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
             "dacp_time_to_first_token_seconds",
@@ -150,9 +157,16 @@ class PrometheusMetrics:
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
 
+    def add_node_collector(self, collector: Collector) -> None:
+        self.nodes.register(collector)
+
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (runs the scrape-time collectors)."""
         return generate_latest(self.registry)
+
+    def node_exposition(self) -> bytes:
+        """The per-node gauges in Prometheus text format."""
+        return generate_latest(self.nodes)
 
 
 @dataclass
@@ -173,6 +187,12 @@ class ClusterSources:
     projection_skipped: Callable[[], int] = lambda: 0
     agent_messages_rejected: Callable[[], Mapping[str, int]] = dict
     http_auth_failures: Callable[[], Mapping[tuple[str, int], int]] = dict
+    #: Refused Enroll/Connect calls by (kind, gRPC status name).
+    control_refused: Callable[[], Mapping[tuple[str, str], int]] = dict
+    #: Node messages over their node's budget (counted, not acted on), by kind.
+    over_budget: Callable[[], Mapping[str, int]] = dict
+    #: Control streams closed because their node did not read them.
+    stream_overflows: Callable[[], int] = lambda: 0
 
 
 class ClusterCollector(Collector):
@@ -187,7 +207,7 @@ class ClusterCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return []  # no duplicate-name checks at registration (and no scrape then)
 
-    def _failed(self, what: str) -> None:
+    def failed(self, what: str) -> None:
         log.warning("metrics: cannot read %s", what, exc_info=True)
         with self._lock:
             self._errors += 1
@@ -198,7 +218,7 @@ class ClusterCollector(Collector):
         try:
             rows = list(self.sources.nodes())
         except Exception:
-            self._failed("the nodes view")
+            self.failed("the nodes view")
             rows = None
         if rows is not None:
             out.extend(self._nodes(rows, now))
@@ -242,7 +262,7 @@ class ClusterCollector(Collector):
             try:
                 out.append(_gauge(name, doc, fn))
             except Exception:
-                self._failed(name)
+                self.failed(name)
         try:
             depth = GaugeMetricFamily(
                 "dacp_queue_depth",
@@ -253,7 +273,7 @@ class ClusterCollector(Collector):
                 depth.add_metric([model], waiting)
             out.append(depth)
         except Exception:
-            self._failed("the admission queue")
+            self.failed("the admission queue")
         try:
             out.append(
                 CounterMetricFamily(
@@ -264,7 +284,7 @@ class ClusterCollector(Collector):
                 )
             )
         except Exception:
-            self._failed("the projection follower")
+            self.failed("the projection follower")
         try:
             rejected = CounterMetricFamily(
                 "dacp_agent_messages_rejected",
@@ -276,7 +296,7 @@ class ClusterCollector(Collector):
                 rejected.add_metric([kind], count)
             out.append(rejected)
         except Exception:
-            self._failed("the rejected agent messages")
+            self.failed("the rejected agent messages")
         try:
             refused = CounterMetricFamily(
                 "dacp_http_auth_failures",
@@ -287,7 +307,35 @@ class ClusterCollector(Collector):
                 refused.add_metric([api, str(status)], count)
             out.append(refused)
         except Exception:
-            self._failed("the refused HTTP keys")
+            self.failed("the refused HTTP keys")
+        try:
+            control = CounterMetricFamily(
+                "dacp_control_access_refused",
+                "Enroll and Connect calls the control channel refused, by kind and gRPC status "
+                "(recorded as ACCESS_REFUSED at most once per address every 10 s).",
+                labels=["kind", "code"],
+            )
+            for (kind, code), count in sorted(self.sources.control_refused().items()):
+                control.add_metric([kind, code], count)
+            out.append(control)
+            over = CounterMetricFamily(
+                "dacp_node_messages_over_budget",
+                "Node messages beyond their node's rate budget, counted and not acted on "
+                "(refusals not answered, faults, resource reports replaced by a newer one).",
+                labels=["kind"],
+            )
+            for kind, count in sorted(self.sources.over_budget().items()):
+                over.add_metric([kind], count)
+            out.append(over)
+            out.append(
+                CounterMetricFamily(
+                    "dacp_node_streams_overflowed",
+                    "Control streams closed because their node did not read what waited.",
+                    value=self.sources.stream_overflows(),
+                )
+            )
+        except Exception:
+            self.failed("the control channel's counters")
         try:
             dropped = CounterMetricFamily(
                 "dacp_event_feed_dropped",
@@ -296,7 +344,7 @@ class ClusterCollector(Collector):
             )
             out.append(dropped)
         except Exception:
-            self._failed("the event feed")
+            self.failed("the event feed")
         with self._lock:
             errors = self._errors
         out.append(
@@ -315,6 +363,30 @@ class ClusterCollector(Collector):
         tally = Tally(str(r.get("state")) for r in rows)
         for state in NodeState:
             by_state.add_metric([state.value], tally.get(state.value, 0))
+        connected = sum(1 for r in rows if self.sources.connected(str(r.get("node_id"))))
+        return [
+            by_state,
+            GaugeMetricFamily(
+                "dacp_nodes_connected",
+                "Enrolled nodes whose control stream is open to this controller.",
+                value=connected,
+            ),
+        ]
+
+
+class NodeCollector(Collector):
+    """The per-node gauges, by node id and name (``GET /metrics/nodes``, admin key only): a
+    failing source leaves them out and counts in the public ``dacp_scrape_errors_total``."""
+
+    def __init__(self, sources: ClusterSources, cluster: ClusterCollector) -> None:
+        self.sources = sources
+        self.cluster = cluster
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        now = time.time()
         age = GaugeMetricFamily(
             "dacp_node_heartbeat_age_seconds",
             "Seconds since the node's last heartbeat reached the controller (live state).",
@@ -326,9 +398,14 @@ class ClusterCollector(Collector):
             labels=["node_id", "name"],
         )
         try:
+            rows = list(self.sources.nodes())
+        except Exception:
+            self.cluster.failed("the nodes view")
+            return []
+        try:
             live = self.sources.live()
         except Exception:
-            self._failed("live state")
+            self.cluster.failed("live state")
             live = {}
         for row in rows:
             node_id = str(row.get("node_id"))
@@ -337,7 +414,7 @@ class ClusterCollector(Collector):
             if seen is not None:
                 age.add_metric([node_id, name], round(max(0.0, now - seen.last_seen), 3))
             connected.add_metric([node_id, name], 1.0 if self.sources.connected(node_id) else 0.0)
-        return [by_state, age, connected]
+        return [age, connected]
 
 
 def _gauge(name: str, doc: str, fn: Callable[[], int]) -> GaugeMetricFamily:

@@ -34,7 +34,12 @@ from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
-from interfaces.grpc_server import AgentConnections, ControlPlaneServicer, NodeCertificates
+from interfaces.grpc_server import (
+    MAX_CONCURRENT_RPCS,
+    AgentConnections,
+    ControlPlaneServicer,
+    NodeCertificates,
+)
 from interfaces.http_app import create_app
 from interfaces.model_store_server import start_store_server
 from interfaces.operations_api import cluster_collector, install_operations
@@ -208,6 +213,9 @@ async def start_controller(settings: Settings) -> RunningController:
     if open_api is not None:
         log.warning(open_api)
     services, storage = build_services(settings)
+    # Node credentials are checked from memory, kept current by the events (first listener:
+    # a revocation is known there before any stream is closed for it).
+    services.follower.add_event_listener(services.enrollment.on_event)
     loop = asyncio.get_running_loop()
     # Store writes run in the default pool: as many threads as store connections (pool plus
     # overflow, and two for the rest), not the interpreter's default of cores + 4.
@@ -303,11 +311,13 @@ async def start_controller(settings: Settings) -> RunningController:
     if orphans:
         log.warning("failed %d job(s) whose controller is gone", orphans)
     grpc_server = grpc.aio.server(
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         options=[
             *keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout),
             ("grpc.max_receive_message_length", CONTROLLER_RECEIVE_BYTES),
             ("grpc.max_send_message_length", AGENT_RECEIVE_BYTES),
-        ]
+            ("grpc.http2.bdp_probe", 0),
+        ],
     )
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
     address = f"{settings.grpc_host}:{settings.grpc_port}"

@@ -1,12 +1,69 @@
-"""Conversions between control-channel protobuf messages and plain JSON-safe dicts."""
+"""Conversions between control-channel protobuf messages and plain JSON-safe dicts, and the
+bounds on what a node's message may make the controller keep (:func:`clamp_strings`)."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from domain.bounded_text import ID_MAX, TEXT_MAX, bounded
 from proto import MEMORY_LIMIT_LABEL
 from proto import control_pb2 as pb
+
+#: Fields whose text is content relayed to a client (a token's text, an embedding), or parsed
+#: and never kept (a signing request): bounded by the message size limit alone.
+CONTENT_FIELDS = frozenset({"text", "extra_json", "output_json", "csr_pem"})
+#: Fields of free text (an error, a fault, a reason): TEXT_MAX characters, newlines kept.
+#: Every other string a node sends is an identifier or a short name: ID_MAX characters.
+TEXT_FIELDS = frozenset({"error", "message", "reason"})
+#: The most GPUs, job ids in a heartbeat, models in a report and labels kept of a node.
+MAX_GPUS = 64
+MAX_HEARTBEAT_JOBS = 1024
+MAX_REPORTED_MODELS = 1024
+MAX_LABELS = 64
+
+
+def clamp_strings(message: Message) -> None:
+    """Cuts, in place, every string of a node's message (all its depth, map keys and values
+    too) to what the controller may record or log: TEXT_FIELDS to TEXT_MAX characters, the
+    rest to ID_MAX, non-printable characters escaped (:func:`domain.bounded_text.bounded`).
+    CONTENT_FIELDS are left alone."""
+    for field, value in message.ListFields():
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            entry = field.message_type
+            if entry is not None and entry.GetOptions().map_entry:
+                _clamp_map(value)
+            elif field.is_repeated:
+                for item in value:
+                    clamp_strings(item)
+            else:
+                clamp_strings(value)
+        elif field.type == FieldDescriptor.TYPE_STRING and field.name not in CONTENT_FIELDS:
+            text = field.name in TEXT_FIELDS
+            limit = TEXT_MAX if text else ID_MAX
+            if field.is_repeated:
+                if any(not _fits(v, limit, text) for v in value):
+                    kept = [bounded(v, limit, keep_newlines=text) for v in value]
+                    del value[:]
+                    value.extend(kept)
+            elif not _fits(value, limit, text):
+                setattr(message, field.name, bounded(value, limit, keep_newlines=text))
+
+
+def _fits(value: str, limit: int, text: bool) -> bool:
+    return len(value) <= limit and bounded(value, limit, keep_newlines=text) == value
+
+
+def _clamp_map(entries: Any) -> None:
+    """A map<string, string> with its keys and values bounded."""
+    if all(_fits(k, ID_MAX, False) and _fits(v, ID_MAX, False) for k, v in entries.items()):
+        return
+    kept = {bounded(k, ID_MAX): bounded(v, ID_MAX) for k, v in entries.items()}
+    entries.clear()
+    entries.update(kept)
 
 
 def _memory_limit(inv: pb.Inventory) -> int:
@@ -39,7 +96,7 @@ def inventory_to_dict(inv: pb.Inventory) -> dict[str, Any]:
                 "memory_free_bytes": g.memory_free_bytes,
                 "driver_version": g.driver_version,
             }
-            for g in inv.gpus
+            for g in inv.gpus[:MAX_GPUS]
         ],
     }
 
@@ -59,7 +116,11 @@ def resources_from_report(inv: pb.Inventory, ram_free_bytes: int | None) -> dict
 def local_models_to_list(models: Any) -> list[dict[str, Any]]:
     """Readable GGUF files an agent holds (entries with an error are left out). Raises
     ValueError for an entry no agent would send: a sha256 that is not 64 lowercase hex
-    digits, or a file name that is a path."""
+    digits, or a file name that is a path; more than MAX_REPORTED_MODELS entries."""
+    if len(models) > MAX_REPORTED_MODELS:
+        raise ValueError(
+            f"{len(models)} models, more than the {MAX_REPORTED_MODELS} a report may list"
+        )
     for m in models:
         if m.error or not m.sha256:
             continue
@@ -103,7 +164,7 @@ def heartbeat_to_dict(hb: pb.Heartbeat) -> dict[str, Any]:
                 "memory_used_bytes": g.memory_used_bytes,
                 "temperature_c": g.temperature_c if g.HasField("temperature_c") else None,
             }
-            for g in hb.gpus
+            for g in hb.gpus[:MAX_GPUS]
         ],
-        "active_job_ids": list(hb.active_job_ids),
+        "active_job_ids": [bounded(j, ID_MAX) for j in hb.active_job_ids[:MAX_HEARTBEAT_JOBS]],
     }

@@ -1,7 +1,9 @@
 """``GET /metrics`` (Prometheus) and the operator dashboard at ``/dashboard``.
 
-``/metrics`` needs no key, as Prometheus scrapers expect: it shows counts, latencies, node
-ids and names, never prompts, generated text or secrets. The controller binds 127.0.0.1 by
+``/metrics`` needs no key, as Prometheus scrapers expect: it shows counts and latencies,
+never a node's id or name (what a caller would try credentials against), prompts, generated
+text or secrets. ``/metrics/nodes`` adds the per-node gauges, by node id and name, for the
+admin key (a scraper sends it as its bearer token). The controller binds 127.0.0.1 by
 default; when it listens on a LAN address, restrict ``/metrics`` at the firewall or proxy
 like any exporter.
 
@@ -25,11 +27,13 @@ from infrastructure.metrics import (
     CONTENT_TYPE,
     ClusterCollector,
     ClusterSources,
+    NodeCollector,
     PrometheusMetrics,
 )
 from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import ControlPlaneServicer
-from interfaces.http_docs import ApiOperation, errors
+from interfaces.http_auth import admin_guard
+from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
 from interfaces.http_errors import not_running
 from interfaces.services import Services
 
@@ -66,7 +70,8 @@ def install_operations(
 def cluster_collector(
     services: Services, jobs: JobManager, feed: EventFeed, servicer: ControlPlaneServicer
 ) -> ClusterCollector:
-    return ClusterCollector(
+    """The public scrape-time gauges; registers the per-node ones (``/metrics/nodes``) too."""
+    collector = ClusterCollector(
         ClusterSources(
             nodes=services.read_model.list_nodes,
             live=services.live.all,
@@ -82,8 +87,15 @@ def cluster_collector(
             projection_skipped=lambda: len(services.follower.skipped),
             agent_messages_rejected=lambda: dict(servicer.rejected),
             http_auth_failures=lambda: dict(services.auth_failures),
+            control_refused=lambda: dict(servicer.refused),
+            over_budget=lambda: dict(servicer.over_budget),
+            stream_overflows=lambda: services.connections.overflows,
         )
     )
+    metrics = services.extras.get("metrics")
+    if isinstance(metrics, PrometheusMetrics):
+        metrics.add_node_collector(NodeCollector(collector.sources, collector))
+    return collector
 
 
 @get(
@@ -104,6 +116,25 @@ async def metrics(state: State) -> Response[bytes]:
     return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 
 
+@get(
+    "/metrics/nodes",
+    tags=["operations"],
+    summary="Per-node Prometheus gauges, by node id and name (admin key)",
+    media_type=CONTENT_TYPE,
+    guards=[admin_guard],
+    security=[{"BearerAuth": []}],
+    operation_class=ApiOperation,
+    responses=errors(*ADMIN_KEY_ERRORS, 503),
+)
+async def node_metrics(state: State) -> Response[bytes]:
+    svc: Services = state.services
+    registry = svc.extras.get("metrics")
+    if not isinstance(registry, PrometheusMetrics):
+        raise not_running("metrics are not enabled on this controller")
+    body = await asyncio.to_thread(registry.node_exposition)
+    return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
+
+
 @get("/dashboard", include_in_schema=False, media_type="text/html")
 async def dashboard() -> Response[bytes]:
     html = await asyncio.to_thread((STATIC_DIR / "dashboard.html").read_bytes)
@@ -111,7 +142,8 @@ async def dashboard() -> Response[bytes]:
 
 
 def operations_handlers() -> list[ControllerRouterHandler]:
-    """``/metrics``, ``/dashboard`` and its static files (a fresh router per app)."""
+    """``/metrics``, ``/metrics/nodes``, ``/dashboard`` and its static files (a fresh router
+    per app)."""
     static = create_static_files_router(
         path="/dashboard/static",
         directories=[STATIC_DIR],
@@ -119,7 +151,7 @@ def operations_handlers() -> list[ControllerRouterHandler]:
         include_in_schema=False,
         cache_control=CacheControlHeader(no_cache=True),
     )
-    return [metrics, dashboard, static]
+    return [metrics, node_metrics, dashboard, static]
 
 
 def _store_position(services: Services) -> int:

@@ -32,8 +32,8 @@ async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController
         yield running
 
 
-async def scrape(client: httpx.AsyncClient) -> Samples:
-    r = await client.get("/metrics")  # no key: Prometheus scrapes it as is
+async def scrape(client: httpx.AsyncClient, path: str = "/metrics", **kwargs: Any) -> Samples:
+    r = await client.get(path, **kwargs)  # /metrics needs no key: Prometheus scrapes it as is
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {
@@ -131,6 +131,7 @@ async def test_metrics_move_with_traffic(ctl: RunningController) -> None:
                 and value(s, "dacp_tokens_generated_total") == 2
             ),
         )
+        nodes = await scrape(client, "/metrics/nodes", headers=ADMIN)
     node = {"node_id": agent.node_id, "name": "a"}
     moved = {
         name: (value(before, name), value(after, name))
@@ -154,8 +155,11 @@ async def test_metrics_move_with_traffic(ctl: RunningController) -> None:
     assert value(after, "dacp_events_applied_total", code="JOB_COMPLETED") == 1
     assert value(after, "dacp_nodes", state="READY") == 1
     assert value(after, "dacp_nodes", state="OFFLINE") == 0
-    assert value(after, "dacp_node_connected", **node) == 1
-    assert 0 <= value(after, "dacp_node_heartbeat_age_seconds", **node) < 5
+    assert value(after, "dacp_nodes_connected") == 1
+    # The per-node gauges need the admin key (/metrics names no node).
+    assert agent.node_id not in str(after)
+    assert value(nodes, "dacp_node_connected", **node) == 1
+    assert 0 <= value(nodes, "dacp_node_heartbeat_age_seconds", **node) < 5
     assert value(after, "dacp_jobs_active") == 0
     assert value(after, "dacp_read_model_position") > value(before, "dacp_read_model_position")
     assert value(after, "dacp_scrape_errors_total") == 0

@@ -16,7 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from application.feed_tickets import issue_ticket
 from application.ports import LiveNode
 from domain.access_refusal import AccessRefusal
-from infrastructure.metrics import ClusterCollector, ClusterSources, PrometheusMetrics
+from infrastructure.metrics import (
+    ClusterCollector,
+    ClusterSources,
+    NodeCollector,
+    PrometheusMetrics,
+)
 from infrastructure.settings import Settings
 from interfaces.event_feed import (
     EventFeed,
@@ -188,21 +193,24 @@ def test_prometheus_metrics_counts_events_and_collects_state() -> None:
     metrics.observe_inter_token(0.01)
     metrics.observe_append(0.003)
     live = {str(node.id): LiveNode(str(node.id), last_seen=time.time() - 2.0)}
-    metrics.add_collector(
-        ClusterCollector(
-            ClusterSources(
-                nodes=lambda: [{"node_id": str(node.id), "name": "n1", "state": "READY"}],
-                live=lambda: live,
-                connected=lambda node_id: True,
-                active_jobs=lambda: 1,
-                store_position=lambda: 7,
-                read_model_position=lambda: 7,
-            )
+    cluster = ClusterCollector(
+        ClusterSources(
+            nodes=lambda: [{"node_id": str(node.id), "name": "n1", "state": "READY"}],
+            live=lambda: live,
+            connected=lambda node_id: True,
+            active_jobs=lambda: 1,
+            store_position=lambda: 7,
+            read_model_position=lambda: 7,
         )
     )
+    metrics.add_collector(cluster)
+    metrics.add_node_collector(NodeCollector(cluster.sources, cluster))
+    public = metrics.exposition().decode()
+    assert str(node.id) not in public and "n1" not in public  # /metrics names no node
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for text in (public, metrics.node_exposition().decode())
+        for family in text_string_to_metric_families(text)
         for s in family.samples
     }
     assert samples[("dacp_jobs_submitted_total", ())] == 1
@@ -216,6 +224,7 @@ def test_prometheus_metrics_counts_events_and_collects_state() -> None:
     assert samples[("dacp_event_store_append_seconds_count", ())] == 1
     assert samples[("dacp_nodes", (("state", "READY"),))] == 1
     assert samples[("dacp_nodes", (("state", "OFFLINE"),))] == 0
+    assert samples[("dacp_nodes_connected", ())] == 1
     age = samples[("dacp_node_heartbeat_age_seconds", (("name", "n1"), ("node_id", str(node.id))))]
     assert 1.5 < age < 10
     assert samples[("dacp_jobs_active", ())] == 1

@@ -16,6 +16,7 @@ PUBLIC = {"/health", "/metrics"}
 EXPECTED = {
     "/health",
     "/metrics",
+    "/metrics/nodes",
     "/v1/chat/completions",
     "/v1/models",
     "/api/admin/nodes",
