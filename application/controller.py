@@ -483,6 +483,39 @@ class Controller(Application[UUID]):
 
         return self._model_command(name, act).position
 
+    def share_model_facts(self, name: str, holder: str) -> int:
+        """Model ``name`` takes the facts of model ``holder``, another name of the same file
+        (MODEL_SHAPE_FIXED with the holder's source and samples): the facts are the file's,
+        so every name of it is planned, served and checked by them."""
+
+        def command() -> list[Aggregate]:
+            model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
+            source: RegisteredModel = self._get(RegisteredModel, model_id(holder), "model")
+            if model.sha256 != source.sha256:
+                raise InvalidCommand(f"models {name} and {holder} are different files now")
+            shape = getattr(source, "shape", None)
+            basis = getattr(source, "shape_from", None)
+            if shape is None or basis is None:
+                raise InvalidCommand(f"model {holder} has no facts to share")
+            fixer = getattr(model, "shape_from", None)
+            fixer_revoked = False
+            if fixer is not None and fixer != STORE:
+                try:
+                    fixer_revoked = self._node(fixer).revoked
+                except NotFound:
+                    fixer_revoked = True
+            recorded = getattr(source, "samples", None) or {"nonce": "", "samples": []}
+            model.adopt_facts(
+                dict(shape),
+                str(basis),
+                str(recorded["nonce"]),
+                list(recorded["samples"]),
+                fixer_revoked=fixer_revoked,
+            )
+            return [model]
+
+        return self._run(command)
+
     def model_samples(self, name: str) -> tuple[str, Samples | None]:
         """The sha256 of model ``name``'s file and the samples its facts were recorded with
         (None: none; NotFound: no such model)."""

@@ -25,7 +25,7 @@ from uuid import UUID
 from application.commands import Enrollment
 from application.controller import Controller
 from application.errors import ApplicationError, NotFound
-from domain.bounded_text import ID_MAX, bounded
+from domain.bounded_text import ID_MAX, bounded, node_name_problem
 from domain.enrollment_token import TokenClaims, mint_token, verify_token
 from domain.node import Node
 
@@ -93,6 +93,10 @@ def mint_enrollment_token(
     the fingerprint of the controller's CA when it serves TLS."""
     if not 0 < ttl_seconds <= MAX_TOKEN_TTL:
         raise ValueError(f"a token lives more than 0 s and at most {MAX_TOKEN_TTL:.0f} s (7 days)")
+    problem = node_name_problem(node_name) if node_name else None
+    if problem is not None:
+        # Enroll refuses such a name: a token bound to it could never be used.
+        raise ValueError(problem)
     token_id = secrets.token_hex(8)
     expires_at = now + ttl_seconds
     token = mint_token(key, token_id, expires_at, single_use, node_name or None, ca_fingerprint)

@@ -216,9 +216,11 @@ class ModelClaims:
         now = self.clock()
         self._expire(now)
         rows = self._rows()
-        models = _governing(self.read.list_models())
+        every = self.read.list_models()
+        models = _governing(every)
         for model in models.values():
             self._sample_store(model)
+        self._share_facts(every, models, rows)
         sent = 0
         for node in rows.values():
             if not self._judged(node):
@@ -228,6 +230,25 @@ class ModelClaims:
                 if claimed is not None and self._judge(node, local, claimed, rows, now):
                     sent += 1
         return sent
+
+    def _share_facts(
+        self,
+        every: list[dict[str, Any]],
+        governing: dict[str, dict[str, Any]],
+        rows: dict[str, dict[str, Any]],
+    ) -> None:
+        """Every name of a file takes the facts its governing name holds (a chat and an
+        embedding model of one file, say): the file was proven once, under one name."""
+        for model in every:
+            holder = governing.get(str(model["sha256"]))
+            if holder is None or holder["name"] == model["name"]:
+                continue
+            if model_facts(model, rows) is not None or model_facts(holder, rows) is None:
+                continue
+            try:
+                self.app.share_model_facts(str(model["name"]), str(holder["name"]))
+            except (DomainError, NotFound) as e:
+                log.info("model %s keeps its facts: %s", model["name"], e)
 
     def _judged(self, node: dict[str, Any]) -> bool:
         return (

@@ -131,7 +131,8 @@ class RegisteredModel(Aggregate):
         """The file's facts are fixed, with samples later proofs are checked against: read
         from the controller's model store (``source`` ``store``: only the samples are new),
         or, when only nodes hold the file, those of the first node that proved it holds it
-        (``source``: its node id)."""
+        (``source``: its node id); or those another name of the same file holds (adopted,
+        with that name's source and samples)."""
 
         code: ClassVar[str] = "MODEL_SHAPE_FIXED"
         size_bytes: int
@@ -146,7 +147,8 @@ class RegisteredModel(Aggregate):
 
         def apply(self, aggregate: Any) -> None:
             aggregate.shape, aggregate.shape_from = shape_of(self), self.source
-            aggregate.samples = {"nonce": self.nonce, "samples": self.samples}
+            if self.samples:  # store facts adopted before their samples were taken: none yet
+                aggregate.samples = {"nonce": self.nonce, "samples": self.samples}
 
     class SourceAdded(Event):
         """An http(s) URL the model's file can be fetched from (checked by its sha256)."""
@@ -300,6 +302,38 @@ class RegisteredModel(Aggregate):
             why = implausible(shape)
             if why is not None:
                 raise InvalidCommand(f"no file is like that: {why}")
+        self.trigger_event(
+            self.ShapeFixed,
+            size_bytes=int(shape["size_bytes"]),
+            layers=int(shape["layers"]),
+            context_length=int(shape["context_length"]),
+            kv_bytes_per_token=int(shape["kv_bytes_per_token"]),
+            architecture=str(shape["architecture"]),
+            source=source,
+            nonce=nonce,
+            samples=samples,
+        )
+
+    def adopt_facts(
+        self,
+        shape: dict[str, Any],
+        source: str,
+        nonce: str,
+        samples: list[list[Any]],
+        *,
+        fixer_revoked: bool = False,
+    ) -> None:
+        """Takes the facts another name of the same file holds (MODEL_SHAPE_FIXED with that
+        name's basis and samples): a file's facts are the file's, whichever name it goes by.
+        Refused when this name has facts of its own that still count."""
+        current = getattr(self, "shape_from", None)
+        if current == STORE or (current is not None and not fixer_revoked):
+            raise InvalidCommand(f"model {self.name} has facts of its own ({current})")
+        if source != STORE and not samples:
+            raise InvalidCommand("facts a node fixed travel with their samples")
+        why = implausible(shape)
+        if why is not None:
+            raise InvalidCommand(f"no file is like that: {why}")
         self.trigger_event(
             self.ShapeFixed,
             size_bytes=int(shape["size_bytes"]),

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from domain.bounded_text import bounded
+
 #: A model file's facts, in a shape dict (``MODEL_STORED``, ``MODEL_SHAPE_FIXED``) and in a
 #: node's claim (its ``local_models`` entry).
 FACT_KEYS = ("size_bytes", "layers", "context_length", "kv_bytes_per_token", "architecture")
@@ -59,9 +61,9 @@ MAX_RECORDED_CHARS = 256
 
 
 def recordable(text: object, limit: int = MAX_RECORDED_CHARS) -> str:
-    """A node's text as it may be recorded: printable characters only (others become "?"),
-    at most ``limit`` of them (a NUL would break the views, a megabyte the record)."""
-    return "".join(c if c.isprintable() else "?" for c in str(text)[:limit])
+    """A node's text as it may be recorded (:func:`domain.bounded_text.bounded`: a NUL
+    would break the views, a megabyte the record)."""
+    return bounded(str(text), limit)
 
 
 def facts_of(entry: Mapping[str, Any]) -> dict[str, Any]:

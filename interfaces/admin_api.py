@@ -21,6 +21,7 @@ from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.errors import NotFound
 from application.feed_tickets import issue_ticket
 from application.version import CONTROLLER_VERSION
+from domain.bounded_text import node_name_problem
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
@@ -334,6 +335,9 @@ class AdminRoutes(Routes):
                 type_="conflict",
                 code="enrollment_disabled",
             )
+        problem = node_name_problem(req.node_name) if req.node_name else None
+        if problem is not None:
+            raise ApiError(400, problem, param="node_name", code="invalid_node_name")
         minted = await asyncio.to_thread(
             functools.partial(
                 svc.enrollment.mint,

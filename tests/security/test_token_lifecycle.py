@@ -80,3 +80,29 @@ async def test_dacp_token_create_list_and_revoke(ctl: RunningController, pg_sche
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
     missing = await dacp(pg_schema, "token", "revoke", "0123abcd")
     assert missing.returncode == 2 and "unknown enrollment token" in missing.stderr
+
+
+async def test_a_token_is_never_minted_for_a_name_enroll_would_refuse(
+    ctl: RunningController, pg_schema: str
+) -> None:
+    """A name that breaks the node-name rule (a NUL, a space, too long) gets no token: Enroll
+    would refuse every agent that used it, so minting says so at once."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as client:
+        for name in ("gpu\x00box", "gpu box", "x" * 65, "-lead"):
+            refused = await client.post(
+                "/api/admin/enrollment-tokens", headers=ADMIN, json={"node_name": name}
+            )
+            assert refused.status_code == 400, (name, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "invalid_node_name" and error["param"] == "node_name"
+        fine = await client.post(
+            "/api/admin/enrollment-tokens", headers=ADMIN, json={"node_name": "gpu-box.1"}
+        )
+        assert fine.status_code == 201, fine.text
+    env = {
+        "NODE_ENROLLMENT_SECRET": "test-enrollment-secret",
+        "DACP_VAR_DIR": str(ctl.services.settings.var_dir),
+    }
+    cli = await dacp(pg_schema, "token", "create", "--node-name", "gpu box", **env)
+    assert cli.returncode == 2 and cli.stdout == ""
+    assert len(cli.stderr.strip().splitlines()) == 1 and "node_name" in cli.stderr

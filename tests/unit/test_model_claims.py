@@ -379,15 +379,17 @@ def test_what_a_node_says_is_recorded_printable_and_short() -> None:
     node = cluster.node("weird", claims=[weird])
     cluster.claims.sweep()
     refused = cluster.row(node)["refused_models"][SHA]
-    assert refused["claim"]["architecture"] == "llama?" + "x" * 250
-    assert refused["file_name"] == "m?.gguf" and len(refused["reason"]) < 1000
+    architecture = refused["claim"]["architecture"]
+    assert architecture.startswith("llama\\x00xxx") and architecture.endswith(" characters)")
+    assert len(architecture) < 300
+    assert refused["file_name"] == "m\\x00.gguf" and len(refused["reason"]) < 1000
     cluster.claims.sweep()
     assert cluster.codes(node).count("MODEL_CLAIM_REFUSED") == 1  # the same claim, once
     other = cluster.node("other")
     cluster.claims.sweep()
     assert cluster.answer(other, error="gone\0" * 100) is None
     error = cluster.row(other)["refused_models"][SHA]["reason"]
-    assert "\0" not in error and "gone?" in error and len(error) < 300
+    assert "\0" not in error and "gone\\x00" in error and len(error) < 300
 
 
 def test_silence_is_refused_after_the_timeout() -> None:
@@ -590,3 +592,35 @@ def test_a_warm_server_whose_primary_no_longer_proves_the_file_is_not_reused() -
     args: dict[str, Any] = {"model_name": "m", "model_sha256": SHA, "context_size": 2048}
     assert warm_choice({"n1": row}, **args) is not None
     assert warm_choice({"n1": row}, primary_holds=lambda _n: False, **args) is None
+
+
+def test_every_name_of_a_file_takes_the_facts_proven_under_one() -> None:
+    """A chat and an embedding model of one file: the file is proven once, and the second
+    name is planned by the same facts (its own MODEL_SHAPE_FIXED, same basis and samples)."""
+    cluster = Cluster(stored=False)
+    fixer = cluster.node("a")
+    cluster.claims.sweep()
+    cluster.answer(fixer)
+    cluster.app.register_model("m-embed", SHA, "m.gguf")
+    rows = {n["node_id"]: n for n in cluster.read.list_nodes()}
+    assert model_facts(cluster.read.get_model("m-embed") or {}, rows) is None
+    assert cluster.claims.sweep() == 0  # nothing to prove again
+    embed = cluster.read.get_model("m-embed")
+    assert embed is not None and model_facts(embed, rows) == (SHAPE, fixer)
+    assert cluster.app.model_samples("m-embed") == cluster.app.model_samples("m")
+    assert proves(cluster.row(fixer), SHA, fixer)
+    cluster.claims.sweep()  # once is enough
+    events = cluster.app.events.get(model_id("m-embed"))
+    assert [code_of(e) for e in events].count("MODEL_SHAPE_FIXED") == 1
+
+
+def test_a_second_name_of_a_stored_file_takes_the_stores_facts() -> None:
+    cluster = Cluster(stored=True)
+    cluster.app.register_model("m-embed", SHA, "m.gguf")
+    cluster.claims.sweep()
+    embed = cluster.read.get_model("m-embed")
+    assert embed is not None and model_facts(embed, {}) == (SHAPE, STORE)
+    node = cluster.node("a")
+    cluster.claims.sweep()
+    assert cluster.answer(node) is None
+    assert proves(cluster.row(node), SHA, STORE)
