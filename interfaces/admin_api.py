@@ -21,7 +21,7 @@ from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.errors import NotFound
 from application.feed_tickets import issue_ticket
 from application.version import CONTROLLER_VERSION
-from domain.bounded_text import node_name_problem
+from domain.bounded_text import NODE_NAME_MAX, node_name_problem
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
@@ -82,12 +82,17 @@ def canonical_id(ident: str, error: ApiError) -> str:
     return str(UUID(ident))
 
 
+#: A token's node name that Enroll would refuse (letters, digits and ``._-``: no pattern in the
+#: schema says "any script's letters").
+INVALID_NODE_NAME = "invalid_node_name"
+
+
 class EnrollmentTokenRequest(msgspec.Struct):
     ttl_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_TOKEN_TTL)] = DEFAULT_TOKEN_TTL
     #: One enrollment only, unless multi-use is asked for explicitly (``false``).
     single_use: bool = True
     #: Binds the token to the agent enrolling under exactly this name (none: any name).
-    node_name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    node_name: Annotated[str, msgspec.Meta(min_length=1, max_length=NODE_NAME_MAX)] | None = None
 
 
 #: A token id as minted (``secrets.token_hex``); anything else names no token.
@@ -337,7 +342,7 @@ class AdminRoutes(Routes):
             )
         problem = node_name_problem(req.node_name) if req.node_name else None
         if problem is not None:
-            raise ApiError(400, problem, param="node_name", code="invalid_node_name")
+            raise ApiError(400, problem, param="node_name", code=INVALID_NODE_NAME)
         minted = await asyncio.to_thread(
             functools.partial(
                 svc.enrollment.mint,

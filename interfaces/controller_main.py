@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 import uuid
@@ -467,6 +468,11 @@ async def _lease_forever(services: Services, jobs: JobManager) -> None:
                 log.warning("reconciling this controller's own jobs skipped: %r", e)
 
 
+#: How long a stopping controller waits for its background tasks once they are cancelled
+#: (and the HTTP server once told to exit).
+STOP_TASKS_TIMEOUT = 10.0
+
+
 async def stop_controller(running: RunningController) -> None:
     feed = running.services.extras.get("feed")
     if feed is not None:
@@ -481,9 +487,23 @@ async def stop_controller(running: RunningController) -> None:
     for task in running.tasks:
         if task.get_name() != "http":
             task.cancel()
+    _, stuck = await asyncio.wait(running.tasks, timeout=STOP_TASKS_TIMEOUT)
+    for task in stuck:
+        # A stop is bounded: a task that ignores its cancellation is named (with where it
+        # waits) and left behind, rather than holding the controller's exit forever.
+        where = io.StringIO()
+        task.print_stack(file=where)
+        log.warning(
+            "task %s did not stop within %g s; leaving it: %s",
+            task.get_name(),
+            STOP_TASKS_TIMEOUT,
+            where.getvalue(),
+        )
+        task.cancel()
     for task in running.tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        if task.done() and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.result()
     # A clean stop gives up the lease at once: a controller started next (or another one
     # sharing the store) fails this one's unfinished jobs without waiting for it to run out.
     with contextlib.suppress(Exception):

@@ -33,6 +33,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from interfaces.admin_api import INVALID_NODE_NAME
 from interfaces.models_api import SOURCE_REFUSED
 from interfaces.openai_fields import INVALID_COMBINATION
 
@@ -85,13 +86,15 @@ def valid_data_accepted(
     ``tool_choice`` naming a function not among ``tools``, ``top_logprobs`` without
     ``logprobs``; see :mod:`interfaces.openai_docs`), and a 400 ``source_refused``: a model
     source URL whose host is not a host, or resolves to an address sources may not be on
-    (:mod:`proto.model_sources`), which no pattern can say."""
+    (:mod:`proto.model_sources`), which no pattern can say; and a 400 ``invalid_node_name``:
+    a token's node name with a character no node name may hold (letters and digits of any
+    script, ``.``, ``_``, ``-``: :func:`domain.bounded_text.node_name_problem`)."""
     if response.status_code == 400:
         try:
             code = json.loads(response.content)["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
-        if code in (INVALID_COMBINATION, SOURCE_REFUSED):
+        if code in (INVALID_COMBINATION, SOURCE_REFUSED, INVALID_NODE_NAME):
             return None
     return positive_data_acceptance(ctx, response, case)
 

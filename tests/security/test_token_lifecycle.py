@@ -88,13 +88,16 @@ async def test_a_token_is_never_minted_for_a_name_enroll_would_refuse(
     """A name that breaks the node-name rule (a NUL, a space, too long) gets no token: Enroll
     would refuse every agent that used it, so minting says so at once."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as client:
-        for name in ("gpu\x00box", "gpu box", "x" * 65, "-lead"):
+        for name in ("gpu\x00box", "gpu box", "-lead", "x" * 65):
             refused = await client.post(
                 "/api/admin/enrollment-tokens", headers=ADMIN, json={"node_name": name}
             )
             assert refused.status_code == 400, (name, refused.text)
             error = refused.json()["error"]
-            assert error["code"] == "invalid_node_name" and error["param"] == "node_name"
+            assert error["param"] == "node_name", error
+            # Too long is the schema's to say (maxLength); a character, the node-name rule's.
+            code = "invalid_request" if len(name) > 64 else "invalid_node_name"
+            assert error["code"] == code, error
         fine = await client.post(
             "/api/admin/enrollment-tokens", headers=ADMIN, json={"node_name": "gpu-box.1"}
         )
