@@ -67,7 +67,17 @@ MODEL_TRANSFER = Hint(
     "dacp.transfer_port, its certificate; the URL) and has free disk space, then pull again "
     "(dacp models pull).",
 )
-#: The product document's troubleshooting table (AGENT_PROTOCOL is ours).
+MODEL_CLAIM = Hint(
+    "model_claim",
+    "Model claim refused",
+    "The node reports a model's file with another size or shape than the model's registered "
+    "facts, or could not prove it holds the file (a wrong, late or missing answer to the "
+    "byte-range challenge): it is not planned as that model's primary until it can.",
+    "Compare the node's file with the registered model (dacp models list; sha256sum of the "
+    "file in the node's --models-dir); a damaged or different file: remove it and let the node "
+    "fetch the model again (dacp models pull).",
+)
+#: The product document's troubleshooting table (AGENT_PROTOCOL and the rest are ours).
 TROUBLESHOOTING: tuple[Hint, ...] = (
     CONTROLLER_UNREACHABLE,
     RPC_WORKER_LOST,
@@ -222,6 +232,8 @@ def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
         return AGENT_PROTOCOL
     if code == "MODEL_TRANSFER_FAILED":
         return MODEL_TRANSFER
+    if code == "MODEL_CLAIM_REFUSED":
+        return MODEL_CLAIM
     if code == "HEARTBEAT_TIMEOUT":
         return CONTROLLER_UNREACHABLE
     if code == "NODE_OFFLINE":

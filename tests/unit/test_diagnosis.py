@@ -12,6 +12,7 @@ import pytest
 from application.diagnosis import (
     AGENT_PROTOCOL,
     CONTROLLER_UNREACHABLE,
+    MODEL_CLAIM,
     NO_HINT_CHECK,
     OUT_OF_MEMORY,
     PUBLIC_PEER,
@@ -265,3 +266,18 @@ def test_a_rejected_agent_message_is_a_finding_with_the_protocol_hint() -> None:
     assert classify_node_event(rejected) == AGENT_PROTOCOL
     [finding] = node_findings([event("NODE_READY", T0), rejected])
     assert (finding["code"], finding["hint"]) == ("NODE_MESSAGE_REJECTED", "agent_protocol")
+
+
+def test_a_refused_model_claim_is_a_finding_with_its_own_hint() -> None:
+    refused = event(
+        "MODEL_CLAIM_REFUSED",
+        sha256="ab" * 32,
+        file_name="m.gguf",
+        reason="it claims size_bytes 1, not 2 (the model's registered facts)",
+        claim={},
+        basis="store",
+    )
+    assert classify_node_event(refused) == MODEL_CLAIM
+    [finding] = node_findings([event("NODE_READY", T0), refused])
+    assert (finding["code"], finding["hint"]) == ("MODEL_CLAIM_REFUSED", "model_claim")
+    assert "dacp models pull" in finding["check"]
