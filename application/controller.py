@@ -454,13 +454,7 @@ class Controller(Application[UUID]):
             model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
             if model.sha256 != sha256:
                 raise InvalidCommand(f"model {name} is registered to another file now")
-            fixer = getattr(model, "shape_from", None)
-            fixer_revoked = False
-            if fixer is not None and fixer != STORE:
-                try:
-                    fixer_revoked = self._node(fixer).revoked
-                except NotFound:
-                    fixer_revoked = True
+            fixer_revoked = self._fixer_revoked(model)
             node = self._node(node_id)
             nonce, recorded = samples.to_event()
             model.fix_shape(
@@ -483,6 +477,17 @@ class Controller(Application[UUID]):
 
         return self._model_command(name, act).position
 
+    def _fixer_revoked(self, model: RegisteredModel) -> bool:
+        """Whether the node that fixed the model's facts is revoked (or gone) since: then
+        its facts count for nothing, and new ones may be fixed."""
+        fixer = getattr(model, "shape_from", None)
+        if fixer is None or fixer == STORE:
+            return False
+        try:
+            return bool(self._node(fixer).revoked)
+        except NotFound:
+            return True
+
     def share_model_facts(self, name: str, holder: str) -> int:
         """Model ``name`` takes the facts of model ``holder``, another name of the same file
         (MODEL_SHAPE_FIXED with the holder's source and samples): the facts are the file's,
@@ -497,13 +502,7 @@ class Controller(Application[UUID]):
             basis = getattr(source, "shape_from", None)
             if shape is None or basis is None:
                 raise InvalidCommand(f"model {holder} has no facts to share")
-            fixer = getattr(model, "shape_from", None)
-            fixer_revoked = False
-            if fixer is not None and fixer != STORE:
-                try:
-                    fixer_revoked = self._node(fixer).revoked
-                except NotFound:
-                    fixer_revoked = True
+            fixer_revoked = self._fixer_revoked(model)
             recorded = getattr(source, "samples", None) or {"nonce": "", "samples": []}
             model.adopt_facts(
                 dict(shape),

@@ -302,17 +302,7 @@ class RegisteredModel(Aggregate):
             why = implausible(shape)
             if why is not None:
                 raise InvalidCommand(f"no file is like that: {why}")
-        self.trigger_event(
-            self.ShapeFixed,
-            size_bytes=int(shape["size_bytes"]),
-            layers=int(shape["layers"]),
-            context_length=int(shape["context_length"]),
-            kv_bytes_per_token=int(shape["kv_bytes_per_token"]),
-            architecture=str(shape["architecture"]),
-            source=source,
-            nonce=nonce,
-            samples=samples,
-        )
+        self._shape_fixed(shape, source, nonce, samples)
 
     def adopt_facts(
         self,
@@ -334,6 +324,11 @@ class RegisteredModel(Aggregate):
         why = implausible(shape)
         if why is not None:
             raise InvalidCommand(f"no file is like that: {why}")
+        self._shape_fixed(shape, source, nonce, samples)
+
+    def _shape_fixed(
+        self, shape: dict[str, Any], source: str, nonce: str, samples: list[list[Any]]
+    ) -> None:
         self.trigger_event(
             self.ShapeFixed,
             size_bytes=int(shape["size_bytes"]),
