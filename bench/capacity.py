@@ -148,7 +148,13 @@ class Controller:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the controller did not start (log: {self.log.name})")
+                # The log lives in a temporary folder that goes with the run: say its end here.
+                self.log.flush()
+                tail = Path(self.log.name).read_text(errors="replace").splitlines()[-20:]
+                raise RuntimeError(
+                    f"the controller did not start (exit code {self.proc.poll()}); the end of "
+                    f"its log:\n" + "\n".join(tail)
+                )
             time.sleep(0.2)
 
     @property
