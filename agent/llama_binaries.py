@@ -32,6 +32,9 @@ class RuntimeBinaries:
     rpc_server: Path
     #: The RPC accept filter (:mod:`agent.rpc_filter`), when it was built and can be used here.
     accept_filter: Path | None = None
+    #: The build's backend ("cpu", "cuda", "vulkan", "metal"), or "custom" for an operator's
+    #: own build (``--llama-bin-dir``, ``$DACP_LLAMA_BIN_DIR``).
+    backend: str = "cpu"
 
 
 def default_cache_dir() -> Path:

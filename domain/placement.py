@@ -74,6 +74,28 @@ NO_ELIGIBLE_NODES = "NO_ELIGIBLE_NODES"
 MODEL_NOT_PRESENT = "MODEL_NOT_PRESENT"
 INSUFFICIENT_MEMORY = "INSUFFICIENT_MEMORY"
 NODE_LIMIT = "NODE_LIMIT"
+#: The nodes that together would hold the model speak different llama.cpp RPC protocols.
+RPC_VERSION_MISMATCH = "RPC_VERSION_MISMATCH"
+
+#: Device kinds (``Device.kind``): a GPU (or other accelerator) and the host's CPU.
+DEVICE_GPU = "gpu"
+DEVICE_CPU = "cpu"
+#: The host's CPU as llama.cpp names it (``ggml-rpc-server -d CPU``).
+HOST_DEVICE = "CPU"
+
+#: Plan tiers, best first (``ExecutionPlan.tier``): the order of preference the planner applies.
+TIER_ONE_DEVICE = "one_device"
+TIER_ONE_NODE_GPUS = "one_node_gpus"
+TIER_GPUS_OVER_RPC = "gpus_over_rpc"
+TIER_GPUS_AND_HOST = "gpus_and_host"
+TIER_CPU = "cpu"
+TIERS: tuple[str, ...] = (
+    TIER_ONE_DEVICE,
+    TIER_ONE_NODE_GPUS,
+    TIER_GPUS_OVER_RPC,
+    TIER_GPUS_AND_HOST,
+    TIER_CPU,
+)
 
 _IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -132,6 +154,20 @@ def required_bytes(
 
 
 @dataclass(frozen=True, slots=True)
+class Device:
+    """A GPU (or other accelerator) of a node, as llama.cpp on that node names it.
+
+    ``usable_bytes`` is what a plan may give it: its free memory less the controller's own
+    reservations and any budget lowered after an out-of-memory (see the scheduler). The host's
+    CPU is not a ``Device`` here: it is ``Candidate.usable_memory_bytes``."""
+
+    name: str
+    usable_bytes: int
+    description: str = ""
+    kind: str = DEVICE_GPU
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A node as the scheduler sees it at one instant.
 
@@ -152,6 +188,11 @@ class Candidate:
     slot_cap: int = 1
     #: The node keeps a warm llama-server (or RPC worker) that choosing it would displace.
     warm: bool = False
+    #: Its GPUs, as its llama.cpp lists them (none on a CPU build).
+    devices: tuple[Device, ...] = ()
+    #: The ggml RPC protocol version its llama.cpp speaks ("" when it does not say); a split
+    #: never mixes two.
+    rpc_protocol: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +260,43 @@ class PlanNode:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanDevice:
+    """One device of a plan and its share of the offloaded layers.
+
+    ``via_rpc`` is False for the primary's own GPUs (``--device CUDA0``) and True for a device
+    reached through a node's ``ggml-rpc-server`` (the primary's own CPU in a CPU split too)."""
+
+    node_id: str
+    device: str
+    share: float
+    assigned_bytes: int
+    via_rpc: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "device": self.device,
+            "share": self.share,
+            "assigned_bytes": self.assigned_bytes,
+            "via_rpc": self.via_rpc,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanDevice:
+        via_rpc = data.get("via_rpc", True)
+        share = data.get("share")
+        if isinstance(share, bool) or not isinstance(share, int | float):
+            raise ValueError("field 'share' must be a number")
+        return cls(
+            node_id=_get(data, "node_id", str),
+            device=_get(data, "device", str),
+            share=float(share),
+            assigned_bytes=_get(data, "assigned_bytes", int),
+            via_rpc=bool(via_rpc),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     """Primary, RPC workers and tensor split for one job.
 
@@ -236,10 +314,27 @@ class ExecutionPlan:
     tensor_split: tuple[float, ...]
     #: llama-server slots (``--parallel``); each keeps ``context_size`` tokens of context.
     parallel: int = 1
+    #: The devices the layers go to, in ``--device`` order (empty: the primary's CPU alone).
+    devices: tuple[PlanDevice, ...] = ()
+    #: Layers offloaded to ``devices`` (``--n-gpu-layers``); None: all of them. Fewer keeps
+    #: the first layers in the primary's host memory (tier ``gpus_and_host``).
+    n_gpu_layers: int | None = None
+    #: Which of :data:`TIERS` the plan is; "" on a plan recorded before devices.
+    tier: str = ""
+    #: Why this plan: one line per choice the planner made, for JOB_PLANNED and the API.
+    reasons: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {self.parallel}")
+        if self.devices:
+            if not math.isclose(math.fsum(d.share for d in self.devices), 1.0, abs_tol=1e-6):
+                raise ValueError("device shares must sum to 1")
+            planned = set(self.node_ids)
+            if any(d.node_id not in planned for d in self.devices):
+                raise ValueError("a plan device belongs to a node outside the plan")
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise ValueError("n_gpu_layers must be >= 0")
         if len(self.tensor_split) != 1 + len(self.workers):
             raise ValueError("tensor_split must have one entry per node (primary first)")
         if any(not math.isfinite(f) or f < 0 for f in self.tensor_split):
@@ -273,6 +368,8 @@ class ExecutionPlan:
             self.parallel,
             self.node_ids,
             tuple(round(f * SPLIT_RESOLUTION) for f in self.tensor_split),
+            tuple((d.node_id, d.device, round(d.share * SPLIT_RESOLUTION)) for d in self.devices),
+            self.n_gpu_layers,
         )
         return hashlib.sha256(repr(spec).encode()).hexdigest()[:20]
 
@@ -288,6 +385,10 @@ class ExecutionPlan:
             "workers": [w.to_dict() for w in self.workers],
             "tensor_split": list(self.tensor_split),
             "parallel": self.parallel,
+            "devices": [d.to_dict() for d in self.devices],
+            "n_gpu_layers": self.n_gpu_layers,
+            "tier": self.tier,
+            "reasons": list(self.reasons),
         }
 
     @classmethod
@@ -314,6 +415,10 @@ class ExecutionPlan:
             workers=tuple(PlanNode.from_dict(w) for w in workers),
             tensor_split=tuple(float(f) for f in split),
             parallel=int(data.get("parallel", 1)),
+            devices=tuple(PlanDevice.from_dict(d) for d in _devices(data.get("devices"))),
+            n_gpu_layers=_optional_int(data.get("n_gpu_layers")),
+            tier=str(data.get("tier") or ""),
+            reasons=tuple(str(r) for r in data.get("reasons") or ()),
         )
 
 
@@ -691,6 +796,22 @@ def plan_placement(request: PlacementRequest, candidates: Iterable[Candidate]) -
         violations=tuple(violations),
         fallback_used=fallback_used,
     )
+
+
+def _devices(value: Any) -> list[Mapping[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(d, Mapping) for d in value):
+        raise ValueError("execution plan devices must be a list of mappings")
+    return value
+
+
+def _optional_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("n_gpu_layers must be an integer")
+    return value
 
 
 def _get(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

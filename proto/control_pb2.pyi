@@ -24,7 +24,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., driver_version: _Optional[str] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "os", "arch", "cpu_model", "cpu_cores", "ram_total_bytes", "disk_total_bytes", "disk_free_bytes", "gpus", "advertised_address", "rpc_port", "labels", "cpu_threads", "models_free_bytes")
+    __slots__ = ("hostname", "os", "arch", "cpu_model", "cpu_cores", "ram_total_bytes", "disk_total_bytes", "disk_free_bytes", "gpus", "advertised_address", "rpc_port", "labels", "cpu_threads", "models_free_bytes", "devices", "llama_version", "rpc_protocol", "llama_backend")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,10 @@ class Inventory(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CPU_THREADS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LLAMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RPC_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    LLAMA_BACKEND_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     os: str
     arch: str
@@ -60,7 +64,35 @@ class Inventory(_message.Message):
     labels: _containers.ScalarMap[str, str]
     cpu_threads: int
     models_free_bytes: int
-    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., advertised_address: _Optional[str] = ..., rpc_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cpu_threads: _Optional[int] = ..., models_free_bytes: _Optional[int] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    llama_version: str
+    rpc_protocol: str
+    llama_backend: str
+    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., advertised_address: _Optional[str] = ..., rpc_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cpu_threads: _Optional[int] = ..., models_free_bytes: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., llama_version: _Optional[str] = ..., rpc_protocol: _Optional[str] = ..., llama_backend: _Optional[str] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("name", "description", "kind", "memory_total_bytes", "memory_free_bytes", "uuid")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    kind: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+    uuid: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., kind: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., uuid: _Optional[str] = ...) -> None: ...
+
+class DeviceTelemetry(_message.Message):
+    __slots__ = ("name", "memory_free_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    memory_free_bytes: int
+    def __init__(self, name: _Optional[str] = ..., memory_free_bytes: _Optional[int] = ...) -> None: ...
 
 class LocalModel(_message.Message):
     __slots__ = ("file_name", "path", "size_bytes", "sha256", "parameters", "layers", "context_length", "kv_bytes_per_token", "architecture", "error")
@@ -161,18 +193,20 @@ class GpuTelemetry(_message.Message):
     def __init__(self, index: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sent_at_unix_ms", "cpu_percent", "ram_free_bytes", "gpus", "active_job_ids")
+    __slots__ = ("sent_at_unix_ms", "cpu_percent", "ram_free_bytes", "gpus", "active_job_ids", "devices")
     SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
     RAM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     sent_at_unix_ms: int
     cpu_percent: float
     ram_free_bytes: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuTelemetry]
     active_job_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sent_at_unix_ms: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., ram_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuTelemetry, _Mapping]]] = ..., active_job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceTelemetry]
+    def __init__(self, sent_at_unix_ms: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., ram_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuTelemetry, _Mapping]]] = ..., active_job_ids: _Optional[_Iterable[str]] = ..., devices: _Optional[_Iterable[_Union[DeviceTelemetry, _Mapping]]] = ...) -> None: ...
 
 class ResourceReport(_message.Message):
     __slots__ = ("inventory", "models")
@@ -183,23 +217,27 @@ class ResourceReport(_message.Message):
     def __init__(self, inventory: _Optional[_Union[Inventory, _Mapping]] = ..., models: _Optional[_Iterable[_Union[LocalModel, _Mapping]]] = ...) -> None: ...
 
 class SetupResult(_message.Message):
-    __slots__ = ("job_id", "ok", "error", "error_code", "role", "failed_node_id")
+    __slots__ = ("job_id", "ok", "error", "error_code", "role", "failed_node_id", "failed_device", "failed_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FAILED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ok: bool
     error: str
     error_code: str
     role: str
     failed_node_id: str
-    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., role: _Optional[str] = ..., failed_node_id: _Optional[str] = ...) -> None: ...
+    failed_device: str
+    failed_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., role: _Optional[str] = ..., failed_node_id: _Optional[str] = ..., failed_device: _Optional[str] = ..., failed_bytes: _Optional[int] = ...) -> None: ...
 
 class RpcWorkerStatus(_message.Message):
-    __slots__ = ("job_id", "state", "host", "port", "error")
+    __slots__ = ("job_id", "state", "host", "port", "error", "error_code", "failed_device", "failed_bytes")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[RpcWorkerStatus.State]
@@ -215,12 +253,18 @@ class RpcWorkerStatus(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: RpcWorkerStatus.State
     host: str
     port: int
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[RpcWorkerStatus.State, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    error_code: str
+    failed_device: str
+    failed_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[RpcWorkerStatus.State, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., failed_device: _Optional[str] = ..., failed_bytes: _Optional[int] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("seq", "text", "tokens", "extra_json")
@@ -243,7 +287,7 @@ class TokenChunk(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase", "output_json")
+    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase", "output_json", "failed_node_id", "failed_device", "failed_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +299,9 @@ class JobResult(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ok: bool
     finish_reason: str
@@ -266,7 +313,10 @@ class JobResult(_message.Message):
     error_code: str
     phase: str
     output_json: str
-    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ..., output_json: _Optional[str] = ...) -> None: ...
+    failed_node_id: str
+    failed_device: str
+    failed_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ..., output_json: _Optional[str] = ..., failed_node_id: _Optional[str] = ..., failed_device: _Optional[str] = ..., failed_bytes: _Optional[int] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
@@ -483,7 +533,7 @@ class GenerationParams(_message.Message):
     def __init__(self, messages_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., endpoint: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
-    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling")
+    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling", "devices", "n_gpu_layers")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[ExecutionPlan.Role]
@@ -505,6 +555,8 @@ class ExecutionPlan(_message.Message):
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_name: str
     model_file_name: str
@@ -518,21 +570,39 @@ class ExecutionPlan(_message.Message):
     parallel: int
     embeddings: bool
     pooling: str
-    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[PlanDevice]
+    n_gpu_layers: int
+    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[PlanDevice, _Mapping]]] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
+
+class PlanDevice(_message.Message):
+    __slots__ = ("node_id", "device", "endpoint", "share", "assigned_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    device: str
+    endpoint: str
+    share: float
+    assigned_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[str] = ..., endpoint: _Optional[str] = ..., share: _Optional[float] = ..., assigned_bytes: _Optional[int] = ...) -> None: ...
 
 class StartRpcWorker(_message.Message):
-    __slots__ = ("job_id", "host", "port", "allowed_peers", "peers")
+    __slots__ = ("job_id", "host", "port", "allowed_peers", "peers", "devices")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_PEERS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     host: str
     port: int
     allowed_peers: _containers.RepeatedScalarFieldContainer[str]
     peers: _containers.RepeatedCompositeFieldContainer[RpcPeerAccess]
-    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[RpcPeerAccess, _Mapping]]] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., allowed_peers: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[RpcPeerAccess, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RpcPeerAccess(_message.Message):
     __slots__ = ("node_id", "address")
