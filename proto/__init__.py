@@ -34,6 +34,10 @@ PLAN_OVERHEAD_BYTES = 1024 * 1024
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # JobResult.error_code of a request llama-server refused as invalid (HTTP 400 there, and here).
 REQUEST_REJECTED = "invalid_request"
+# SetupResult / RpcWorkerStatus / JobResult .error_code of a participant whose device ran out of
+# memory (llama.cpp's output says so, on any backend): before the first token the controller
+# re-plans with that device's budget lowered; after it the client gets HTTP 503 with this code.
+OUT_OF_MEMORY = "out_of_memory"
 
 # Addresses a node may have and RPC peers may come from, unless the operator says otherwise
 # (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
