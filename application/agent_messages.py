@@ -18,6 +18,10 @@ class SetupOutcome:
     error: str = ""
     error_code: str = ""
     failed_node_id: str = ""
+    #: ``OUT_OF_MEMORY``: the device that ran out (its name on ``failed_node_id``) and the bytes
+    #: it asked for (0: not said).
+    failed_device: str = ""
+    failed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,10 @@ class AgentJobResult:
     error_code: str = ""
     #: A result that is not a token stream, as JSON (embeddings).
     output: str = ""
+    #: ``OUT_OF_MEMORY``: the node and device that ran out, and the bytes asked for.
+    failed_node_id: str = ""
+    failed_device: str = ""
+    failed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,10 @@ class WorkerStatus:
     host: str = ""
     port: int = 0
     error: str = ""
+    error_code: str = ""
+    #: ``OUT_OF_MEMORY``: the device (this node's name for it) and the bytes asked for.
+    failed_device: str = ""
+    failed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

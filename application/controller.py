@@ -663,6 +663,7 @@ class Controller(Application[UUID]):
         allow_degraded: bool = False,
         replan_reason: str | None = None,
         excluded_node: str = "",
+        out_of_memory: dict[str, Any] | None = None,
     ) -> int:
         """Plans a submitted or queued job (or re-plans one whose setup failed, releasing its
         old nodes) and dispatches it, all or nothing, as :meth:`record_new_jobs` does."""
@@ -674,7 +675,7 @@ class Controller(Application[UUID]):
                 job.record_plan(plan)
             else:
                 self._release_nodes(job, changed, outcome="replanned")
-                job.replan(plan, replan_reason, excluded_node)
+                job.replan(plan, replan_reason, excluded_node, out_of_memory)
             for node in self._assign(job, plan, roles, allow_degraded, changed):
                 changed[node.id] = node
             return list(changed.values())

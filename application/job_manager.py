@@ -44,9 +44,18 @@ from application.controller import Controller
 from application.deadlines import Deadlines
 from application.dispatch_batcher import DispatchBatcher
 from application.errors import ConcurrencyExhausted, NotFound
-from application.job_run import JobRun, NoCapacityError, StreamItem, Unplaced
+from application.job_run import (
+    JobRun,
+    NoCapacityError,
+    OutOfMemory,
+    SetupFailure,
+    StreamItem,
+    Unplaced,
+    out_of_memory_in,
+)
 from application.ports import (
     AgentGateway,
+    AssignedDevice,
     Metrics,
     ModelFetcher,
     NullMetrics,
@@ -56,12 +65,13 @@ from application.ports import (
 from application.scheduler import Scheduler
 from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
-from application.worker_access import WorkerAccess
+from application.worker_access import WorkerAccess, rpc_worker_nodes, worker_devices
 from domain.errors import DomainError, SlotTaken
 from domain.job import MAX_REPLANS
 from domain.model import EMBEDDING
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
+from proto import OUT_OF_MEMORY
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +230,7 @@ class JobManager:
             self.gateway.rpc_worker_peers(node_id, allowed, reason)
 
     async def _setup(self, run: JobRun) -> None:
-        failure: tuple[str, str] | None = None
+        failure: SetupFailure | None = None
         for _attempt in range(self.max_replans + 1):
             plan = await self._admit(run, failure)
             run.plan, run.nodes, run.primary = plan, set(plan.node_ids), plan.primary.node_id
@@ -232,7 +242,7 @@ class JobManager:
                 run.executing_since = time.monotonic()
                 self._background.spawn(self._record_validation(run))
                 return
-            reason, blamed = failure
+            reason, blamed = failure.reason, failure.blamed
             run.past_nodes |= run.nodes  # their late answers are expected, not protocol errors
             self._cancel_on_primary(run, f"re-planning: {reason}")
             self._release_workers(run.job_id, "job re-planned")
@@ -244,10 +254,17 @@ class JobManager:
                 reason,
                 blamed or "-",
             )
-            if blamed:
+            if failure.out_of_memory is not None:
+                # Not the node's fault as a whole: that device gets less for a while, and the
+                # next plan takes it into account (it may still use the node's other devices).
+                oom = failure.out_of_memory
+                self.scheduler.budgets.lower(
+                    oom.node_id, oom.device, oom.planned_bytes, oom.asked_bytes
+                )
+            elif blamed:
                 run.excluded.add(blamed)
         assert failure is not None
-        why = f"setup failed after {self.max_replans + 1} plans: {failure[0]}"
+        why = f"setup failed after {self.max_replans + 1} plans: {failure.reason}"
         await self._record_ending(run.job_id, self.app.fail, why, "setup_failed", wait=False)
         raise NoCapacityError(why)
 
@@ -277,7 +294,7 @@ class JobManager:
             run.held = []
         run.validated.set()
 
-    async def _admit(self, run: JobRun, failure: tuple[str, str] | None) -> ExecutionPlan:
+    async def _admit(self, run: JobRun, failure: SetupFailure | None) -> ExecutionPlan:
         """A dispatched plan for the job: placed at once, or after waiting in the queue.
 
         A new request for a model whose queue is not empty joins the queue (first come,
@@ -295,10 +312,10 @@ class JobManager:
         return await self._wait_in_queue(run, reason)
 
     async def _no_capacity(
-        self, run: JobRun, reason: str, failure: tuple[str, str] | None
+        self, run: JobRun, reason: str, failure: SetupFailure | None
     ) -> NoCapacityError:
         """Records the job's failure (submitting it first if need be) and returns the error."""
-        why = f"{reason}; earlier attempt failed: {failure[0]}" if failure else reason
+        why = f"{reason}; earlier attempt failed: {failure.reason}" if failure else reason
         if not run.recorded:
             await self._record(run, self.app.submit, run.submission, run.uid)
         await self._record_ending(run.job_id, self.app.fail, why, "no_capacity", wait=False)
@@ -349,9 +366,7 @@ class JobManager:
         await self._record_ending(run.job_id, self.app.fail, why, "queue_timeout", wait=False)
         return QueueTimeoutError(why)
 
-    async def _place(
-        self, run: JobRun, failure: tuple[str, str] | None
-    ) -> ExecutionPlan | Unplaced:
+    async def _place(self, run: JobRun, failure: SetupFailure | None) -> ExecutionPlan | Unplaced:
         """Plans and dispatches in one transaction, or says why not.
 
         Placements in this process take turns, so they never pick the same free slot; the
@@ -402,7 +417,7 @@ class JobManager:
         plan: ExecutionPlan,
         roles: dict[str, str],
         degraded: bool,
-        failure: tuple[str, str] | None,
+        failure: SetupFailure | None,
     ) -> None:
         """Records the plan and the dispatch in one transaction (submitting the job too)."""
         if not run.recorded:
@@ -420,8 +435,11 @@ class JobManager:
                 plan.to_dict(),
                 roles,
                 allow_degraded=degraded,
-                replan_reason=failure[0] if failure else None,
-                excluded_node=failure[1] if failure else "",
+                replan_reason=failure.reason if failure else None,
+                excluded_node=failure.blamed if failure and not failure.out_of_memory else "",
+                out_of_memory=failure.out_of_memory.to_dict()
+                if failure and failure.out_of_memory
+                else None,
             )
 
     async def _unplaced(self, run: JobRun, reason: str) -> Unplaced:
@@ -437,34 +455,34 @@ class JobManager:
         fetching = self.fetcher is not None and self.fetcher.fetch_for(run.model_row)
         return Unplaced(reason, transient=idle.plan is not None or fetching)
 
-    async def _validate(self, run: JobRun, plan: ExecutionPlan) -> tuple[str, str] | None:
-        """Starts RPC workers and lets the primary validate; (reason, node to blame) or None."""
+    async def _validate(self, run: JobRun, plan: ExecutionPlan) -> SetupFailure | None:
+        """Starts RPC workers and lets the primary validate; why it failed, or None."""
         loop = asyncio.get_running_loop()
-        multi = bool(plan.workers)
-        if multi:
-            run.worker_futures = {n.node_id: loop.create_future() for n in plan.nodes}
+        workers = rpc_worker_nodes(plan)
+        if workers:
+            run.worker_futures = {n.node_id: loop.create_future() for n in workers}
             self.worker_access.use(run.job_id, plan)
-            for node in plan.nodes:
+            for node in workers:
                 # Only the primaries of the jobs using a worker may reach it (their agents'
                 # gate): the exact set, which replaces the one before.
                 allowed = self.worker_access.allowed(node.node_id)
+                devices = worker_devices(plan, node.node_id)
                 if not self.gateway.start_rpc_worker(
-                    node.node_id, run.job_id, node.address, node.rpc_port, allowed
+                    node.node_id, run.job_id, node.address, node.rpc_port, allowed, devices
                 ):
-                    return f"node {self._label(node.node_id)} is not connected", node.node_id
+                    why = f"node {self._label(node.node_id)} is not connected"
+                    return SetupFailure(why, node.node_id)
             for node_id, future in run.worker_futures.items():
                 try:
                     outcome = await asyncio.wait_for(asyncio.shield(future), self.worker_timeout)
                 except TimeoutError:
-                    return (
-                        f"RPC worker on node {self._label(node_id)} did not start in time",
-                        node_id,
-                    )
+                    why = f"RPC worker on node {self._label(node_id)} did not start in time"
+                    return SetupFailure(why, node_id)
                 if not outcome.ok:
-                    return (
-                        f"RPC worker on node {self._label(node_id)} failed: {outcome.error}",
-                        node_id,
-                    )
+                    why = f"RPC worker on node {self._label(node_id)} failed: {outcome.error}"
+                    return self._setup_failure(why, plan, node_id, outcome)
+        multi = bool(plan.workers)
+        endpoints = {n.node_id: f"{n.address}:{n.rpc_port}" for n in plan.nodes}
         assignment = PrimaryAssignment(
             job_id=run.job_id,
             model_name=run.model_row["name"],
@@ -472,31 +490,56 @@ class JobManager:
             model_sha256=run.model_row["sha256"],
             context_size=plan.context_size,
             parallel=plan.parallel,
-            rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in plan.nodes)
-            if multi
-            else (),
+            rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in workers),
             tensor_split=plan.tensor_split if multi else (),
             messages=run.submission.messages,
             params=capped(run.submission.params, plan.context_size),
             embeddings=run.model_row.get("kind") == EMBEDDING,
             pooling=str(run.model_row.get("pooling") or ""),
+            devices=tuple(
+                AssignedDevice(
+                    node_id=d.node_id,
+                    device=d.device,
+                    endpoint=endpoints[d.node_id] if d.via_rpc else "",
+                    share=d.share,
+                    assigned_bytes=d.assigned_bytes,
+                )
+                for d in plan.devices
+            ),
+            n_gpu_layers=plan.n_gpu_layers,
         )
         run.setup_future = loop.create_future()
         if not self.gateway.assign_primary(run.primary, assignment):
-            return f"primary node {self._label(run.primary)} is not connected", run.primary
+            why = f"primary node {self._label(run.primary)} is not connected"
+            return SetupFailure(why, run.primary)
         try:
             result = await asyncio.wait_for(asyncio.shield(run.setup_future), self.setup_timeout)
         except TimeoutError:
-            return (
-                f"primary node {self._label(run.primary)} did not validate setup in time",
-                run.primary,
-            )
+            why = f"primary node {self._label(run.primary)} did not validate setup in time"
+            return SetupFailure(why, run.primary)
         if not result.ok:
-            return (
-                f"{result.error_code or 'setup_failed'}: {result.error}",
-                result.failed_node_id or run.primary,
-            )
+            why = f"{result.error_code or 'setup_failed'}: {result.error}"
+            return self._setup_failure(why, plan, result.failed_node_id or run.primary, result)
         return None
+
+    def _setup_failure(
+        self, why: str, plan: ExecutionPlan, blamed: str, outcome: SetupOutcome
+    ) -> SetupFailure:
+        """``blamed``'s failure; when a device of it ran out of memory, which one and what the
+        plan gave it (said first in the reason)."""
+        oom = self._out_of_memory(plan, blamed, outcome)
+        if oom is not None:
+            why = f"{OUT_OF_MEMORY}: {oom.describe(self._label(blamed))}; {why}"
+        return SetupFailure(why, blamed, oom)
+
+    @staticmethod
+    def _out_of_memory(
+        plan: ExecutionPlan, node_id: str, outcome: SetupOutcome
+    ) -> OutOfMemory | None:
+        """The device that ran out and what the plan gave it, when ``outcome`` says one did."""
+        if outcome.error_code != OUT_OF_MEMORY or node_id not in plan.node_ids:
+            return None
+        return out_of_memory_in(plan, node_id, outcome.failed_device, outcome.failed_bytes)
 
     async def cancel(self, job_id: str, reason: str) -> None:
         """Client went away: stop generation on the primary and record JOB_CANCELLED."""
@@ -699,7 +742,16 @@ class JobManager:
                 self.app.rpc_worker_started, node_id, status.job_id, status.host, status.port
             )
         if future is not None and not future.done():
-            future.set_result(SetupOutcome(ok=status.started, error=status.error))
+            future.set_result(
+                SetupOutcome(
+                    ok=status.started,
+                    error=status.error,
+                    error_code=status.error_code,
+                    failed_node_id=node_id,
+                    failed_device=status.failed_device,
+                    failed_bytes=status.failed_bytes,
+                )
+            )
 
     def _setup_reported(self, node_id: str, job_id: str, outcome: SetupOutcome) -> Rejection | None:
         run = self.runs.get(job_id)
@@ -780,17 +832,25 @@ class JobManager:
             )
             item = StreamItem("done", outcome=outcome)
         else:
+            error = result.error or "generation failed"
+            if result.error_code == OUT_OF_MEMORY and run.plan is not None:
+                # After the first token nothing is re-planned (the client has part of its
+                # answer), but the next plan gives that device less.
+                node = result.failed_node_id if result.failed_node_id in run.nodes else node_id
+                oom = out_of_memory_in(run.plan, node, result.failed_device, result.failed_bytes)
+                self.scheduler.budgets.lower(
+                    oom.node_id, oom.device, oom.planned_bytes, oom.asked_bytes
+                )
+                error = f"{oom.describe(self._label(oom.node_id))}: {error}"
             item = StreamItem(
-                "error",
-                error=result.error or "generation failed",
-                error_code=result.error_code or "execution_failed",
+                "error", error=error, error_code=result.error_code or "execution_failed"
             )
         tell = functools.partial(run.queue.put_nowait, item)
         if result.ok:
             await self._record_ending(job_id, self.app.complete, item.outcome, tell=tell)
         else:
             fail = self.app.fail
-            await self._record_ending(job_id, fail, result.error, result.error_code, tell=tell)
+            await self._record_ending(job_id, fail, item.error, result.error_code, tell=tell)
 
     def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed (or a new one replaced it): the setups waiting for it fail

@@ -16,7 +16,7 @@ from uuid import UUID
 from application.admission import CapacityError, Ticket
 from application.agent_messages import SetupOutcome
 from application.commands import Delta, JobOutcome, Submission
-from domain.placement import ExecutionPlan
+from domain.placement import HOST_DEVICE, ExecutionPlan
 
 
 class NoCapacityError(CapacityError):
@@ -31,6 +31,57 @@ class Unplaced:
 
     reason: str
     transient: bool
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """A device that ran out of memory running a plan: its node, its name there, what the plan
+    gave it and what llama.cpp said it asked for (0: not said)."""
+
+    node_id: str
+    device: str
+    planned_bytes: int
+    asked_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "device": self.device,
+            "planned_bytes": self.planned_bytes,
+            "asked_bytes": self.asked_bytes,
+        }
+
+    def describe(self, label: str) -> str:
+        asked = f", asked for {self.asked_bytes} bytes" if self.asked_bytes else ""
+        return (
+            f"device {self.device} of node {label} ran out of memory (the plan gave it "
+            f"{self.planned_bytes} bytes{asked})"
+        )
+
+
+def out_of_memory_in(
+    plan: ExecutionPlan, node_id: str, device: str, asked_bytes: int
+) -> OutOfMemory:
+    """What ``plan`` gave ``device`` of ``node_id``: the device's own share when the plan names
+    it; else (a device the agent could not name, or a plan on the primary's CPU alone) the
+    node's only device in the plan, or its host memory with the node's whole share."""
+    named = [d for d in plan.devices if d.node_id == node_id]
+    match = [d for d in named if d.device == device] or (named if len(named) == 1 else [])
+    if match:
+        return OutOfMemory(node_id, match[0].device, match[0].assigned_bytes, asked_bytes)
+    node_bytes = plan.assigned_bytes.get(node_id, 0)
+    return OutOfMemory(node_id, device or HOST_DEVICE, node_bytes, asked_bytes)
+
+
+@dataclass(frozen=True)
+class SetupFailure:
+    """Why one plan's setup failed: the reason, the node to blame ("" for none), and the
+    device that ran out of memory when that was why (then the node is not excluded: the
+    device's budget is lowered instead)."""
+
+    reason: str
+    blamed: str
+    out_of_memory: OutOfMemory | None = None
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,18 @@ class AllowedPeer:
 
 
 @dataclass(frozen=True)
+class AssignedDevice:
+    """One device of the primary's plan: its node and name there, where the primary reaches
+    it ("" for its own device, else the RPC worker's ``host:port``), and its share."""
+
+    node_id: str
+    device: str
+    endpoint: str
+    share: float
+    assigned_bytes: int
+
+
+@dataclass(frozen=True)
 class PrimaryAssignment:
     """What the primary of a plan needs to set up and run a job."""
 
@@ -86,6 +98,10 @@ class PrimaryAssignment:
     #: An embedding model's server (``--embeddings``) and its pooling ("": the model's own).
     embeddings: bool = False
     pooling: str = ""
+    #: The devices the layers go to, in ``--device`` order (empty: a plan without devices).
+    devices: tuple[AssignedDevice, ...] = ()
+    #: ``--n-gpu-layers`` (None: all layers on the devices).
+    n_gpu_layers: int | None = None
 
 
 class AgentGateway(Protocol):
@@ -95,10 +111,17 @@ class AgentGateway(Protocol):
     def is_connected(self, node_id: str) -> bool: ...
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
+        self,
+        node_id: str,
+        job_id: str,
+        host: str,
+        port: int,
+        allowed: tuple[AllowedPeer, ...],
+        devices: tuple[str, ...] = (),
     ) -> bool:
-        """Starts the node's RPC worker on ``host:port``; exactly ``allowed`` may reach it from
-        now on (the set replaces the one before; connections open from others are closed)."""
+        """Starts the node's RPC worker on ``host:port`` exposing ``devices`` (its names for
+        them; empty: its default); exactly ``allowed`` may reach it from now on (the set
+        replaces the one before; connections open from others are closed)."""
         ...
 
     def rpc_worker_peers(self, node_id: str, allowed: tuple[AllowedPeer, ...], reason: str) -> bool:

@@ -20,8 +20,10 @@ from domain.states import NodeState
 
 
 def _free_memory_bytes(resources: dict[str, Any]) -> int:
-    """Usable memory of a node: its GPUs' free memory, else its free RAM."""
-    gpus = resources.get("gpus") or []
+    """Usable host memory of a node: its free RAM when it lists its devices (its GPUs are then
+    planned one by one); else, as agents before devices reported it, its GPUs' free memory,
+    else its free RAM."""
+    gpus = [] if resources.get("devices") else resources.get("gpus") or []
     gpu_free = sum(int(g.get("memory_free_bytes", 0)) for g in gpus if isinstance(g, dict))
     if gpu_free > 0:
         return gpu_free

@@ -13,14 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from application.device_budgets import DeviceBudgets
 from application.ports import LiveNode, LiveState
 from application.read_models import ReadModel, eligibility_of, model_facts, proves
 from application.slot_ledger import SlotLedger
 from domain.placement import (
+    DEVICE_GPU,
+    HOST_DEVICE,
     MAX_NODE_MEMORY_BYTES,
     MAX_SLOTS,
     MODEL_NOT_PRESENT,
     Candidate,
+    Device,
     ModelNeeds,
     NoCapacity,
     PlacementRequest,
@@ -37,10 +41,16 @@ class SchedulerConfig:
     max_nodes: int = 8
 
 
-def _live_free_bytes(live: LiveNode | None) -> int | None:
+def _reports_devices(node: dict[str, Any]) -> bool:
+    """The node lists its devices as llama.cpp sees them: its GPUs are planned one by one and
+    its host memory is its RAM (an agent from before devices: one figure, GPUs' or RAM)."""
+    return bool((node.get("resources") or {}).get("devices"))
+
+
+def _live_free_bytes(live: LiveNode | None, per_device: bool = False) -> int | None:
     if live is None or not live.telemetry:
         return None
-    gpus = live.telemetry.get("gpus") or []
+    gpus = [] if per_device else live.telemetry.get("gpus") or []
     gpu_free = sum(int(g.get("memory_free_bytes", 0)) for g in gpus)
     if gpu_free > 0:
         return gpu_free
@@ -49,9 +59,12 @@ def _live_free_bytes(live: LiveNode | None) -> int | None:
 
 
 def _total_memory_bytes(node: dict[str, Any]) -> int | None:
-    """The memory the node says it has in all (its GPUs', else its RAM), if it says."""
+    """The memory the node says it has in all (its GPUs', else its RAM), if it says; its RAM
+    alone when it lists its devices (the GPUs are then counted one by one)."""
     resources = node.get("resources") or {}
     gpus = [g for g in resources.get("gpus") or [] if isinstance(g, dict)]
+    if _reports_devices(node):
+        gpus = []
     gpu_total = sum(int(g.get("memory_total_bytes") or 0) for g in gpus)
     if gpu_total > 0:
         return gpu_total
@@ -64,8 +77,9 @@ def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode
 
     The node's own figures (it runs the work), kept sane: free memory never counts for
     more than the node's total, nor beyond MAX_NODE_MEMORY_BYTES."""
+    per_device = _reports_devices(node)
     usable = int(eligible["free_memory_bytes"])
-    live_free = _live_free_bytes(live)
+    live_free = _live_free_bytes(live, per_device)
     if live_free is not None:
         usable = min(usable, live_free)
     limit = int((node.get("inventory") or {}).get("memory_limit_bytes") or 0)
@@ -75,6 +89,52 @@ def usable_memory(eligible: dict[str, Any], node: dict[str, Any], live: LiveNode
     if total is not None:
         usable = min(usable, total)
     return max(0, min(usable, MAX_NODE_MEMORY_BYTES))
+
+
+def node_devices(
+    node: dict[str, Any],
+    live: LiveNode | None,
+    budgets: DeviceBudgets | None = None,
+) -> tuple[Device, ...]:
+    """The node's GPUs as the planner sees them: free memory as last reported (the heartbeat's
+    figure when fresher and lower), within the node's --memory-limit and any budget lowered
+    after an out-of-memory. The host CPU is not among them (see :func:`usable_memory`)."""
+    resources = node.get("resources") or {}
+    listed = [d for d in resources.get("devices") or [] if isinstance(d, dict)]
+    if not listed:
+        return ()
+    live_free: dict[str, int] = {}
+    if live is not None and live.telemetry:
+        for entry in live.telemetry.get("devices") or []:
+            if isinstance(entry, dict) and entry.get("name"):
+                live_free[str(entry["name"])] = int(entry.get("memory_free_bytes") or 0)
+    limit = int((node.get("inventory") or {}).get("memory_limit_bytes") or 0)
+    devices = []
+    for entry in listed:
+        if entry.get("kind") != DEVICE_GPU:
+            continue
+        name = str(entry.get("name") or "")
+        if not name or name == HOST_DEVICE:
+            continue
+        usable = min(
+            int(entry.get("memory_free_bytes") or 0), int(entry.get("memory_total_bytes") or 0)
+        )
+        if name in live_free:
+            usable = min(usable, live_free[name])
+        if limit > 0:
+            usable = min(usable, limit)
+        if budgets is not None:
+            cap = budgets.cap(node["node_id"], name)
+            if cap is not None:
+                usable = min(usable, cap)
+        devices.append(
+            Device(
+                name=name,
+                usable_bytes=max(0, min(usable, MAX_NODE_MEMORY_BYTES)),
+                description=str(entry.get("description") or ""),
+            )
+        )
+    return tuple(devices)
 
 
 def model_needs(model: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> ModelNeeds | None:
@@ -112,7 +172,10 @@ class Scheduler:
         config: SchedulerConfig,
         catch_up: Callable[[], None] = lambda: None,
         ledger: SlotLedger | None = None,
+        budgets: DeviceBudgets | None = None,
     ) -> None:
+        #: Device budgets lowered after an out-of-memory (application/device_budgets.py).
+        self.budgets = budgets if budgets is not None else DeviceBudgets()
         self.read_model = read_model
         self.live = live
         self.config = config
@@ -140,25 +203,31 @@ class Scheduler:
         """
         fresh = assume_idle or bool(pretend_holding)
         seen = None if fresh else self._candidates.get(row["node_id"])
-        model_key = f"{sha256}:{basis}"
+        model_key = f"{sha256}:{basis}:{self.budgets.version}"
         if seen is not None and seen[0] is row and seen[1] is live and seen[2] == model_key:
             return seen[3]
         eligible = (idle_eligibility if assume_idle else eligibility_of)(row)
         candidate = None
         if eligible is not None:
+            usable = usable_memory(eligible, row, live)
+            host_cap = self.budgets.cap(row["node_id"], HOST_DEVICE)
+            if host_cap is not None:
+                usable = min(usable, host_cap)
             candidate = Candidate(
                 node_id=row["node_id"],
                 name=eligible["name"],
                 state=eligible["state"],
                 address=eligible["address"],
                 rpc_port=int(eligible["rpc_port"]),
-                usable_memory_bytes=usable_memory(eligible, row, live),
+                usable_memory_bytes=usable,
                 # A cold server needs idle nodes: a node with jobs serves their runtime.
                 free_slots=int(eligible["free_slots"]) if eligible["jobs"] == 0 else 0,
                 has_model=proves(eligible, sha256, basis) or row["node_id"] in pretend_holding,
                 heartbeat_fresh=True,
                 slot_cap=min(int(eligible["slots"]), MAX_SLOTS),
                 warm=bool(row.get("runtime")),
+                devices=node_devices(row, live, self.budgets),
+                rpc_protocol=str((row.get("resources") or {}).get("rpc_protocol") or ""),
             )
         if not fresh:
             self._candidates[row["node_id"]] = (row, live, model_key, candidate)

@@ -140,7 +140,30 @@ def _plan(plan: Mapping[str, Any] | None) -> str:
         text += f" ctx={plan['context_size']}"
     if int(plan.get("parallel") or 1) > 1:
         text += f" x{plan['parallel']} slots"
+    if plan.get("tier"):
+        text += f" tier={plan['tier']}"
+    devices = [d for d in plan.get("devices") or [] if isinstance(d, Mapping)]
+    if devices:
+        text += " devices=" + ", ".join(
+            f"{short(d.get('node_id'))}:{d.get('device')} {100 * float(d.get('share') or 0):.1f}%"
+            for d in devices
+        )
+    if plan.get("n_gpu_layers") is not None:
+        text += f" gpu_layers={plan['n_gpu_layers']}"
+    reasons = [str(r) for r in plan.get("reasons") or []]
+    if reasons:
+        text += " (" + "; ".join(reasons) + ")"
     return text
+
+
+def _out_of_memory(oom: Mapping[str, Any] | None) -> str:
+    if not oom:
+        return ""
+    asked = f", asked {oom.get('asked_bytes')} bytes" if oom.get("asked_bytes") else ""
+    return (
+        f"; out of memory on {short(oom.get('node_id'))}:{oom.get('device')} "
+        f"(planned {oom.get('planned_bytes')} bytes{asked}), its budget lowered"
+    )
 
 
 def _submitted(p: Mapping[str, Any]) -> str:
@@ -299,6 +322,7 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "JOB_REPLANNED": lambda p: (
         f"{_plan(p.get('plan'))}; because {p.get('reason')}"
         + (f"; excluded {short(p['excluded_node'])}" if p.get("excluded_node") else "")
+        + _out_of_memory(p.get("out_of_memory"))
     ),
     "JOB_DISPATCHED": lambda p: "nodes " + ", ".join(short(n) for n in p.get("nodes") or []),
     "JOB_SETUP_VALIDATED": lambda p: "setup validated; execution starts",

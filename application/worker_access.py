@@ -14,7 +14,25 @@ Pure bookkeeping, no I/O: the job manager sends what it returns.
 from __future__ import annotations
 
 from application.ports import AllowedPeer
-from domain.placement import ExecutionPlan
+from domain.placement import ExecutionPlan, PlanNode
+
+
+def rpc_worker_nodes(plan: ExecutionPlan) -> tuple[PlanNode, ...]:
+    """The nodes of ``plan`` that run a ``ggml-rpc-server`` for it, in plan order: those with a
+    device reached over RPC; in a plan without devices (recorded before them), every node of
+    a multi-node plan."""
+    if not plan.devices:
+        return plan.nodes if plan.workers else ()
+    remote = {d.node_id for d in plan.devices if d.via_rpc}
+    return tuple(n for n in plan.nodes if n.node_id in remote)
+
+
+def worker_devices(plan: ExecutionPlan, node_id: str) -> tuple[str, ...]:
+    """The devices ``node_id``'s RPC worker exposes for ``plan`` (``ggml-rpc-server -d``), in
+    plan order: llama-server numbers RPC devices in that order (``RPC0``, ``RPC1``, ...), so the
+    primary's ``--device`` list and the workers' ``-d`` lists agree. Empty: the worker's
+    default (a plan without devices)."""
+    return tuple(d.device for d in plan.devices if d.via_rpc and d.node_id == node_id)
 
 
 class WorkerAccess:
@@ -24,12 +42,11 @@ class WorkerAccess:
 
     def use(self, job_id: str, plan: ExecutionPlan) -> None:
         """``job_id`` runs ``plan``: its primary may reach every RPC worker of the plan (the
-        primary's own included). A job of a one-node plan uses no worker."""
+        primary's own included, where its CPU takes a share through it). A job whose plan
+        needs no RPC worker uses none."""
         self.release(job_id)
-        if not plan.workers:
-            return
         primary = AllowedPeer(plan.primary.node_id, plan.primary.address)
-        for node in plan.nodes:
+        for node in rpc_worker_nodes(plan):
             self._users.setdefault(node.node_id, {})[job_id] = primary
 
     def allowed(self, node_id: str) -> tuple[AllowedPeer, ...]:

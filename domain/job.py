@@ -79,6 +79,10 @@ class Job(Aggregate):
         plan: dict[str, Any]
         reason: str
         excluded_node: str
+        #: The device whose out-of-memory caused the re-plan: ``node_id``, ``device`` (its name
+        #: there), ``planned_bytes`` (what the failed plan gave it), ``asked_bytes``; None when
+        #: the re-plan had another cause (and in events recorded before devices).
+        out_of_memory: dict[str, Any] | None = None
 
         def evolve(self, job: Job) -> None:
             job.plan = self.plan
@@ -232,12 +236,24 @@ class Job(Aggregate):
             raise self._refuse("be planned", "only a submitted or queued job is planned")
         self.trigger_event(self.Planned, plan=plan)
 
-    def replan(self, plan: dict[str, Any], reason: str, excluded_node: str = "") -> None:
+    def replan(
+        self,
+        plan: dict[str, Any],
+        reason: str,
+        excluded_node: str = "",
+        out_of_memory: dict[str, Any] | None = None,
+    ) -> None:
         if self.state not in (JobState.PLANNED, JobState.DISPATCHED):
             raise self._refuse("be re-planned", "re-planning happens only before execution")
         if self.replans >= MAX_REPLANS:
             raise self._refuse("be re-planned", f"it was already re-planned {self.replans} times")
-        self.trigger_event(self.Replanned, plan=plan, reason=reason, excluded_node=excluded_node)
+        self.trigger_event(
+            self.Replanned,
+            plan=plan,
+            reason=reason,
+            excluded_node=excluded_node,
+            out_of_memory=out_of_memory,
+        )
 
     def dispatch(self, nodes: list[str]) -> None:
         if self.state != JobState.PLANNED:

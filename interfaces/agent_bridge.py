@@ -20,6 +20,7 @@ from application.job_manager import JobManager
 from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.model_transfers import TransferCoordinator
 from application.ports import AllowedPeer, PrimaryAssignment
+from domain.bounded_text import ID_MAX, bounded
 from interfaces.grpc_server import AgentConnections
 from proto import control_pb2 as pb
 
@@ -34,7 +35,13 @@ class ProtoAgentGateway:
         return self.connections.is_connected(node_id)
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
+        self,
+        node_id: str,
+        job_id: str,
+        host: str,
+        port: int,
+        allowed: tuple[AllowedPeer, ...],
+        devices: tuple[str, ...] = (),
     ) -> bool:
         start = pb.StartRpcWorker(
             job_id=job_id,
@@ -42,6 +49,7 @@ class ProtoAgentGateway:
             port=port,
             allowed_peers=sorted({peer.address for peer in allowed}),
             peers=_peer_access(allowed),
+            devices=list(devices),
         )
         message = pb.ControllerMessage(start_rpc_worker=start)
         return self.connections.send(node_id, message)
@@ -122,7 +130,19 @@ class ProtoAgentGateway:
             generation=generation,
             embeddings=assignment.embeddings,
             pooling=assignment.pooling,
+            devices=[
+                pb.PlanDevice(
+                    node_id=d.node_id,
+                    device=d.device,
+                    endpoint=d.endpoint,
+                    share=d.share,
+                    assigned_bytes=d.assigned_bytes,
+                )
+                for d in assignment.devices
+            ],
         )
+        if assignment.n_gpu_layers is not None:
+            plan.n_gpu_layers = assignment.n_gpu_layers
         return self.connections.send(node_id, pb.ControllerMessage(execution_plan=plan))
 
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool:
@@ -245,11 +265,27 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
             return WorkerStopped(st.job_id, st.error or "stopped")
         if st.state in _WORKER_STATES:
             started = st.state == pb.RpcWorkerStatus.STARTED
-            return WorkerStatus(st.job_id, started, st.host, int(st.port), st.error)
+            return WorkerStatus(
+                st.job_id,
+                started,
+                st.host,
+                int(st.port),
+                st.error,
+                error_code=bounded(st.error_code, ID_MAX),
+                failed_device=bounded(st.failed_device, ID_MAX),
+                failed_bytes=int(st.failed_bytes),
+            )
         return Rejection("an RPC worker status without a state", st.job_id)
     if kind == "setup_result":
         sr = message.setup_result
-        outcome = SetupOutcome(sr.ok, sr.error, sr.error_code, sr.failed_node_id)
+        outcome = SetupOutcome(
+            sr.ok,
+            sr.error,
+            sr.error_code,
+            sr.failed_node_id,
+            failed_device=bounded(sr.failed_device, ID_MAX),
+            failed_bytes=int(sr.failed_bytes),
+        )
         return SetupReported(sr.job_id, outcome)
     if kind == "job_result":
         r = message.job_result
@@ -263,6 +299,9 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
             error=r.error,
             error_code=r.error_code,
             output=r.output_json,
+            failed_node_id=bounded(r.failed_node_id, ID_MAX),
+            failed_device=bounded(r.failed_device, ID_MAX),
+            failed_bytes=int(r.failed_bytes),
         )
         return JobFinished(r.job_id, result)
     return None

@@ -58,7 +58,7 @@ from interfaces.openai_responses import (
 )
 from interfaces.openai_validation import parse_chat_request
 from interfaces.services import Services
-from proto import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
+from proto import CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJECTED
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ def _epoch(iso: str) -> float:
 def job_error(message: str, code: str) -> ApiError:
     """A failed job as an OpenAI error: a prompt longer than the context is the request's
     fault (400 ``context_length_exceeded``, param ``messages``); a missed deadline is 504; the
-    store going away is 503 ``store_unavailable`` with Retry-After; any other failure of
-    generation is 502."""
+    store going away is 503 ``store_unavailable`` with Retry-After, a device out of memory
+    503 ``out_of_memory``; any other failure of generation is 502."""
     if code == CONTEXT_LENGTH_EXCEEDED:
         return ApiError(
             400,
@@ -183,6 +183,10 @@ def job_error(message: str, code: str) -> ApiError:
     if code == REQUEST_REJECTED:
         return ApiError(400, f"the model's server refused the request: {message}", code=code)
     if code == STORE_UNAVAILABLE:
+        return ApiError(503, message, type_="server_error", code=code, headers={"Retry-After": "2"})
+    if code == OUT_OF_MEMORY:
+        # A device ran out of memory after the job started: the cluster's fault, and the next
+        # plan gives that device less (application/device_budgets.py), so a retry may succeed.
         return ApiError(503, message, type_="server_error", code=code, headers={"Retry-After": "2"})
     status = 504 if code in DEADLINE_CODES else 502
     return ApiError(status, message, type_="server_error", code=code)

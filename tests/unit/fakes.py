@@ -107,6 +107,8 @@ class FakeAgentGateway:
     fetches: list[tuple[str, FetchRequest]] = field(default_factory=list)
     #: Set on every primary assignment (the job manager calls from the event loop).
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
+    #: (node, devices) of every RPC worker start, in order.
+    worker_devices: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     #: Set on every RPC worker start.
     worker_asked: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -114,9 +116,16 @@ class FakeAgentGateway:
         return node_id not in self.disconnected
 
     def start_rpc_worker(
-        self, node_id: str, job_id: str, host: str, port: int, allowed: tuple[AllowedPeer, ...]
+        self,
+        node_id: str,
+        job_id: str,
+        host: str,
+        port: int,
+        allowed: tuple[AllowedPeer, ...],
+        devices: tuple[str, ...] = (),
     ) -> bool:
         self.workers.append((node_id, job_id))
+        self.worker_devices.append((node_id, devices))
         self.allowed_peers.append(tuple(peer.address for peer in allowed))
         self.worker_sets.append((node_id, allowed))
         self.worker_asked.set()
