@@ -127,6 +127,8 @@ class AgentSpec:
     rpc_port: int
     memory_limit: int = DEFAULT_MEMORY_LIMIT
     holds_model: bool = False
+    #: More agent flags (e.g. ``--llama-bin-dir DIR``: an operator's own llama.cpp build).
+    extra_args: tuple[str, ...] = ()
 
 
 DEFAULT_AGENTS = (
@@ -362,6 +364,7 @@ class LocalCluster:
                 str(spec.memory_limit),
                 "--heartbeat-interval",
                 "1",
+                *spec.extra_args,
             ],
             env,
         )
