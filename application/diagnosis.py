@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from application.timeline import short, size_text, source_text, transfer_progress_text
+from proto import OUT_OF_MEMORY as OUT_OF_MEMORY_CODE
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ TROUBLESHOOTING: tuple[Hint, ...] = (
 NO_HINT_CHECK = "No troubleshooting entry matches; read the recent events and the agent's log."
 
 _OOM = (
+    OUT_OF_MEMORY_CODE,
     "out of memory",
     "out-of-memory",
     "oom",

@@ -85,6 +85,17 @@ def test_node_lost_during_execution_is_the_rpc_row() -> None:
     assert classify_job_failure(failed) == RPC_WORKER_LOST
 
 
+def test_a_device_out_of_memory_by_its_code_alone_is_the_seeds_memory_row() -> None:
+    # The agent's code (proto.OUT_OF_MEMORY), whatever the reason's words.
+    failed = job("execution", "device CUDA1 of node gpu-2: cudaMalloc failed", "out_of_memory")
+    hint = classify_job_failure(failed)
+    assert hint == OUT_OF_MEMORY
+    assert (
+        hint is not None
+        and hint.check == "Use a smaller model or quantization, or revise the execution plan."
+    )
+
+
 def test_node_lost_before_execution_is_the_controller_row() -> None:
     failed = job("setup", "setup failed after 4 plans: NODE_LOST: node x disconnected")
     assert classify_job_failure(failed) == CONTROLLER_UNREACHABLE
