@@ -2,7 +2,7 @@
 
 A job goes to a warm server first (:func:`domain.runtimes.warm_choice`: a llama-server already
 running the model with a free slot); only when none can take it does the split planner
-(:func:`domain.placement.plan_placement`) start a cold one on idle nodes. Both are pure
+(:func:`domain.split_planner.plan_placement`) start a cold one on idle nodes. Both are pure
 functions; this module only gathers what they need at one instant.
 """
 
@@ -25,13 +25,14 @@ from domain.placement import (
     MODEL_NOT_PRESENT,
     Candidate,
     Device,
+    ExecutionPlan,
     ModelNeeds,
     NoCapacity,
     PlacementRequest,
     PlacementResult,
-    plan_placement,
 )
 from domain.runtimes import warm_choice
+from domain.split_planner import plan_placement
 from domain.states import NodeState
 
 
@@ -233,6 +234,18 @@ class Scheduler:
             self._candidates[row["node_id"]] = (row, live, model_key, candidate)
         return candidate
 
+    def _over_budget(self, plan: ExecutionPlan) -> bool:
+        """The plan gives a device more than its budget lowered since (an out-of-memory on it,
+        perhaps this very server's setup): the server is not reused, a new plan is made."""
+        given = [(d.node_id, d.device, d.assigned_bytes) for d in plan.devices] or [
+            (plan.primary.node_id, HOST_DEVICE, plan.primary.assigned_bytes)
+        ]
+        for node_id, device, assigned in given:
+            cap = self.budgets.cap(node_id, device)
+            if cap is not None and assigned > cap:
+                return True
+        return False
+
     def place(
         self,
         model: dict[str, Any],
@@ -294,7 +307,7 @@ class Scheduler:
                 reachable=reachable,
                 primary_holds=lambda node_id: proves(nodes[node_id], model["sha256"], basis),
             )
-            if warm is not None:
+            if warm is not None and not self._over_budget(warm.plan):
                 return PlacementResult(plan=warm.plan, fallback_used=warm.degraded, warm=True)
         candidates = []
         sha256 = model["sha256"]

@@ -1,38 +1,8 @@
-"""Scheduler and split planner as pure functions (see docs/architecture.md,
-'Scheduling and split planning').
+"""The vocabulary of placement: what a model needs, the candidates a plan is made of (nodes and
+their devices), and the plan itself (primary, RPC workers, devices and shares), with the peer
+address rules. The planner that chooses among them is :mod:`domain.split_planner`.
 
-Given what a model needs and a snapshot of candidate nodes, ``plan_placement`` chooses the
-primary (the node that runs ``llama-server`` and must hold the GGUF file), the RPC workers and
-the tensor split. Nothing here reads a clock, touches the network or draws random numbers:
-the caller builds the candidates from the eligibility read model plus live state and records
-whatever comes back (``JOB_PLANNED`` or a 503, plus one ``SECURITY_VIOLATION`` per reported peer).
-
-Rules, in the order they apply:
-
-1. A candidate is *eligible* when its state is READY or DEGRADED, it has a free slot, its
-   heartbeat is fresh, its usable memory is positive, its RPC port is a valid port and it is not
-   in ``request.exclude``. Ineligible candidates are ignored silently.
-2. An eligible candidate whose address is not an IP address inside ``allowed_peer_cidrs`` is
-   excluded and reported as a :class:`PeerViolation`.
-3. Plans are first sought among READY nodes only; DEGRADED nodes join the pool only when no plan
-   exists without them (``fallback_used``).
-4. Within a pool the plan uses the fewest nodes (at most ``max_nodes`` and at most the model's
-   layer count). One node means no RPC at all. The primary must hold the model file; workers
-   need not. Among plans of equal size the one with fewer DEGRADED nodes wins, then the one
-   displacing fewer warm servers (``Candidate.warm``), then a READY primary, then the primary
-   with most usable memory, then the smallest primary ``node_id``; workers are always the
-   largest remaining nodes (usable memory descending, ties by ``node_id``).
-5. The plan's ``parallel`` (llama-server slots, each with the full ``context_size``) is the
-   most, up to the primary's ``slot_cap``, for which the chosen nodes still fit the model with
-   ``context_size * parallel`` tokens of KV cache. Node choice comes first (fewest nodes with
-   one slot), so memory is spent on slots only where no extra node is needed for it.
-6. The tensor split is proportional to the chosen nodes' usable memory, quantised to
-   ``1 / SPLIT_RESOLUTION`` by largest remainder, and capped so that every node's share of the
-   required bytes (``fraction * required``, rounded up) never exceeds its usable memory. A set of
-   nodes therefore fits when such a capped split exists, which is at most
-   ``required / SPLIT_RESOLUTION`` bytes per node stricter than ``sum(usable) >= required``.
-
-The result does not depend on the order of the candidates.
+Nothing here reads a clock, touches the network or draws random numbers.
 """
 
 from __future__ import annotations
@@ -40,9 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
-import itertools
 import math
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +27,10 @@ ELIGIBLE_STATES = frozenset({READY, DEGRADED})
 DEFAULT_HEADROOM_FRACTION = 0.10
 DEFAULT_OVERHEAD_BYTES = 64 * MIB
 DEFAULT_MAX_NODES = 8
+#: What each GPU of a plan keeps beyond its share of the layers: llama.cpp's compute buffers
+#: (the logits of a 512-token micro-batch over a 128 k vocabulary alone are 256 MiB) and the
+#: backend's own allocations. Its host's share is covered by ``overhead_bytes``.
+DEFAULT_DEVICE_RESERVE_BYTES = 512 * MIB
 
 SPLIT_RESOLUTION = 1_000_000
 """The tensor split is expressed in millionths (six decimal places)."""
@@ -204,6 +176,8 @@ class PlacementRequest:
     exclude: frozenset[str] = frozenset()
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
+    #: What each GPU keeps beyond its share (compute buffers): see DEFAULT_DEVICE_RESERVE_BYTES.
+    device_reserve_bytes: int = DEFAULT_DEVICE_RESERVE_BYTES
 
     def __post_init__(self) -> None:
         # tolerate a list / set from configuration; keep the request hashable
@@ -220,6 +194,8 @@ class PlacementRequest:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if not self.allowed_peer_cidrs:
             raise ValueError("allowed_peer_cidrs must not be empty")
+        if self.device_reserve_bytes < 0:
+            raise ValueError(f"device_reserve_bytes must be >= 0, got {self.device_reserve_bytes}")
         parse_cidrs(self.allowed_peer_cidrs)  # raises ValueError on a bad entry
         required_bytes(self.needs, self.context_size, self.headroom_fraction, self.overhead_bytes)
 
@@ -508,294 +484,6 @@ def address_allowed(address: str, cidrs: Iterable[str] = DEFAULT_ALLOWED_PEER_CI
     as its IPv4 address. A malformed CIDR raises ``ValueError``.
     """
     return _address_in(address, parse_cidrs(cidrs))
-
-
-# ---------------------------------------------------------------------------------------------
-# planning
-
-
-def _ineligible(c: Candidate, exclude: frozenset[str]) -> bool:
-    return (
-        c.state not in ELIGIBLE_STATES
-        or c.free_slots <= 0
-        or not c.heartbeat_fresh
-        or c.usable_memory_bytes <= 0
-        or not 1 <= c.rpc_port <= 65535
-        or c.node_id in exclude
-    )
-
-
-_node_id = operator.attrgetter("node_id")
-
-
-def _by_memory(c: Candidate) -> tuple[int, str]:
-    return (-c.usable_memory_bytes, c.node_id)
-
-
-def _cap(usable: int, required: int) -> int:
-    """Most split units a node may take without its share exceeding its usable memory."""
-    return min(SPLIT_RESOLUTION, usable * SPLIT_RESOLUTION // required)
-
-
-def _fits(usables: Iterable[int], required: int) -> bool:
-    return sum(_cap(u, required) for u in usables) >= SPLIT_RESOLUTION
-
-
-def split_units(usables: Sequence[int], required: int) -> tuple[int, ...]:
-    """Integer split (summing to ``SPLIT_RESOLUTION``) proportional to ``usables``.
-
-    Largest remainder, ties to the earlier entry, never above a node's cap. Raises
-    ``ValueError`` if the nodes cannot hold ``required`` bytes.
-    """
-    if required <= 0:
-        raise ValueError("required must be positive")
-    if not usables or any(u <= 0 for u in usables):
-        raise ValueError("usables must be non-empty and positive")
-    caps = [_cap(u, required) for u in usables]
-    if sum(caps) < SPLIT_RESOLUTION:
-        raise ValueError("the nodes cannot hold the required bytes")
-    total = sum(usables)
-    parts = [u * SPLIT_RESOLUTION // total for u in usables]
-    # proportional floor never exceeds the cap, because total >= required whenever caps fit
-    parts = [min(p, cap) for p, cap in zip(parts, caps, strict=True)]
-    order = sorted(
-        range(len(usables)),
-        key=lambda i: (-((usables[i] * SPLIT_RESOLUTION) % total), i),
-    )
-    left = SPLIT_RESOLUTION - sum(parts)
-    while left > 0:
-        for i in order:
-            if left == 0:
-                break
-            if parts[i] < caps[i]:
-                parts[i] += 1
-                left -= 1
-    return tuple(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    key: tuple[int, int, int, int, str]
-    primary: Candidate
-    workers: tuple[Candidate, ...]
-
-
-def _best_plan(pool: Sequence[Candidate], required: int, limit: int) -> _Choice | None:
-    """Fewest nodes, then fewest DEGRADED, fewest warm servers displaced, READY primary,
-    largest primary, smallest id."""
-    primaries = sorted((c for c in pool if c.has_model), key=_by_memory)
-    ranked: list[Candidate] = []  # everyone by memory; sorted only if one node is not enough
-    for k in range(1, min(limit, len(pool)) + 1):
-        best: _Choice | None = None
-        if k == 2:
-            ranked = sorted(pool, key=_by_memory)
-        for p in primaries:
-            p_degraded = int(p.state != READY)
-            if k == 1:
-                if _cap(p.usable_memory_bytes, required) >= SPLIT_RESOLUTION:
-                    key = (p_degraded, int(p.warm), p_degraded, -p.usable_memory_bytes, p.node_id)
-                    if best is None or key < best.key:
-                        best = _Choice(key, p, ())
-                continue
-            others = [c for c in ranked if c.node_id != p.node_id]
-            ready = [c for c in others if c.state == READY]
-            degraded = [c for c in others if c.state != READY]
-            for d in range(0, k):
-                if k - 1 - d > len(ready) or d > len(degraded):
-                    continue
-                workers = sorted([*ready[: k - 1 - d], *degraded[:d]], key=_by_memory)
-                if not _fits(
-                    [p.usable_memory_bytes, *(w.usable_memory_bytes for w in workers)], required
-                ):
-                    continue
-                warm = int(p.warm) + sum(int(w.warm) for w in workers)
-                key = (d + p_degraded, warm, p_degraded, -p.usable_memory_bytes, p.node_id)
-                if best is None or key < best.key:
-                    best = _Choice(key, p, tuple(workers))
-                break  # more DEGRADED workers for this primary can only rank lower
-        if best is not None:
-            return best
-    return None
-
-
-def _most_slots(request: PlacementRequest, choice: _Choice) -> tuple[int, int]:
-    """(parallel, required bytes): the most slots up to the primary's cap that still fit."""
-    usables = [c.usable_memory_bytes for c in (choice.primary, *choice.workers)]
-    for parallel in range(min(max(1, choice.primary.slot_cap), MAX_SLOTS), 1, -1):
-        required = required_bytes(
-            request.needs,
-            request.context_size * parallel,
-            request.headroom_fraction,
-            request.overhead_bytes,
-        )
-        if _fits(usables, required):
-            return parallel, required
-    return 1, request.required_bytes
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n / GIB:.2f} GiB ({n} bytes)"
-
-
-def _best_capacity(pool: Sequence[Candidate], limit: int) -> int:
-    """Most memory a plan of at most ``limit`` nodes with a file-holding primary can gather."""
-    ranked = sorted(pool, key=_by_memory)
-    best = 0
-    for p in ranked:
-        if not p.has_model:
-            continue
-        others = [c.usable_memory_bytes for c in ranked if c.node_id != p.node_id]
-        best = max(best, p.usable_memory_bytes + sum(others[: limit - 1]))
-    return best
-
-
-def _no_capacity(
-    request: PlacementRequest,
-    pool: Sequence[Candidate],
-    required: int,
-    limit: int,
-    considered: int,
-) -> NoCapacity:
-    needs = request.needs
-    model = f"model {needs.name} (sha256 {needs.sha256})"
-    if not pool:
-        return NoCapacity(
-            reason=(
-                f"no eligible node for {model}: none of {considered} candidate(s) is READY or "
-                "DEGRADED with a free slot, a fresh heartbeat, usable memory and an allowed "
-                "address"
-            ),
-            code=NO_ELIGIBLE_NODES,
-            needed_bytes=required,
-            available_bytes=0,
-        )
-    if not any(c.has_model for c in pool):
-        return NoCapacity(
-            reason=f"no eligible node holds {model}",
-            code=MODEL_NOT_PRESENT,
-            needed_bytes=required,
-            available_bytes=0,
-        )
-    available = _best_capacity(pool, limit)
-    total = sum(c.usable_memory_bytes for c in pool)
-    context = f"with context {request.context_size}"
-    if _fits((c.usable_memory_bytes for c in pool), required) and len(pool) > limit:
-        return NoCapacity(
-            reason=(
-                f"{model} {context} needs {_fmt_bytes(required)}; the {len(pool)} eligible "
-                f"nodes have {_fmt_bytes(total)} together, but a plan may use at most {limit} "
-                f"node(s) (max_nodes {request.max_nodes}, model layers {needs.layers}), which "
-                f"gather at most {_fmt_bytes(available)}"
-            ),
-            code=NODE_LIMIT,
-            needed_bytes=required,
-            available_bytes=available,
-        )
-    if available >= required:
-        return NoCapacity(
-            reason=(
-                f"{model} {context} needs {_fmt_bytes(required)}; the best plan over up to "
-                f"{min(limit, len(pool))} of the {len(pool)} eligible node(s) gathers "
-                f"{_fmt_bytes(available)}, which leaves no room for rounding the tensor split "
-                f"to 1/{SPLIT_RESOLUTION} without exceeding a node's usable memory"
-            ),
-            code=INSUFFICIENT_MEMORY,
-            needed_bytes=required,
-            available_bytes=available,
-        )
-    return NoCapacity(
-        reason=(
-            f"{model} {context} needs {_fmt_bytes(required)} but the best plan over up to "
-            f"{min(limit, len(pool))} of the {len(pool)} eligible node(s) gathers only "
-            f"{_fmt_bytes(available)}"
-        ),
-        code=INSUFFICIENT_MEMORY,
-        needed_bytes=required,
-        available_bytes=available,
-    )
-
-
-def _build_plan(request: PlacementRequest, choice: _Choice) -> ExecutionPlan:
-    parallel, required = _most_slots(request, choice)
-    chosen = (choice.primary, *choice.workers)
-    units = split_units([c.usable_memory_bytes for c in chosen], required)
-    nodes = [
-        PlanNode(
-            node_id=c.node_id,
-            address=c.address,
-            rpc_port=c.rpc_port,
-            assigned_bytes=-(-u * required // SPLIT_RESOLUTION),
-        )
-        for c, u in zip(chosen, units, strict=True)
-    ]
-    needs = request.needs
-    return ExecutionPlan(
-        model_name=needs.name,
-        model_sha256=needs.sha256,
-        model_file_name=needs.file_name,
-        context_size=request.context_size,
-        required_bytes=required,
-        primary=nodes[0],
-        workers=tuple(nodes[1:]),
-        tensor_split=tuple(u / SPLIT_RESOLUTION for u in units),
-        parallel=parallel,
-    )
-
-
-def plan_placement(request: PlacementRequest, candidates: Iterable[Candidate]) -> PlacementResult:
-    """Choose primary, workers and split for ``request`` (see the module docstring).
-
-    Raises ``ValueError`` when two candidates share a ``node_id``.
-    """
-    ordered = sorted(candidates, key=_node_id)
-    for a, b in itertools.pairwise(ordered):
-        if a.node_id == b.node_id:
-            raise ValueError(f"duplicate candidate node_id {a.node_id!r}")
-
-    allowed_text = ", ".join(request.allowed_peer_cidrs)
-    violations: list[PeerViolation] = []
-    pool: list[Candidate] = []
-    cidrs, exclude = request.allowed_peer_cidrs, request.exclude
-    for c in ordered:
-        if _ineligible(c, exclude):
-            continue
-        if _allowed(c.address, cidrs):
-            pool.append(c)
-            continue
-        if _parse_address(c.address) is None:
-            violations.append(
-                PeerViolation(c.node_id, c.address, f"address {c.address!r} is not an IP address")
-            )
-            continue
-        violations.append(
-            PeerViolation(
-                c.node_id,
-                c.address,
-                f"address {c.address} is outside the allowed peer networks ({allowed_text})",
-            )
-        )
-
-    required = request.required_bytes
-    limit = min(request.max_nodes, request.needs.layers)
-    ready_pool = [c for c in pool if c.state == READY]
-
-    fallback_used = False
-    choice = _best_plan(ready_pool, required, limit)
-    if choice is None and len(ready_pool) < len(pool):
-        choice = _best_plan(pool, required, limit)
-        fallback_used = choice is not None
-
-    if choice is None:
-        return PlacementResult(
-            plan=None,
-            no_capacity=_no_capacity(request, pool, required, limit, len(ordered)),
-            violations=tuple(violations),
-        )
-    return PlacementResult(
-        plan=_build_plan(request, choice),
-        violations=tuple(violations),
-        fallback_used=fallback_used,
-    )
 
 
 def _devices(value: Any) -> list[Mapping[str, Any]]:

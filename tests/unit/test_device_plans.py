@@ -67,6 +67,14 @@ async def answer_workers(cluster: Cluster, count: int) -> None:
             await asyncio.wait_for(cluster.gateway.worker_asked.wait(), GUARD)
 
 
+async def workers_asked(cluster: Cluster, count: int) -> None:
+    """Waits until ``count`` RPC workers were asked for (no save marks that)."""
+    while len(cluster.gateway.workers) < count:
+        cluster.gateway.worker_asked.clear()
+        if len(cluster.gateway.workers) < count:
+            await asyncio.wait_for(cluster.gateway.worker_asked.wait(), GUARD)
+
+
 def replanned_events(cluster: Cluster, job_id: str) -> list[Any]:
     return [e for e in cluster.app.events.get(UUID(job_id)) if type(e).__name__ == "Replanned"]
 
@@ -153,7 +161,7 @@ async def test_a_worker_that_runs_out_of_memory_is_named_with_its_device() -> No
     worker = cluster.add_node("worker", holds_model=False)
     cluster.add_node("spare", holds_model=False)
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
-    await cluster.until(lambda: len(cluster.gateway.workers) >= 2)
+    await workers_asked(cluster, 2)
     job_id = cluster.gateway.workers[0][1]
     used = [n for n, _ in cluster.gateway.workers]
     failing = worker if worker in used else next(n for n in used if n != primary)

@@ -26,10 +26,9 @@ from domain.placement import (
     PlacementResult,
     PlanNode,
     address_allowed,
-    plan_placement,
     required_bytes,
-    split_units,
 )
+from domain.split_planner import plan_placement, split_units
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "ab" * 32

@@ -14,9 +14,9 @@ from domain.placement import (
     ModelNeeds,
     PlacementRequest,
     PlanNode,
-    plan_placement,
 )
 from domain.runtimes import runtime_of, warm_choice
+from domain.split_planner import plan_placement
 from domain.states import NodeState
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.domain_builders import ready_node
