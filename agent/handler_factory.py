@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from agent.agent_config import AgentConfig, ConfigError
 from agent.control_handler import ControlHandler, NullHandler
-from agent.llama_binaries import find_binaries
+from agent.llama_binaries import RuntimeBinaries, find_binaries
 from agent.llama_handler import LlamaHandler
 from agent.runtime_errors import RuntimeMissingError
 
@@ -21,21 +21,24 @@ class RuntimeUnavailable(ConfigError):
     """The llama.cpp binaries are not where the configuration says."""
 
 
-def build_handler(config: AgentConfig) -> ControlHandler:
-    """The handler for this agent's configuration.
-
-    Binaries are looked up in ``config.llama_bin_dir`` (``--llama-bin-dir``), else
-    ``$DACP_LLAMA_BIN_DIR``, else the ``ops`` build cache.
-    """
-    if not config.llama_runtime:
-        return NullHandler()
+def resolve_binaries(config: AgentConfig) -> RuntimeBinaries:
+    """The llama.cpp build this agent runs: ``config.llama_bin_dir`` (``--llama-bin-dir``),
+    else ``$DACP_LLAMA_BIN_DIR``, else the ``ops`` build cache. The one place the agent turns
+    its configuration into binaries (the handler and device discovery both use it)."""
     try:
-        binaries = find_binaries(config.llama_bin_dir)
+        return find_binaries(config.llama_bin_dir)
     except RuntimeMissingError as exc:
         raise RuntimeUnavailable(
             f"llama.cpp runtime unavailable: {exc}, or pass --llama-bin-dir DIR "
             "(--no-runtime runs the agent without llama.cpp)"
         ) from None
+
+
+def build_handler(config: AgentConfig) -> ControlHandler:
+    """The handler for this agent's configuration (binaries: :func:`resolve_binaries`)."""
+    if not config.llama_runtime:
+        return NullHandler()
+    binaries = resolve_binaries(config)
     return LlamaHandler(
         binaries,
         models_dir=config.resolved_models_dir,
