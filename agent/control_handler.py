@@ -66,9 +66,17 @@ def role_name(role: int) -> str:
 
 
 def setup_failure(
-    job_id: str, role: str, error: str, error_code: str, failed_node_id: str = ""
+    job_id: str,
+    role: str,
+    error: str,
+    error_code: str,
+    failed_node_id: str = "",
+    *,
+    failed_device: str = "",
+    failed_bytes: int = 0,
 ) -> pb.AgentMessage:
-    """``SetupResult{ok=false}`` for a plan this node cannot run."""
+    """``SetupResult{ok=false}`` for a plan this node cannot run (an out-of-memory names the
+    device and the bytes it asked for)."""
     return pb.AgentMessage(
         setup_result=pb.SetupResult(
             job_id=job_id,
@@ -77,17 +85,34 @@ def setup_failure(
             error_code=error_code,
             role=role,
             failed_node_id=failed_node_id,
+            failed_device=failed_device,
+            failed_bytes=max(0, failed_bytes),
         )
     )
 
 
 def worker_status(
-    job_id: str, state: pb.RpcWorkerStatus.State, host: str, port: int, error: str = ""
+    job_id: str,
+    state: pb.RpcWorkerStatus.State,
+    host: str,
+    port: int,
+    error: str = "",
+    *,
+    error_code: str = "",
+    failed_device: str = "",
+    failed_bytes: int = 0,
 ) -> pb.AgentMessage:
     """``RpcWorkerStatus`` of this node's RPC worker."""
     return pb.AgentMessage(
         rpc_worker_status=pb.RpcWorkerStatus(
-            job_id=job_id, state=state, host=host, port=port, error=error
+            job_id=job_id,
+            state=state,
+            host=host,
+            port=port,
+            error=error,
+            error_code=error_code,
+            failed_device=failed_device,
+            failed_bytes=max(0, failed_bytes),
         )
     )
 
@@ -125,7 +150,15 @@ class NullHandler:
 
 
 def job_failure(
-    job_id: str, phase: str, error_code: str, error: str, *, finish_reason: str = ""
+    job_id: str,
+    phase: str,
+    error_code: str,
+    error: str,
+    *,
+    finish_reason: str = "",
+    failed_node_id: str = "",
+    failed_device: str = "",
+    failed_bytes: int = 0,
 ) -> pb.AgentMessage:
     """``JobResult{ok=false}`` for a job that failed in ``phase``."""
     return pb.AgentMessage(
@@ -136,5 +169,8 @@ def job_failure(
             error=error,
             error_code=error_code,
             phase=phase,
+            failed_node_id=failed_node_id,
+            failed_device=failed_device,
+            failed_bytes=max(0, failed_bytes),
         )
     )

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from agent.runtime_errors import UnsafeBindError
+from proto import control_pb2 as pb
 
 # --- addresses and ports -----------------------------------------------------------------
 
@@ -77,3 +78,8 @@ def free_loopback_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def peer_endpoint(peer: pb.RpcPeer) -> str:
+    """``host:port`` of an RPC worker a plan names (``--rpc``)."""
+    return f"{peer.host}:{peer.port}"

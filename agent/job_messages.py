@@ -46,11 +46,22 @@ JOB_LOST = "JOB_LOST"
 class SetupFailure(Exception):
     """Setup and validation failed; becomes ``SetupResult{ok=false}``."""
 
-    def __init__(self, error_code: str, message: str, *, failed_node_id: str = "") -> None:
+    def __init__(
+        self,
+        error_code: str,
+        message: str,
+        *,
+        failed_node_id: str = "",
+        failed_device: str = "",
+        failed_bytes: int = 0,
+    ) -> None:
         super().__init__(message)
         self.error_code = error_code
         self.message = message
         self.failed_node_id = failed_node_id
+        #: An out-of-memory: the device (as its node's llama.cpp names it) and bytes asked.
+        self.failed_device = failed_device
+        self.failed_bytes = failed_bytes
 
 
 class DeltaSender:

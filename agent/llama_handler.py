@@ -18,19 +18,19 @@ Downlink messages and what this handler does with them:
   ``SetupResult``: the model file is looked up by name in the models dir (``MODEL_NOT_FOUND``),
   its sha256 checked against the plan through the model store's hash cache
   (``SHA256_MISMATCH``), every RPC peer probed with a TCP connect (``RPC_PEER_UNREACHABLE``
-  with ``failed_node_id``), then a ``llama-server`` for (model, context, slots, peers, split)
-  is reused when warm or (re)started (``RUNTIME_START_FAILED`` with the key stderr line). It
-  runs ``--parallel`` = the plan's ``parallel`` (at most this node's ``slots``, else
-  ``INVALID_PLAN``) with ``--ctx-size`` = context * slots, so every slot keeps the plan's whole
-  context and concurrent jobs of one spec share the server. A malformed
-  plan is ``INVALID_PLAN``; a server busy with another job's different spec for longer than
-  ``busy_timeout`` is ``RUNTIME_BUSY``. Then the chat completion streams from the local
-  ``llama-server``: each content piece becomes a ``Delta`` (``seq`` from 0, no gaps,
-  ``tokens=1``) sent at once in its own ``TokenChunk`` (the session's write loop merges
-  adjacent chunks of one job that queue up behind a pending gRPC write), and a ``JobResult``
-  closes the job (usage and timings from llama-server, measured here when it sends none). A
-  crash or HTTP failure during generation is ``JobResult{ok=false, phase="execution"}`` with
-  ``RUNTIME_CRASHED`` or ``GENERATION_FAILED``.
+  with ``failed_node_id``), then the ``llama-server`` the plan asks for
+  (:func:`agent.server_spec.server_spec_for`: model, context, slots, peers, devices and
+  shares) is reused when warm or (re)started (``RUNTIME_START_FAILED`` with the key stderr
+  line; ``out_of_memory`` with the device, its node and the bytes it asked for when llama.cpp
+  ran out: :mod:`agent.out_of_memory`). Every slot keeps the plan's whole context
+  (``--ctx-size`` = context * slots; at most this node's ``slots``, else ``INVALID_PLAN``).
+  A server busy with another job's different spec for longer than ``busy_timeout`` is
+  ``RUNTIME_BUSY``. Then the chat completion streams from the local ``llama-server``: each
+  content piece becomes a ``Delta`` (``seq`` from 0, no gaps, ``tokens=1``) sent at once in
+  its own ``TokenChunk``, and a ``JobResult`` closes the job (usage and timings from
+  llama-server, measured here when it sends none). A crash or HTTP failure during generation
+  is ``JobResult{ok=false, phase="execution"}`` with ``RUNTIME_CRASHED``,
+  ``GENERATION_FAILED`` or ``out_of_memory``.
 * ``ExecutionPlan`` with role ``WORKER`` — nothing to do beyond the RPC worker that
   ``StartRpcWorker`` already started: logged, no reply (the controller expects setup results
   from primaries only).
@@ -41,13 +41,6 @@ Downlink messages and what this handler does with them:
 A ``llama-server`` or ``ggml-rpc-server`` that exits unexpectedly is reported at once as
 ``RuntimeFault{fatal=false}`` (a llama-server crash during a generation is reported by that
 job's ``JobResult`` instead). :meth:`LlamaHandler.close` stops every child process.
-
-RPC workers serve one client at a time and queue at most two pending connections
-(``listen(fd, 1)``), so a TCP probe of a worker that a warm llama-server is connected to would
-sit in its accept queue, and the third such probe would time out. The warm server's own
-connections are therefore inspected instead: endpoints it holds ``ESTABLISHED`` links to are
-not probed, and a warm server whose link to a peer broke (worker restarted or died) is
-restarted rather than reused.
 
 Agent code: imports only the standard library, third-party packages, ``proto`` and ``agent``.
 """
@@ -69,6 +62,7 @@ import httpx
 from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
 from agent.control_handler import Send, job_failure, setup_failure
 from agent.embeddings_job import embeddings_result
+from agent.endpoints import peer_endpoint
 from agent.job_messages import (
     AGENT_STOPPING,
     CANCELLED,
@@ -87,24 +81,22 @@ from agent.job_messages import (
 from agent.llama_binaries import RuntimeBinaries
 from agent.llama_server import (
     COMPLETIONS,
-    DEFAULT_CTX_SIZE,
     EMBEDDINGS,
     ChatRequest,
     EmbeddingsRequest,
     LlamaServer,
-    ServerSpec,
 )
 from agent.managed_child import ProcessExit
+from agent.out_of_memory import Blame, PlanDevices, oom_message, out_of_memory, plan_devices
 from agent.plan_model import PlanModels
 from agent.rpc_guard import RpcGuard
 from agent.rpc_host import RpcWorkerHost, WorkerGate
-from agent.rpc_peers import peer_endpoint, probe_peers, warm_links
+from agent.rpc_peers import probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
-from agent.runtime_errors import (
-    LlamaRuntimeError,
-)
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
+from agent.runtime_errors import LlamaRuntimeError
+from agent.server_spec import ServerSpec, server_spec_for
+from proto import DEFAULT_ALLOWED_PEER_CIDRS, OUT_OF_MEMORY
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -124,6 +116,8 @@ class _Job:
     phase: str = "setup"
     cancel_requested: bool = False
     cancel_reason: str = ""
+    #: The plan's devices as this primary's llama-server names them (out-of-memory blame).
+    devices: PlanDevices | None = None
 
 
 class LlamaHandler(RpcWorkerHost):
@@ -247,6 +241,7 @@ class LlamaHandler(RpcWorkerHost):
     # -- primary: setup ------------------------------------------------------------------
 
     async def _run_primary(self, job: _Job, plan: pb.ExecutionPlan, send: Send) -> None:
+        job.devices = plan_devices(plan)
         try:
             try:
                 server, messages = await self._setup(plan)
@@ -262,6 +257,8 @@ class LlamaHandler(RpcWorkerHost):
                         failure.message,
                         failure.error_code,
                         failure.failed_node_id,
+                        failed_device=failure.failed_device,
+                        failed_bytes=failure.failed_bytes,
                     )
                 )
                 return
@@ -303,7 +300,10 @@ class LlamaHandler(RpcWorkerHost):
         chat = plan.generation.endpoint not in (COMPLETIONS, EMBEDDINGS)
         messages = parse_messages(plan.generation.messages_json) if chat else []
         model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
-        spec = self._server_spec_for(plan, model_path)
+        try:
+            spec = server_spec_for(plan, model_path, self.slots, self.server_threads)
+        except ValueError as exc:
+            raise SetupFailure(INVALID_PLAN, str(exc)) from None
         await self._reserve_server(spec)
         if not spec.rpc_endpoints:
             # A warm one-node server is used as it is: no thread hop, nothing to probe.
@@ -319,32 +319,21 @@ class LlamaHandler(RpcWorkerHost):
             try:
                 server = await asyncio.to_thread(self._ensure_server, spec, restart)
             except LlamaRuntimeError as exc:
-                raise SetupFailure(RUNTIME_START_FAILED, str(exc)) from None
+                oom = out_of_memory(exc, plan_devices(plan))
+                if oom is None:
+                    raise SetupFailure(RUNTIME_START_FAILED, str(exc)) from None
+                blame, line = oom
+                raise SetupFailure(
+                    OUT_OF_MEMORY,
+                    oom_message(blame, line, exc),
+                    failed_node_id=blame.node_id,
+                    failed_device=blame.device,
+                    failed_bytes=blame.bytes,
+                ) from None
         except BaseException:
             self._release_server()
             raise
         return server, messages
-
-    def _server_spec_for(self, plan: pb.ExecutionPlan, model_path: Path) -> ServerSpec:
-        parallel = plan.parallel or 1
-        if parallel > self.slots:
-            raise SetupFailure(
-                INVALID_PLAN, f"the plan asks for {parallel} slots; this node offers {self.slots}"
-            )
-        try:
-            return ServerSpec(
-                model_path=str(model_path),
-                # llama-server divides --ctx-size among its slots: each gets the plan's context.
-                ctx_size=(plan.context_size or DEFAULT_CTX_SIZE) * parallel,
-                rpc_endpoints=tuple(peer_endpoint(peer) for peer in plan.rpc_peers),
-                tensor_split=tuple(plan.tensor_split),
-                parallel=parallel,
-                threads=self.server_threads,
-                embeddings=plan.embeddings,
-                pooling=plan.pooling,
-            )
-        except ValueError as exc:
-            raise SetupFailure(INVALID_PLAN, f"invalid execution plan: {exc}") from None
 
     async def _reserve_server(self, spec: ServerSpec) -> None:
         """Wait until no running job needs a llama-server with a different spec."""
@@ -394,6 +383,7 @@ class LlamaHandler(RpcWorkerHost):
         usage = None
         timings = None
         failure: tuple[str, str] | None = None
+        blame: Blame | None = None
         if self._http is None:
             self._http = httpx.AsyncClient(verify=False)  # loopback plain HTTP: no CA bundle
         stream = server.stream_chat(request, client=self._http)
@@ -408,12 +398,25 @@ class LlamaHandler(RpcWorkerHost):
                 timings = delta.timings or timings
         except LlamaRuntimeError as exc:
             failure = failure_of(exc)
+            oom = out_of_memory(exc, job.devices or PlanDevices((), ()), server)
+            if oom is not None:
+                blame = oom[0]
+                failure = (OUT_OF_MEMORY, oom_message(blame, oom[1], exc))
         finally:
             await stream.aclose()
         job.phase = _FINISHED  # a late CancelJob must not add a second JobResult
         if failure is not None:
             log.warning("job %s: generation failed (%s): %s", job.job_id, *failure)
-            await send(job_failure(job.job_id, "execution", *failure))
+            await send(
+                job_failure(
+                    job.job_id,
+                    "execution",
+                    *failure,
+                    failed_node_id=blame.node_id if blame else "",
+                    failed_device=blame.device if blame else "",
+                    failed_bytes=blame.bytes if blame else 0,
+                )
+            )
             return
         stats = generation_stats(
             started=started,

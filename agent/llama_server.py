@@ -1,5 +1,5 @@
-"""``llama-server``: its command line (:class:`ServerSpec`), the process on a free loopback port,
-and OpenAI-style chat completions streamed from it."""
+"""``llama-server``: the process on a free loopback port (its command line is a
+:class:`agent.server_spec.ServerSpec`), and OpenAI-style chat completions streamed from it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from agent.endpoints import free_loopback_port, parse_endpoint, port_is_free
+from agent.endpoints import free_loopback_port, port_is_free
 from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
 from agent.runtime_errors import (
@@ -29,99 +29,9 @@ from agent.runtime_errors import (
     RuntimeStartError,
     UnsafeBindError,
 )
+from agent.server_spec import DEFAULT_SERVER_VERBOSITY, ServerSpec
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CTX_SIZE = 4096
-# With RPC workers every repeating layer goes to the workers unless the plan says otherwise.
-RPC_DEFAULT_GPU_LAYERS = 99
-# llama-server verbosity 4 ("trace") logs device placement, buffer sizes and per-request timings.
-DEFAULT_SERVER_VERBOSITY = 4
-
-# --- llama-server ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """Everything that makes one ``llama-server`` instance; equal specs share a warm server.
-
-    ``rpc_endpoints`` lists ``host:port`` of RPC workers; ``tensor_split`` gives one proportion
-    per RPC worker, in the same order (on a CPU-only primary the workers are the only offload
-    devices). ``n_gpu_layers`` defaults to all layers (99) when RPC is used, so every repeating
-    layer, the output layer and the KV cache live on the workers and the primary keeps only the
-    token embeddings; a smaller number keeps the first layers on the primary's CPU. Without RPC
-    llama.cpp's default applies. ``ctx_size`` is the total KV size shared by ``parallel`` slots.
-    """
-
-    model_path: str
-    ctx_size: int = DEFAULT_CTX_SIZE
-    rpc_endpoints: tuple[str, ...] = ()
-    tensor_split: tuple[float, ...] = ()
-    n_gpu_layers: int | None = None
-    parallel: int = 1
-    threads: int | None = None
-    alias: str | None = None
-    extra_args: tuple[str, ...] = field(default=())
-    #: An embedding model's server: ``--embeddings``, its pooling ("": the model's own), and
-    #: a batch as large as the context (a whole input is encoded in one batch).
-    embeddings: bool = False
-    pooling: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model_path", str(Path(self.model_path).expanduser().resolve()))
-        object.__setattr__(self, "rpc_endpoints", tuple(self.rpc_endpoints))
-        object.__setattr__(self, "tensor_split", tuple(float(x) for x in self.tensor_split))
-        object.__setattr__(self, "extra_args", tuple(self.extra_args))
-        if self.ctx_size < 1:
-            raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
-        if self.parallel < 1:
-            raise ValueError(f"parallel must be at least 1, got {self.parallel}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
-        for endpoint in self.rpc_endpoints:
-            parse_endpoint(endpoint)
-        if len(set(self.rpc_endpoints)) != len(self.rpc_endpoints):
-            raise ValueError("rpc_endpoints must be distinct")
-        if self.tensor_split:
-            if not self.rpc_endpoints:
-                raise ValueError("tensor_split needs rpc_endpoints")
-            if len(self.tensor_split) != len(self.rpc_endpoints):
-                raise ValueError(
-                    f"tensor_split has {len(self.tensor_split)} entries for "
-                    f"{len(self.rpc_endpoints)} RPC workers"
-                )
-            if any(x < 0 for x in self.tensor_split) or sum(self.tensor_split) <= 0:
-                raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
-
-    def argv(
-        self, binary: Path, host: str, port: int, verbosity: int = DEFAULT_SERVER_VERBOSITY
-    ) -> list[str]:
-        argv = [str(binary), "--model", self.model_path, "--ctx-size", str(self.ctx_size)]
-        argv += ["--host", host, "--port", str(port), "--parallel", str(self.parallel)]
-        # The plan decides context, layers and split; don't let --fit second-guess it.
-        argv += ["--fit", "off", "--no-webui", "--log-verbosity", str(verbosity)]
-        if self.parallel > 1:
-            argv.append("--kv-unified")
-        if self.threads is not None:
-            argv += ["--threads", str(self.threads)]
-        if self.alias:
-            argv += ["--alias", self.alias]
-        if self.rpc_endpoints:
-            argv += ["--rpc", ",".join(self.rpc_endpoints)]
-        layers = self.n_gpu_layers
-        if layers is None and self.rpc_endpoints:
-            layers = RPC_DEFAULT_GPU_LAYERS
-        if layers is not None:
-            argv += ["--n-gpu-layers", str(layers)]
-        if self.tensor_split:
-            argv += ["--tensor-split", ",".join(f"{x:g}" for x in self.tensor_split)]
-        if self.embeddings:
-            per_slot = str(max(1, self.ctx_size // self.parallel))
-            argv += ["--embeddings", "--batch-size", per_slot, "--ubatch-size", per_slot]
-            if self.pooling:
-                argv += ["--pooling", self.pooling]
-        argv += list(self.extra_args)
-        return argv
 
 
 @dataclass(frozen=True)

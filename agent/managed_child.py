@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.child_process import spawn_tied_to_agent
-from agent.runtime_errors import LlamaRuntimeError, RuntimeCrashedError, RuntimeStartError
+from agent.runtime_errors import (
+    RUN_MARKER,
+    LlamaRuntimeError,
+    RuntimeCrashedError,
+    RuntimeStartError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +181,7 @@ class ManagedChild:
                 os.replace(self._log_path, self._log_path.with_name(log_name + ".1"))
         with self._log_path.open("ab") as log_file:
             stamp = dt.datetime.now().astimezone().isoformat(timespec="seconds")
-            log_file.write(f"\n=== {stamp} starting: {shlex.join(argv)}\n".encode())
+            log_file.write(f"{RUN_MARKER}{stamp} starting: {shlex.join(argv)}\n".encode())
             log_file.flush()
             self._log_offset = log_file.tell()
             kwargs: dict[str, Any] = {

@@ -32,11 +32,13 @@ from typing import Protocol
 
 from agent.control_handler import Send, worker_status
 from agent.endpoints import free_loopback_port, validate_rpc_bind_host
+from agent.out_of_memory import worker_out_of_memory
 from agent.rpc_filter import NamedPeer, PeerFilter
 from agent.rpc_guard import RpcGuard
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
 from agent.runtime_errors import LlamaRuntimeError
+from proto import OUT_OF_MEMORY
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -95,13 +97,14 @@ class RpcWorkerHost:
         self._attach(send)
         port = msg.port or self.rpc_port
         peers = self._unrevoked(named_peers(msg.peers, msg.allowed_peers))
+        devices = tuple(msg.devices)
         try:
             if self._closed:
                 raise LlamaRuntimeError("agent is stopping")
             bind = validate_rpc_bind_host(msg.host, allow_public=self.allow_public_rpc)
             self._workers_starting += 1
             try:
-                guard = await self._ensure_guarded_worker(bind, port)
+                guard = await self._ensure_guarded_worker(bind, port, devices)
                 guard.admit_only(peers)
                 await self._cut_off(guard)
             finally:
@@ -109,7 +112,19 @@ class RpcWorkerHost:
         except (LlamaRuntimeError, ValueError, OSError) as exc:
             log.warning("job %s: RPC worker on %s:%s failed: %s", msg.job_id, msg.host, port, exc)
             failed = pb.RpcWorkerStatus.FAILED
-            await send(worker_status(msg.job_id, failed, msg.host, port, str(exc)))
+            oom = worker_out_of_memory(exc, devices)
+            await send(
+                worker_status(
+                    msg.job_id,
+                    failed,
+                    msg.host,
+                    port,
+                    str(exc),
+                    error_code=OUT_OF_MEMORY if oom else "",
+                    failed_device=oom.device if oom else "",
+                    failed_bytes=oom.bytes if oom else 0,
+                )
+            )
             return
         log.info(
             "job %s: RPC worker ready on %s for %s",
@@ -209,13 +224,17 @@ class RpcWorkerHost:
         await asyncio.to_thread(self._restart_rpc_worker, guard)
 
     def _restart_rpc_worker(self, accept_filter: PeerFilter) -> None:
+        worker = self.rpc_worker
+        devices = worker.devices if worker is not None else ()
         with self._worker_lock:
             self.runtime.stop_rpc_worker(accept_filter.host, accept_filter.port)
-        self._ensure_rpc_worker(accept_filter.host, accept_filter.port, accept_filter)
+        self._ensure_rpc_worker(accept_filter.host, accept_filter.port, accept_filter, devices)
 
-    async def _ensure_guarded_worker(self, bind: str, port: int) -> WorkerGate:
-        """The gate on ``bind:port`` with a live worker (a new pair replaces an old one on
-        another address)."""
+    async def _ensure_guarded_worker(
+        self, bind: str, port: int, devices: tuple[str, ...] = ()
+    ) -> WorkerGate:
+        """The gate on ``bind:port`` with a live worker exposing ``devices`` (a new pair
+        replaces an old one on another address; a worker with other devices is restarted)."""
         guard = self._guard
         if guard is not None and (guard.host, guard.port) != (bind, port):
             log.info("replacing RPC worker %s with %s:%s", guard.endpoint, bind, port)
@@ -226,7 +245,7 @@ class RpcWorkerHost:
             if not isinstance(guard, PeerFilter):
                 peers = self.data_dir / "rpc" / f"allowed-peers-{port}"
                 guard = PeerFilter(bind, port, library, peers, self.allowed_peer_cidrs)
-            await asyncio.to_thread(self._ensure_rpc_worker, bind, port, guard)
+            await asyncio.to_thread(self._ensure_rpc_worker, bind, port, guard, devices)
             self._guard = guard
             return guard
         if not isinstance(guard, RpcGuard):
@@ -236,7 +255,7 @@ class RpcWorkerHost:
                 "about 5 %% of split decode"
             )
         backend = guard.backend[1] if isinstance(guard, RpcGuard) else free_loopback_port()
-        await asyncio.to_thread(self._ensure_rpc_worker, LOOPBACK, backend, None)
+        await asyncio.to_thread(self._ensure_rpc_worker, LOOPBACK, backend, None, devices)
         if not isinstance(guard, RpcGuard):
             guard = RpcGuard(bind, port, (LOOPBACK, backend), cidrs=self.allowed_peer_cidrs)
             await guard.start()
@@ -267,7 +286,11 @@ class RpcWorkerHost:
         await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STOPPED, host, port))
 
     def _ensure_rpc_worker(
-        self, host: str, port: int, accept_filter: PeerFilter | None
+        self,
+        host: str,
+        port: int,
+        accept_filter: PeerFilter | None,
+        devices: tuple[str, ...] = (),
     ) -> RpcWorker:
         with self._worker_lock:
             bind = validate_rpc_bind_host(host, allow_public=self.allow_public_rpc)
@@ -281,6 +304,7 @@ class RpcWorkerHost:
                 threads=self.rpc_threads,
                 allow_public=self.allow_public_rpc,
                 accept_filter=accept_filter,
+                devices=devices,
             )
 
     def _stop_rpc_workers(self) -> list[tuple[str, int]]:

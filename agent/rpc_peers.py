@@ -1,5 +1,13 @@
-"""RPC peers of a plan: their endpoints, whether a warm llama-server is still linked to them,
-and a TCP probe before setup."""
+"""RPC peers of a plan: whether a warm llama-server is still linked to them, and a TCP probe
+before setup.
+
+RPC workers serve one client at a time and queue at most two pending connections
+(``listen(fd, 1)``), so a TCP probe of a worker that a warm llama-server is connected to would
+sit in its accept queue, and the third such probe would time out. The warm server's own
+connections are therefore inspected instead: endpoints it holds ``ESTABLISHED`` links to are
+not probed, and a warm server whose link to a peer broke (worker restarted or died) is
+restarted rather than reused.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +19,13 @@ from collections.abc import Sequence
 
 import psutil
 
+from agent.endpoints import peer_endpoint
 from agent.job_messages import RPC_PEER_UNREACHABLE, SetupFailure
-from agent.llama_server import LlamaServer, ServerSpec
+from agent.llama_server import LlamaServer
+from agent.server_spec import ServerSpec
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-def peer_endpoint(peer: pb.RpcPeer) -> str:
-    return f"{peer.host}:{peer.port}"
 
 
 def _same_host(a: str, b: str) -> bool:

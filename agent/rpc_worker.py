@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -16,6 +16,7 @@ from agent.llama_binaries import RuntimeBinaries
 from agent.managed_child import ExitCallback, ManagedChild, describe_exit
 from agent.rpc_filter import PeerFilter, canonical
 from agent.runtime_errors import PortInUseError
+from agent.server_spec import DEVICE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class RpcWorker(ManagedChild):
         on_exit: ExitCallback | None = None,
         env: Mapping[str, str] | None = None,
         accept_filter: PeerFilter | None = None,
+        devices: Sequence[str] = (),
     ) -> None:
         if accept_filter is not None:
             env = {**(env or {}), **accept_filter.env()}
@@ -55,6 +57,12 @@ class RpcWorker(ManagedChild):
         self.port = port
         self.threads = threads
         self.use_cache = use_cache
+        #: What it exposes (``--device``, in this order: the primary numbers them so); empty:
+        #: llama.cpp's default (every device of the build).
+        self.devices = tuple(devices)
+        for device in self.devices:
+            if not DEVICE_NAME.fullmatch(device):
+                raise ValueError(f"invalid device name {device!r}")
 
     @property
     def endpoint(self) -> str:
@@ -66,6 +74,8 @@ class RpcWorker(ManagedChild):
             argv += ["--threads", str(self.threads)]
         if self.use_cache:
             argv.append("--cache")
+        if self.devices:
+            argv += ["--device", ",".join(self.devices)]
         return argv
 
     def start(self, timeout: float = 30.0) -> None:

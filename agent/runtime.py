@@ -22,17 +22,18 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.agent_config import DEFAULT_RPC_PORT
 from agent.endpoints import validate_rpc_bind_host
 from agent.llama_binaries import RuntimeBinaries
-from agent.llama_server import LlamaServer, ServerSpec
+from agent.llama_server import LlamaServer
 from agent.managed_child import ExitCallback
 from agent.rpc_filter import PeerFilter
 from agent.rpc_worker import RpcWorker
 from agent.runtime_errors import LlamaRuntimeError
+from agent.server_spec import ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,11 @@ class RuntimeManager:
         allow_public: bool = False,
         accept_filter: PeerFilter | None = None,
         timeout: float = 30.0,
+        devices: Sequence[str] = (),
     ) -> RpcWorker:
         """Start (or return the already running) RPC worker on ``host:port`` (letting in only
-        the peers of ``accept_filter``, when given)."""
+        the peers of ``accept_filter``, when given) exposing ``devices``; one running with other
+        devices is restarted."""
         bind_host = validate_rpc_bind_host(host, allow_public=allow_public)
         with self._workers_lock:
             if self._closed:
@@ -136,7 +139,15 @@ class RuntimeManager:
             key = (bind_host, port)
             existing = self._workers.get(key)
             if existing is not None and existing.alive:
-                return existing
+                if existing.devices == tuple(devices):
+                    return existing
+                log.info(
+                    "restarting RPC worker %s: devices %s instead of %s",
+                    existing.endpoint,
+                    ",".join(devices) or "(default)",
+                    ",".join(existing.devices) or "(default)",
+                )
+                existing.stop()
             worker = RpcWorker(
                 self.binaries,
                 bind_host,
@@ -147,6 +158,7 @@ class RuntimeManager:
                 on_exit=self._on_exit,
                 env=self._env,
                 accept_filter=accept_filter,
+                devices=devices,
             )
             worker.start(timeout=timeout)
             self._workers[key] = worker

@@ -6,6 +6,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+#: What starts each run's output in a child's log (``=== <time> starting: <argv>``).
+RUN_MARKER = "\n=== "
+
 # --- errors ------------------------------------------------------------------------------
 
 
@@ -41,6 +44,21 @@ class _ProcessFailure(LlamaRuntimeError):
         self.exit_code = exit_code
         self.stderr_tail = list(stderr_tail)
         self.log_path = log_path
+
+    def last_output(self, max_bytes: int = 256 * 1024) -> list[str]:
+        """The run's last output lines (up to ``max_bytes`` of its log, from its own start
+        marker on): more than :attr:`stderr_tail` where an error is followed by many lines."""
+        if self.log_path is None:
+            return list(self.stderr_tail)
+        try:
+            with self.log_path.open("rb") as handle:
+                size = handle.seek(0, 2)
+                handle.seek(max(0, size - max_bytes))
+                text = handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return list(self.stderr_tail)
+        run = text.rsplit(RUN_MARKER, 1)[-1]
+        return [line for line in run.splitlines() if line.strip()] or list(self.stderr_tail)
 
 
 _ABORT_LINE = re.compile(r"\.(?:c|cc|cpp|h):\d+: ")  # GGML_ABORT / GGML_ASSERT location

@@ -50,7 +50,14 @@ import psutil
 from openai import OpenAI, OpenAIError
 from openai.types.chat import ChatCompletionMessageParam
 
-from agent import llama_binaries, llama_server, managed_child, rpc_worker, runtime_errors
+from agent import (
+    llama_binaries,
+    llama_server,
+    managed_child,
+    rpc_worker,
+    runtime_errors,
+    server_spec,
+)
 from agent.endpoints import free_loopback_port
 from agent.rpc_filter import PeerFilter
 from bench import stats
@@ -250,7 +257,7 @@ def parse_start_lines(log_text: str) -> list[list[str]]:
 class ServerSettings:
     """The performance-relevant ``llama-server`` settings, as the agents ran them."""
 
-    ctx_size: int = llama_server.DEFAULT_CTX_SIZE
+    ctx_size: int = server_spec.DEFAULT_CTX_SIZE
     parallel: int = 1
     threads: int | None = None
     n_gpu_layers: int | None = None
@@ -277,7 +284,7 @@ _SPEC_FLAGS = {
 def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
     """The :class:`ServerSettings` of a logged ``llama-server`` command line.
 
-    Flags :class:`agent.llama_server.ServerSpec` writes itself are dropped; flags it does not know
+    Flags :class:`agent.server_spec.ServerSpec` writes itself are dropped; flags it does not know
     are kept, in order, as ``extra_args``.
     """
     values: dict[str, str] = {}
@@ -308,7 +315,7 @@ def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
     threads = values.get("--threads")
     layers = values.get("--n-gpu-layers")
     return ServerSettings(
-        ctx_size=int(values.get("--ctx-size", llama_server.DEFAULT_CTX_SIZE)),
+        ctx_size=int(values.get("--ctx-size", server_spec.DEFAULT_CTX_SIZE)),
         parallel=int(values.get("--parallel", 1)),
         threads=int(threads) if threads is not None else None,
         n_gpu_layers=int(layers) if layers is not None else None,
@@ -563,7 +570,7 @@ def start_direct(
         split = settings.tensor_split if rpc_workers else ()
         if rpc_workers and len(split) != rpc_workers:
             split = tuple(1.0 / rpc_workers for _ in range(rpc_workers))
-        spec = llama_server.ServerSpec(
+        spec = server_spec.ServerSpec(
             model_path=str(paths.model_path()),
             ctx_size=settings.ctx_size,
             rpc_endpoints=tuple(endpoints),

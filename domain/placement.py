@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
+from proto import DEVICE_CPU as _DEVICE_CPU
+from proto import DEVICE_GPU as _DEVICE_GPU
+from proto import HOST_DEVICE as _HOST_DEVICE
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -49,11 +52,11 @@ NODE_LIMIT = "NODE_LIMIT"
 #: The nodes that together would hold the model speak different llama.cpp RPC protocols.
 RPC_VERSION_MISMATCH = "RPC_VERSION_MISMATCH"
 
-#: Device kinds (``Device.kind``): a GPU (or other accelerator) and the host's CPU.
-DEVICE_GPU = "gpu"
-DEVICE_CPU = "cpu"
-#: The host's CPU as llama.cpp names it (``ggml-rpc-server -d CPU``).
-HOST_DEVICE = "CPU"
+#: Device kinds (``Device.kind``), a GPU (or other accelerator) and the host's CPU, and the
+#: host's CPU as llama.cpp names it: one definition, shared with the agent (``proto``).
+DEVICE_GPU = _DEVICE_GPU
+DEVICE_CPU = _DEVICE_CPU
+HOST_DEVICE = _HOST_DEVICE
 
 #: Plan tiers, best first (``ExecutionPlan.tier``): the order of preference the planner applies.
 TIER_ONE_DEVICE = "one_device"

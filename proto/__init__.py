@@ -39,6 +39,13 @@ REQUEST_REJECTED = "invalid_request"
 # re-plans with that device's budget lowered; after it the client gets HTTP 503 with this code.
 OUT_OF_MEMORY = "out_of_memory"
 
+# Device kinds (Device.kind in inventories) and the host's CPU as llama.cpp names it (its
+# buffer type, ``ggml-rpc-server -d CPU``): the agent lists it last among its devices, and the
+# controller plans a node's host memory under that name.
+DEVICE_GPU = "gpu"
+DEVICE_CPU = "cpu"
+HOST_DEVICE = "CPU"
+
 # Addresses a node may have and RPC peers may come from, unless the operator says otherwise
 # (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
 # and unique-local ranges.

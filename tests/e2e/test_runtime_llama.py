@@ -24,7 +24,7 @@ import pytest
 
 from agent.endpoints import free_loopback_port
 from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_server import ChatDelta, ChatRequest, LlamaServer, ServerSpec
+from agent.llama_server import ChatDelta, ChatRequest, LlamaServer
 from agent.managed_child import ProcessExit
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
@@ -36,6 +36,7 @@ from agent.runtime_errors import (
     RuntimeMissingError,
     UnsafeBindError,
 )
+from agent.server_spec import ServerSpec
 from ops.paths import ensure_llama, ensure_model
 
 # A cold cache builds llama.cpp inside the first test's setup (~5 min on 2 cores).
