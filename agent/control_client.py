@@ -57,7 +57,6 @@ from agent.controller_channel import (
     rpc_failure,
     stub,
 )
-from agent.discovery import sample_telemetry
 from agent.identity import NodeIdentity, identity_path, save_identity
 from agent.job_journal import JobJournal
 from agent.job_traffic import Connection, JobTraffic
@@ -104,7 +103,6 @@ class AgentSession(ControllerChannel, JobTraffic):
     ) -> None:
         self.config = config
         self.handler = handler
-        self._nvml_module = nvml_module
         self._backoff = Backoff(config.backoff_initial, config.backoff_max, jitter)
         self._collector = ResourceCollector(config, nvml_module)
         self._state = AgentState.UNINITIALIZED
@@ -410,7 +408,7 @@ class AgentSession(ControllerChannel, JobTraffic):
 
     async def _heartbeat_loop(self, conn: Connection) -> None:
         while True:
-            telemetry = await asyncio.to_thread(sample_telemetry, nvml_module=self._nvml_module)
+            telemetry = await asyncio.to_thread(self._collector.telemetry)
             try:
                 active = list(self.handler.active_job_ids())
             except Exception:

@@ -2,7 +2,8 @@
 
 CPU, memory and disk come from ``psutil``; NVIDIA GPUs from NVML through ``pynvml``
 (package ``nvidia-ml-py``). A machine without NVML — the module missing, the shared library
-missing, no driver, no device, any ``NVMLError`` — simply reports no GPUs.
+missing, no driver, no device, any ``NVMLError`` — simply reports no GPUs. The compute devices
+are llama.cpp's (:mod:`agent.llama_devices`), with NVML merged in (:mod:`agent.node_devices`).
 
 Everything here works on Linux, macOS and Windows (no POSIX-only calls on the main path).
 Agent code: imports only the standard library, third-party packages and ``proto``.
@@ -24,6 +25,8 @@ from typing import Any
 
 import psutil
 
+from agent.llama_devices import LlamaRuntime
+from agent.node_devices import DeviceInfo, DeviceSample, device_telemetry, node_devices
 from proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -75,9 +78,18 @@ class Inventory:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: What a new model file may take in the models directory (None: not looked at).
     models_free_bytes: int | None = None
+    #: The compute devices as llama.cpp sees them, the host CPU last (empty: no llama.cpp).
+    devices: tuple[DeviceInfo, ...] = ()
+    llama_version: str = ""
+    rpc_protocol: str = ""
+    llama_backend: str = ""
 
     def to_proto(self) -> pb.Inventory:
         return pb.Inventory(
+            devices=[device.to_proto() for device in self.devices],
+            llama_version=self.llama_version,
+            rpc_protocol=self.rpc_protocol,
+            llama_backend=self.llama_backend,
             models_free_bytes=self.models_free_bytes,
             hostname=self.hostname,
             os=self.os,
@@ -118,6 +130,7 @@ class Telemetry:
     cpu_percent: float
     ram_free_bytes: int
     gpus: tuple[GpuTelemetry, ...] = ()
+    devices: tuple[DeviceSample, ...] = ()
 
     def to_proto(
         self, active_job_ids: Sequence[str] = (), sent_at_unix_ms: int | None = None
@@ -129,6 +142,7 @@ class Telemetry:
             ram_free_bytes=self.ram_free_bytes,
             gpus=[gpu.to_proto() for gpu in self.gpus],
             active_job_ids=list(active_job_ids),
+            devices=[device.to_proto() for device in self.devices],
         )
 
 
@@ -339,38 +353,63 @@ def discover_inventory(
     labels: Mapping[str, str] | None = None,
     *,
     nvml_module: Any | None = None,
+    llama: LlamaRuntime | None = None,
 ) -> Inventory:
     """Everything the controller needs to place work on this node.
 
     Disk figures are for the filesystem holding ``data_dir``. ``models_dir`` is accepted so
     callers pass the agent's layout in one place; the models themselves are reported by
     :mod:`agent.model_store`. ``nvml_module`` replaces ``pynvml`` (tests inject a fake).
+    ``llama`` is what the llama.cpp build said of itself (:class:`agent.llama_devices.
+    LlamaProbe`); without it the node lists no devices (it runs no llama.cpp).
     """
     del models_dir  # see docstring
     cores, threads = _cpu_counts()
     disk_total, disk_free = disk_usage(data_dir)
+    memory = psutil.virtual_memory()
+    model = cpu_model()
+    gpus = discover_gpus(nvml_module)
+    devices: tuple[DeviceInfo, ...] = ()
+    if llama is not None:
+        devices = node_devices(
+            llama.devices,
+            gpus,
+            cpu_description=model,
+            ram_total_bytes=int(memory.total),
+            ram_free_bytes=int(memory.available),
+        )
     return Inventory(
         hostname=socket.gethostname(),
         os=_os_description(),
         arch=platform.machine(),
-        cpu_model=cpu_model(),
+        cpu_model=model,
         cpu_cores=cores,
         cpu_threads=threads,
-        ram_total_bytes=int(psutil.virtual_memory().total),
+        ram_total_bytes=int(memory.total),
         disk_total_bytes=disk_total,
         disk_free_bytes=disk_free,
-        gpus=discover_gpus(nvml_module),
+        gpus=gpus,
         advertised_address=advertised_address,
         rpc_port=rpc_port,
         labels=dict(labels or {}),
+        devices=devices,
+        llama_version=llama.version if llama is not None else "",
+        rpc_protocol=llama.rpc_protocol if llama is not None else "",
+        llama_backend=llama.backend if llama is not None else "",
     )
 
 
-def sample_telemetry(*, nvml_module: Any | None = None) -> Telemetry:
-    """A heartbeat sample. ``cpu_percent`` is the utilisation since the previous call
-    (the very first call in a process returns 0.0), so it never blocks."""
+def sample_telemetry(
+    *, nvml_module: Any | None = None, devices: Sequence[DeviceInfo] = ()
+) -> Telemetry:
+    """A heartbeat sample, with the free memory of ``devices`` (the last inventory's). It
+    starts no process. ``cpu_percent`` is the utilisation since the previous call (the very
+    first call in a process returns 0.0), so it never blocks."""
+    ram_free = int(psutil.virtual_memory().available)
+    gpus = sample_gpu_telemetry(nvml_module)
     return Telemetry(
         cpu_percent=float(psutil.cpu_percent(interval=None)),
-        ram_free_bytes=int(psutil.virtual_memory().available),
-        gpus=sample_gpu_telemetry(nvml_module),
+        ram_free_bytes=ram_free,
+        gpus=gpus,
+        devices=device_telemetry(devices, gpus, ram_free),
     )

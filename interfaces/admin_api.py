@@ -65,7 +65,41 @@ def node_view(svc: Services, row: dict[str, Any], now: float) -> dict[str, Any]:
     view["connected"] = svc.connections.is_connected(row["node_id"])
     view["heartbeat_age_seconds"] = round(now - live.last_seen, 3) if live else None
     view["telemetry"] = live.telemetry if live else None
+    resources = row.get("resources") or {}
+    view["devices"] = device_views(resources, live.telemetry if live else None)
+    view["llama"] = {
+        "version": str(resources.get("llama_version") or ""),
+        "backend": str(resources.get("llama_backend") or ""),
+        "rpc_protocol": str(resources.get("rpc_protocol") or ""),
+    }
     return view
+
+
+def device_views(
+    resources: dict[str, Any], telemetry: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The node's devices as last reported, each with its free memory from the latest
+    heartbeat where that names it."""
+    live: dict[str, int] = {}
+    for sample in (telemetry or {}).get("devices") or []:
+        if isinstance(sample, dict) and sample.get("name"):
+            live[str(sample["name"])] = int(sample.get("memory_free_bytes") or 0)
+    views = []
+    for device in resources.get("devices") or []:
+        if not isinstance(device, dict):
+            continue
+        name = str(device.get("name") or "")
+        views.append(
+            {
+                "name": name,
+                "description": str(device.get("description") or ""),
+                "kind": str(device.get("kind") or ""),
+                "memory_total_bytes": int(device.get("memory_total_bytes") or 0),
+                "memory_free_bytes": live.get(name, int(device.get("memory_free_bytes") or 0)),
+                "uuid": str(device.get("uuid") or ""),
+            }
+        )
+    return views
 
 
 def node_not_found(node_id: str) -> ApiError:

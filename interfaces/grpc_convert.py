@@ -10,7 +10,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from domain.bounded_text import ID_MAX, TEXT_MAX, bounded
-from proto import MEMORY_LIMIT_LABEL
+from proto import DEVICE_CPU, DEVICE_GPU, MEMORY_LIMIT_LABEL
 from proto import control_pb2 as pb
 
 #: Fields whose text is content relayed to a client (a token's text, an embedding), or parsed
@@ -19,8 +19,11 @@ CONTENT_FIELDS = frozenset({"text", "extra_json", "output_json", "csr_pem"})
 #: Fields of free text (an error, a fault, a reason): TEXT_MAX characters, newlines kept.
 #: Every other string a node sends is an identifier or a short name: ID_MAX characters.
 TEXT_FIELDS = frozenset({"error", "message", "reason"})
-#: The most GPUs, job ids in a heartbeat, models in a report and labels kept of a node.
+#: The most GPUs, devices, job ids in a heartbeat, models in a report and labels kept of a node.
 MAX_GPUS = 64
+MAX_DEVICES = 64
+#: The device kinds a node may report (any other is left out).
+DEVICE_KINDS = frozenset({DEVICE_GPU, DEVICE_CPU})
 MAX_HEARTBEAT_JOBS = 1024
 MAX_REPORTED_MODELS = 1024
 MAX_LABELS = 64
@@ -98,6 +101,21 @@ def inventory_to_dict(inv: pb.Inventory) -> dict[str, Any]:
             }
             for g in inv.gpus[:MAX_GPUS]
         ],
+        "devices": [
+            {
+                "name": d.name,
+                "description": d.description,
+                "kind": d.kind,
+                "memory_total_bytes": d.memory_total_bytes,
+                "memory_free_bytes": d.memory_free_bytes,
+                "uuid": d.uuid,
+            }
+            for d in inv.devices[:MAX_DEVICES]
+            if d.kind in DEVICE_KINDS and d.name
+        ],
+        "llama_version": inv.llama_version,
+        "rpc_protocol": inv.rpc_protocol,
+        "llama_backend": inv.llama_backend,
     }
 
 
@@ -167,4 +185,8 @@ def heartbeat_to_dict(hb: pb.Heartbeat) -> dict[str, Any]:
             for g in hb.gpus[:MAX_GPUS]
         ],
         "active_job_ids": [bounded(j, ID_MAX) for j in hb.active_job_ids[:MAX_HEARTBEAT_JOBS]],
+        "devices": [
+            {"name": bounded(d.name, ID_MAX), "memory_free_bytes": d.memory_free_bytes}
+            for d in hb.devices[:MAX_DEVICES]
+        ],
     }

@@ -195,6 +195,37 @@ class TransferFailure(TypedDict):
     ]
 
 
+class NodeDevice(TypedDict):
+    """A compute device of the node as its llama.cpp build sees it (NVML merged in)."""
+
+    name: Annotated[
+        str,
+        KwargDefinition(description="llama.cpp's name on the node: CUDA0, Vulkan1, MTL0, CPU"),
+    ]
+    description: Annotated[str, KwargDefinition(description="e.g. NVIDIA H100 80GB HBM3")]
+    kind: Annotated[
+        Literal["gpu", "cpu"], KwargDefinition(description="cpu: the host itself (its RAM)")
+    ]
+    memory_total_bytes: int
+    memory_free_bytes: Annotated[
+        int,
+        KwargDefinition(description="Free now: the latest heartbeat's figure, else the report's"),
+    ]
+    uuid: Annotated[str, KwargDefinition(description="NVML's UUID of the GPU, or empty")]
+
+
+class NodeLlama(TypedDict):
+    """The node's llama.cpp build as it describes itself (empty: not said)."""
+
+    version: Annotated[str, KwargDefinition(description="`llama-server --version`")]
+    backend: Annotated[
+        str, KwargDefinition(description="cpu, cuda, vulkan, metal, or custom (the node's own)")
+    ]
+    rpc_protocol: Annotated[
+        str, KwargDefinition(description="ggml RPC protocol version, e.g. 7.0.0")
+    ]
+
+
 class NodeView(TypedDict):
     """A node's read-model row (more fields than listed) plus its latest heartbeat."""
 
@@ -211,6 +242,14 @@ class NodeView(TypedDict):
             "later completed transfer of the same model (sha256) takes that model's out"
         ),
     ]
+    devices: Annotated[
+        list[NodeDevice],
+        KwargDefinition(
+            description="The compute devices its llama.cpp build sees, the host CPU last "
+            "(empty: the node runs no llama.cpp, or reported none)"
+        ),
+    ]
+    llama: NodeLlama
 
 
 class NodeViews(TypedDict):

@@ -138,7 +138,8 @@ function resources(node) {
     const total = gib(res.ram_total_bytes);
     main.push(free != null ? `RAM ${gib(free)} free / ${total}` : `RAM ${total}`);
   }
-  const gpus = res.gpus || [];
+  const listed = node.devices || [];
+  const gpus = listed.length ? listed.filter((d) => d.kind === "gpu") : res.gpus || [];
   main.push(gpus.length ? `${gpus.length} GPU${gpus.length > 1 ? "s" : ""}` : "no GPU");
   const extra = [];
   if (res.memory_limit_bytes) extra.push(`offers ${gib(res.memory_limit_bytes)}`);
@@ -148,9 +149,43 @@ function resources(node) {
     { class: "resources" },
     main.join(" · "),
     extra.length ? el("span", { class: "sub", text: extra.join(" · ") }) : null,
+    devices(node),
+    llamaBuild(node),
     heldModels(node),
     fetching(node),
   );
+}
+
+// The devices its llama.cpp build computes on, the host CPU last, with free memory now.
+function devices(node) {
+  const listed = node.devices || [];
+  if (!listed.length) return null;
+  return el(
+    "span",
+    { class: "sub devices" },
+    ...listed.map((d) =>
+      el(
+        "span",
+        {
+          class: `device ${d.kind === "gpu" ? "gpu" : "cpu"}`,
+          dataset: { device: d.name },
+          title: d.uuid ? `${d.name}: ${d.uuid}` : d.name,
+        },
+        el("span", { class: "device-name", text: d.name }),
+        ` ${d.description || ""} · ${gib(d.memory_free_bytes)} free / ${gib(d.memory_total_bytes)}`,
+      ),
+    ),
+  );
+}
+
+// Which llama.cpp build the node runs: its version, backend and RPC protocol.
+function llamaBuild(node) {
+  const llama = node.llama || {};
+  if (!llama.version && !llama.backend && !llama.rpc_protocol) return null;
+  const parts = [`llama.cpp ${llama.version || "(version unknown)"}`];
+  if (llama.backend) parts.push(llama.backend);
+  if (llama.rpc_protocol) parts.push(`RPC ${llama.rpc_protocol}`);
+  return el("span", { class: "sub llama", text: parts.join(" · ") });
 }
 
 // The model files a node holds (its last resource report), by file name.

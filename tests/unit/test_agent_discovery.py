@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,6 +12,7 @@ from typing import Any
 import pytest
 
 from agent import discovery
+from agent.agent_config import AgentConfig
 from agent.discovery import (
     GpuInfo,
     GpuTelemetry,
@@ -18,6 +21,11 @@ from agent.discovery import (
     parse_cpuinfo_model,
     sample_telemetry,
 )
+from agent.handler_factory import resolve_binaries
+from agent.llama_devices import MIB, ListedDevice, LlamaProbe, LlamaRuntime
+from agent.node_devices import DeviceInfo, DeviceSample, node_devices
+from agent.resources import ResourceCollector, Resources
+from proto import DEVICE_CPU, DEVICE_GPU, HOST_DEVICE
 from proto import control_pb2 as pb
 
 GIB = 1024**3
@@ -241,6 +249,164 @@ def test_discover_inventory_copies_labels(tmp_path: Path) -> None:
     assert dict(inv.to_proto().labels) == {"k": "v"}
 
 
+# --- devices as llama.cpp sees them, NVML merged in ----------------------------------------
+
+
+def cuda(index: int, name: str, total_mib: int, free_mib: int) -> ListedDevice:
+    return ListedDevice(f"CUDA{index}", name, total_mib * MIB, free_mib * MIB)
+
+
+def runtime(*devices: ListedDevice) -> LlamaRuntime:
+    return LlamaRuntime("cuda", "4567 (abc1234)", "7.0.0", devices)
+
+
+# llama.cpp's CUDA figures are a little below NVML's (the driver keeps some).
+RTX_4090 = cuda(0, "NVIDIA GeForce RTX 4090", 24080, 23700)
+A4000 = cuda(1, "NVIDIA RTX A4000", 16000, 15900)
+
+
+def test_two_gpus_are_two_devices_with_nvml_merged_in_and_the_cpu_last(tmp_path: Path) -> None:
+    fake = FakeNvmlModule(two_fake_gpus())
+    inv = discover_inventory(
+        tmp_path, tmp_path, "10.0.0.5", 50052, nvml_module=fake, llama=runtime(RTX_4090, A4000)
+    )
+    gpu0, gpu1, host = inv.devices
+    assert gpu0 == DeviceInfo(
+        "CUDA0", "NVIDIA GeForce RTX 4090", DEVICE_GPU, 24080 * MIB, 20 * GIB, "GPU-aaaa", 0
+    )
+    # NVML's free memory, never beyond what llama.cpp says the device has.
+    assert gpu1 == DeviceInfo(
+        "CUDA1", "NVIDIA RTX A4000", DEVICE_GPU, 16000 * MIB, 16000 * MIB, "GPU-bbbb", 1
+    )
+    assert (host.name, host.kind, host.uuid) == (HOST_DEVICE, DEVICE_CPU, "")
+    assert (host.description, host.memory_total_bytes) == (inv.cpu_model, inv.ram_total_bytes)
+    assert 0 < host.memory_free_bytes <= host.memory_total_bytes
+    assert (inv.llama_version, inv.rpc_protocol, inv.llama_backend) == (
+        "4567 (abc1234)",
+        "7.0.0",
+        "cuda",
+    )
+    assert len(inv.gpus) == 2  # NVML's own view stays as it was
+    msg = pb.Inventory.FromString(inv.to_proto().SerializeToString())
+    assert [(d.name, d.kind, d.uuid) for d in msg.devices] == [
+        ("CUDA0", "gpu", "GPU-aaaa"),
+        ("CUDA1", "gpu", "GPU-bbbb"),
+        ("CPU", "cpu", ""),
+    ]
+    assert msg.devices[0].memory_free_bytes == 20 * GIB
+    assert (msg.llama_version, msg.rpc_protocol, msg.llama_backend) == (
+        "4567 (abc1234)",
+        "7.0.0",
+        "cuda",
+    )
+
+
+def test_no_llama_cpp_no_devices(tmp_path: Path) -> None:
+    fake = FakeNvmlModule(two_fake_gpus())
+    inv = discover_inventory(tmp_path, tmp_path, "10.0.0.5", 50052, nvml_module=fake)
+    assert inv.devices == () and len(inv.gpus) == 2
+    assert (inv.llama_version, inv.rpc_protocol, inv.llama_backend) == ("", "", "")
+
+
+def test_a_cpu_build_has_the_host_cpu_only(tmp_path: Path) -> None:
+    """This machine's build lists no device: the node computes on its CPU, even with GPUs
+    that NVML sees (the build cannot use them)."""
+    fake = FakeNvmlModule(two_fake_gpus())
+    cpu_build = LlamaRuntime("cpu", "1", "7.0.0", ())
+    inv = discover_inventory(
+        tmp_path, tmp_path, "10.0.0.5", 50052, nvml_module=fake, llama=cpu_build
+    )
+    assert [(d.name, d.kind) for d in inv.devices] == [(HOST_DEVICE, DEVICE_CPU)]
+
+
+def gpu(index: int, name: str, uuid: str, total_gib: int, free_gib: int) -> GpuInfo:
+    return GpuInfo(index, name, uuid, total_gib * GIB, free_gib * GIB, "550")
+
+
+GPUS = (
+    gpu(0, "NVIDIA RTX A4000", "GPU-bbbb", 16, 10),
+    gpu(1, "NVIDIA GeForce RTX 4090", "GPU-aaaa", 24, 20),
+)
+
+
+def merged(listed: list[ListedDevice], gpus: tuple[GpuInfo, ...], visible: list[str]) -> list[str]:
+    devices = node_devices(
+        listed,
+        gpus,
+        cpu_description="cpu",
+        ram_total_bytes=8 * GIB,
+        ram_free_bytes=4 * GIB,
+        visible=visible or None,
+    )
+    return [f"{d.name}={d.uuid}" for d in devices]
+
+
+def test_cuda_orders_its_gpus_fastest_first_nvml_by_bus_the_names_decide() -> None:
+    assert merged([RTX_4090, A4000], GPUS, []) == [
+        "CUDA0=GPU-aaaa",
+        "CUDA1=GPU-bbbb",
+        "CPU=",
+    ]
+
+
+def test_cuda_visible_devices_maps_cuda_indices_to_nvml_ones() -> None:
+    twins = (gpu(0, "NVIDIA H100", "GPU-0000", 80, 80), gpu(1, "NVIDIA H100", "GPU-1111", 80, 70))
+    only = [cuda(0, "NVIDIA H100", 81000, 70000)]
+    assert merged(only, twins, []) == ["CUDA0=GPU-0000", "CPU="]
+    assert merged(only, twins, ["1"]) == ["CUDA0=GPU-1111", "CPU="]
+    assert merged(only, twins, ["GPU-1111"]) == ["CUDA0=GPU-1111", "CPU="]
+
+
+def test_only_what_llama_cpp_lists_is_a_device() -> None:
+    """A GPU NVML sees that the build does not list is no device; a listed device NVML does
+    not know keeps llama.cpp's figures; one without memory of its own (BLAS) is none."""
+    vulkan = ListedDevice("Vulkan0", "AMD Radeon RX 7900 XTX", 24 * GIB, 23 * GIB)
+    blas = ListedDevice("BLAS", "OpenBLAS", 0, 0)
+    devices = node_devices(
+        [vulkan, blas], GPUS, cpu_description="cpu", ram_total_bytes=8 * GIB, ram_free_bytes=GIB
+    )
+    assert devices == (
+        DeviceInfo("Vulkan0", "AMD Radeon RX 7900 XTX", DEVICE_GPU, 24 * GIB, 23 * GIB),
+        DeviceInfo(HOST_DEVICE, "cpu", DEVICE_CPU, 8 * GIB, GIB),
+    )
+    # A Vulkan device of an NVIDIA GPU is still that GPU: NVML's by name.
+    nvidia = ListedDevice("Vulkan0", "NVIDIA GeForce RTX 4090", 24 * GIB, 23 * GIB)
+    assert merged([nvidia], GPUS, []) == ["Vulkan0=GPU-aaaa", "CPU="]
+    # A name NVML does not know, at CUDA's index: that GPU if its memory agrees.
+    renamed = cuda(1, "GeForce 4090 (MIG)", 24000, 20000)
+    assert merged([renamed], GPUS, []) == ["CUDA1=GPU-aaaa", "CPU="]
+    assert merged([cuda(1, "Other", 4000, 4000)], GPUS, []) == ["CUDA1=", "CPU="]
+
+
+def test_heartbeats_carry_each_devices_free_memory_now() -> None:
+    """NVML's figure now for the GPUs it knows, the available RAM for the CPU, the listed
+    figure for the others; nothing is run for it."""
+    nvml = two_fake_gpus()
+    fake = FakeNvmlModule(nvml)
+    rpc_like = ListedDevice("Vulkan0", "Some iGPU", 2 * GIB, GIB)
+    devices = node_devices(
+        [RTX_4090, rpc_like],
+        discovery.discover_gpus(fake),
+        cpu_description="cpu",
+        ram_total_bytes=1 << 50,
+        ram_free_bytes=GIB,
+    )
+    nvml[0]["used"] = 10 * GIB  # a model loaded since the inventory
+    sample = sample_telemetry(nvml_module=fake, devices=devices)
+    assert sample.devices == (
+        DeviceSample("CUDA0", 14 * GIB),
+        DeviceSample("Vulkan0", GIB),
+        DeviceSample(HOST_DEVICE, sample.ram_free_bytes),
+    )
+    heartbeat = pb.Heartbeat.FromString(sample.to_proto().SerializeToString())
+    assert [(d.name, d.memory_free_bytes) for d in heartbeat.devices] == [
+        ("CUDA0", 14 * GIB),
+        ("Vulkan0", GIB),
+        ("CPU", sample.ram_free_bytes),
+    ]
+    assert sample_telemetry(nvml_module=fake).devices == ()
+
+
 # --- CPU model parsing --------------------------------------------------------------------
 
 
@@ -267,3 +433,81 @@ def test_cpu_model_falls_back_when_cpuinfo_unreadable(tmp_path: Path) -> None:
 def test_disk_usage_of_missing_dir_uses_existing_parent(tmp_path: Path) -> None:
     total, free = discovery.disk_usage(tmp_path / "a" / "b" / "c")
     assert total >= free > 0
+
+
+# --- the resource collector: one probe of the build, heartbeats from its devices ------------
+
+
+def fake_build(bin_dir: Path) -> Path:
+    """A llama.cpp build of two scripts that answer as a CPU build does."""
+    bin_dir.mkdir()
+    server = bin_dir / "llama-server"
+    server.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --version) echo "version: 1 (fake)" >&2;;'
+        ' *) printf "Available devices:\\n  (none)\\n";; esac\n'
+    )
+    rpc = bin_dir / "ggml-rpc-server"
+    rpc.write_text('#!/bin/sh\necho "Starting RPC server v7.0.0"\n')
+    for path in (server, rpc):
+        path.chmod(0o755)
+    return bin_dir
+
+
+def collector_for(tmp_path: Path, **config: Any) -> tuple[ResourceCollector, LlamaProbe]:
+    probe = LlamaProbe()
+    agent = AgentConfig(data_dir=tmp_path / "data", node_name="n", **config)
+    return ResourceCollector(agent, FakeNvmlModule([]), probe), probe
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the fake build is shell scripts")
+def test_the_collector_asks_the_build_once_and_heartbeats_read_its_devices(
+    tmp_path: Path,
+) -> None:
+    bin_dir = fake_build(tmp_path / "bin")
+    collector, probe = collector_for(tmp_path, llama_runtime=True, llama_bin_dir=bin_dir)
+    assert collector.telemetry().devices == ()  # no inventory yet
+    inv = collector.collect_sync().inventory
+    assert [d.name for d in inv.devices] == [HOST_DEVICE]
+    assert (inv.llama_version, inv.rpc_protocol) == ("1 (fake)", "7.0.0")
+    assert inv.llama_backend == resolve_binaries(collector.config).backend
+    collector.collect_sync()
+    assert probe.probes == 1
+    (cpu,) = collector.telemetry().devices
+    assert cpu.name == HOST_DEVICE and cpu.memory_free_bytes > 0
+
+
+def test_without_a_runtime_the_build_is_not_asked(tmp_path: Path) -> None:
+    collector, probe = collector_for(tmp_path, llama_runtime=False)
+    inv = collector.collect_sync().inventory
+    assert inv.devices == () and inv.llama_version == "" and probe.probes == 0
+
+
+def test_missing_binaries_are_logged_once_and_list_no_device(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    collector, probe = collector_for(
+        tmp_path, llama_runtime=True, llama_bin_dir=tmp_path / "nowhere"
+    )
+    assert collector.collect_sync().inventory.devices == ()
+    assert collector.collect_sync().inventory.devices == ()
+    assert probe.probes == 0
+    warnings = [r for r in caplog.records if "no llama.cpp devices" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_free_memory_of_devices_is_no_change_worth_a_report(tmp_path: Path) -> None:
+    fake = FakeNvmlModule(two_fake_gpus())
+    inv = discover_inventory(
+        tmp_path, tmp_path, "10.0.0.5", 50052, nvml_module=fake, llama=runtime(RTX_4090, A4000)
+    )
+    before = Resources(inv, ())
+    freer = tuple(dataclasses.replace(d, memory_free_bytes=1) for d in inv.devices)
+    assert Resources(dataclasses.replace(inv, devices=freer), ()).fingerprint() == (
+        before.fingerprint()
+    )
+    fewer = Resources(dataclasses.replace(inv, devices=inv.devices[1:]), ())
+    assert fewer.fingerprint() != before.fingerprint()
+    upgraded = Resources(dataclasses.replace(inv, llama_version="4568 (def)"), ())
+    assert upgraded.fingerprint() != before.fingerprint()

@@ -190,3 +190,21 @@ def test_a_node_documents_its_failed_transfers(schema: dict[str, Any]) -> None:
         "sources",
     }
     assert {"type": "null"} in entry["properties"]["file_name"]["oneOf"]
+
+
+def test_a_node_documents_its_devices_and_its_llama_cpp_build(schema: dict[str, Any]) -> None:
+    components = schema["components"]["schemas"]
+    node = components["NodeView"]
+    assert {"devices", "llama"} <= set(node["required"])
+    assert node["properties"]["devices"]["items"] == {"$ref": "#/components/schemas/NodeDevice"}
+    device = components["NodeDevice"]
+    assert set(device["required"]) == {
+        "name",
+        "description",
+        "kind",
+        "memory_total_bytes",
+        "memory_free_bytes",
+        "uuid",
+    }
+    assert set(device["properties"]["kind"]["enum"]) == {"gpu", "cpu"}
+    assert set(components["NodeLlama"]["required"]) == {"version", "backend", "rpc_protocol"}
