@@ -181,6 +181,9 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     slots: int = DEFAULT_SLOTS
     llama_bin_dir: Path | None = None
+    #: ``--llama-backend``: a backend name, or "" / "auto" for $LLAMA_BACKEND, else this
+    #: machine's (agent/llama_backend.py); with ``llama_bin_dir``, that build's backend.
+    llama_backend: str = ""
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
     tls_ca_file: Path | None = None
     #: A plaintext control channel (``--insecure``/GRPC_INSECURE=true); TLS otherwise.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from agent.agent_config import AgentConfig, ConfigError
 from agent.control_handler import ControlHandler, NullHandler
+from agent.llama_backend import BackendError
 from agent.llama_binaries import RuntimeBinaries, find_binaries
 from agent.llama_handler import LlamaHandler
 from agent.runtime_errors import RuntimeMissingError
@@ -23,10 +24,14 @@ class RuntimeUnavailable(ConfigError):
 
 def resolve_binaries(config: AgentConfig) -> RuntimeBinaries:
     """The llama.cpp build this agent runs: ``config.llama_bin_dir`` (``--llama-bin-dir``),
-    else ``$DACP_LLAMA_BIN_DIR``, else the ``ops`` build cache. The one place the agent turns
-    its configuration into binaries (the handler and device discovery both use it)."""
+    else ``$DACP_LLAMA_BIN_DIR``, else the ``ops`` build cache of the backend
+    ``config.llama_backend`` (``--llama-backend``), ``$LLAMA_BACKEND`` or this machine chose.
+    The one place the agent turns its configuration into binaries (the handler and device
+    discovery both use it)."""
     try:
-        return find_binaries(config.llama_bin_dir)
+        return find_binaries(config.llama_bin_dir, config.llama_backend)
+    except BackendError as exc:
+        raise RuntimeUnavailable(f"llama.cpp runtime unavailable: {exc}") from None
     except RuntimeMissingError as exc:
         raise RuntimeUnavailable(
             f"llama.cpp runtime unavailable: {exc}, or pass --llama-bin-dir DIR "

@@ -40,6 +40,7 @@ from agent.control_client import run_agent
 from agent.fetch_limits import add_fetch_arguments, fetch_limits_from_args
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
+from agent.llama_binaries import add_binaries_arguments
 from infrastructure import event_loop
 from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
 
@@ -309,15 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="GGUF models (default: <data-dir>/models)"
     )
-    parser.add_argument(
-        "--llama-bin-dir",
-        type=Path,
-        default=None,
-        help=(
-            "directory with llama-server and ggml-rpc-server (default: $DACP_LLAMA_BIN_DIR, "
-            "else the ops build cache)"
-        ),
-    )
+    add_binaries_arguments(parser)
     parser.add_argument(
         "--no-runtime",
         action="store_true",
@@ -429,6 +422,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         labels=labels,
         slots=args.slots,
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
+        llama_backend=args.llama_backend,
         heartbeat_interval=args.heartbeat_interval,
         tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
         insecure=args.insecure,

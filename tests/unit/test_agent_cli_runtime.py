@@ -1,5 +1,5 @@
 """node-agent flags for the runtime: --memory-limit, --models-disk-limit, --no-runtime,
---runtime-log-dir, and build_handler's choice of handler."""
+--runtime-log-dir, --llama-backend, and build_handler's choice of handler."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from agent.agent_config import AgentConfig, ConfigError, parse_byte_size
 from agent.control_handler import NullHandler
-from agent.handler_factory import RuntimeUnavailable, build_handler
+from agent.handler_factory import RuntimeUnavailable, build_handler, resolve_binaries
 from agent.llama_handler import LlamaHandler
 from agent.main import build_parser, config_from_args
 from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
@@ -154,3 +154,74 @@ def test_the_default_advertised_address_is_the_one_the_controller_sees() -> None
     assert default_advertise_address("127.0.0.1:50051") == "127.0.0.1"
     assert default_advertise_address("grpcs://127.0.0.1:50051") == "127.0.0.1"
     assert default_advertise_address("not a url:::") == default_advertise_address(None)
+
+
+# --- --llama-backend: which llama.cpp build the agent runs -----------------------------------
+
+
+def fake_build(directory: Path) -> Path:
+    for name in ("llama-server", "ggml-rpc-server"):
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text("#!/bin/sh\nexit 0\n")
+        (directory / name).chmod(0o755)
+    return directory
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DACP_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("DACP_LLAMA_BIN_DIR", "LLAMA_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "cache" / "llama.cpp"
+
+
+def test_llama_backend_flag(tmp_path: Path) -> None:
+    assert config(tmp_path).llama_backend == ""  # auto: $LLAMA_BACKEND, else the machine
+    assert config(tmp_path, "--llama-backend", "cuda").llama_backend == "cuda"
+    assert config(tmp_path, "--llama-backend", "auto").llama_backend == "auto"
+
+
+def test_a_bad_llama_backend_flag_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        config(tmp_path, "--llama-backend", "rocm")
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--llama-backend" in err[0] and "'rocm'" in err[0]
+
+
+def test_the_flag_picks_the_backends_cached_build(tmp_path: Path, cache: Path) -> None:
+    fake_build(cache / "11434.0.0" / "bin")
+    cuda = fake_build(cache / "11434.0.0-cuda" / "bin")
+    found = resolve_binaries(config(tmp_path, "--llama-backend", "cuda"))
+    assert (found.bin_dir, found.backend) == (cuda.resolve(), "cuda")
+
+
+def test_a_missing_backend_build_is_one_line_naming_it(tmp_path: Path, cache: Path) -> None:
+    fake_build(cache / "11434.0.0" / "bin")
+    with pytest.raises(RuntimeUnavailable) as caught:
+        resolve_binaries(config(tmp_path, "--llama-backend", "vulkan"))
+    message = str(caught.value)
+    assert "\n" not in message and "python -m ops.build_llama --backend vulkan" in message
+
+
+def test_a_bad_llama_backend_variable_is_a_config_error(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLAMA_BACKEND", "rocm")
+    with pytest.raises(RuntimeUnavailable) as caught:
+        build_handler(config(tmp_path))
+    assert str(caught.value) == (
+        "llama.cpp runtime unavailable: $LLAMA_BACKEND='rocm' is not a llama.cpp backend; "
+        "one of cpu, cuda, vulkan, metal, auto"
+    )
+
+
+def test_an_own_build_is_custom_unless_the_flag_names_its_backend(
+    tmp_path: Path, cache: Path
+) -> None:
+    own = str(fake_build(tmp_path / "release-b9999"))
+    assert resolve_binaries(config(tmp_path, "--llama-bin-dir", own)).backend == "custom"
+    named = config(tmp_path, "--llama-bin-dir", own, "--llama-backend", "cuda")
+    assert resolve_binaries(named).backend == "cuda"

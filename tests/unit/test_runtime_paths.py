@@ -337,14 +337,15 @@ def test_build_stamp_makes_second_run_a_no_op(capsys: pytest.CaptureFixture[str]
     stamp = build_llama.expected_stamp() | {"built_at": "x", "build_seconds": 1}
     paths.build_stamp_path().write_text(json.dumps(stamp), encoding="utf-8")
     assert build_llama.cached_bin_dir() == bin_dir
-    assert build_llama.main([]) == 0
+    assert build_llama.main(["--backend", "cpu"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     # The first run builds the RPC accept filter next to the binaries (a C compiler is here).
-    assert len(out) == 2 and "cached" in out[0] and "accept filter" in out[1]
+    assert out[0] == "llama.cpp backend: cpu (--backend)"
+    assert len(out) == 3 and "cached" in out[1] and "accept filter" in out[2]
     assert (bin_dir / ACCEPT_FILTER_NAME).is_file()
-    assert build_llama.main([]) == 0
+    assert build_llama.main(["--backend", "cpu"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "cached" in out[0]
+    assert len(out) == 2 and "cached" in out[1]
 
 
 def test_build_stamp_with_other_flags_is_stale() -> None:
