@@ -70,14 +70,21 @@ def find_nvcc(env: Mapping[str, str] | None = None) -> Path | None:
     return None
 
 
-def nvidia_gpu_count(nvml_module: Any | None = None) -> int:
-    """How many NVIDIA GPUs NVML sees (0 without the driver or ``nvidia-ml-py``)."""
+def nvidia_gpu_count(
+    nvml_module: Any | None = None, run: Callable[[list[str]], str] | None = None
+) -> int:
+    """How many NVIDIA GPUs NVML sees (0 without the driver). Without ``nvidia-ml-py`` (the
+    build runs with the system ``python3``, before the venv exists), ``nvidia-smi -L`` counts
+    them, so ``make llama`` and the agent choose alike."""
     nvml: Any = nvml_module
-    try:
-        if nvml is None:
+    if nvml is None:
+        try:
             import pynvml
 
             nvml = pynvml
+        except ImportError:
+            return _smi_gpu_count(run)
+    try:
         nvml.nvmlInit()
     except Exception:
         return 0
@@ -88,6 +95,16 @@ def nvidia_gpu_count(nvml_module: Any | None = None) -> int:
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
+
+
+def _smi_gpu_count(run: Callable[[list[str]], str] | None = None) -> int:
+    if run is None and shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        text = (run or _output)(["nvidia-smi", "-L"])
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in text.splitlines() if line.startswith("GPU "))
 
 
 def vulkan_gpu_present(run: Callable[[list[str]], str] | None = None) -> bool:

@@ -59,6 +59,7 @@ from agent import (
     server_spec,
 )
 from agent.endpoints import free_loopback_port
+from agent.llama_backend import choose_backend
 from agent.rpc_filter import PeerFilter
 from bench import stats
 from ops import paths
@@ -422,6 +423,8 @@ def machine_line(machine: dict[str, Any]) -> str:
         f"RAM {stats.human_bytes(machine.get('ram_total_bytes'))}, {machine.get('os')}, "
         f"Python {machine.get('python')}, llama.cpp {machine.get('llama_cpp')}"
     )
+    if machine.get("llama_backend"):
+        text += f" ({machine['llama_backend']} backend)"
     busy = machine.get("cpu_busy_percent_before_measuring")
     if busy is not None:
         text += f", CPU {stats.fmt(busy, 0)}% busy before measuring"
@@ -865,9 +868,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
         f"settings: {args.prompts} prompts x max_tokens {args.max_tokens}, temperature 0, "
         f"seed {args.seed}, paths {','.join(args.path_keys)}"
     )
-    paths.ensure_llama()
+    backend = choose_backend(None)  # as the agents choose theirs: $LLAMA_BACKEND, else auto
+    paths.ensure_llama(backend.backend)
     paths.ensure_model()
-    binaries = llama_binaries.find_binaries()
+    binaries = llama_binaries.find_binaries(None, backend.backend)
+    machine["llama_backend"] = binaries.backend
+    why = f" ({backend.why})" if binaries.backend == backend.backend else ""
+    _say(f"llama.cpp backend: {binaries.backend}{why}, {binaries.bin_dir}")
     var_dir: Path = args.var_dir
     runs = {key: PathRun(key, LABELS[key]) for key in args.path_keys}
     prompts = prompt_list(args.prompts)

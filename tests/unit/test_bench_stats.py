@@ -250,6 +250,12 @@ def test_machine_line_mentions_cpu_cores_and_ram() -> None:
     )
     assert "TestCPU (2 cores / 4 threads, VM)" in line
     assert "RAM 8.0 GiB" in line
+    assert "llama.cpp 1.0," in line  # a run from before backends were recorded
+
+
+def test_machine_line_names_the_llama_backend() -> None:
+    machine = {"llama_cpp": "11434.0.0", "llama_backend": "cuda"}
+    assert "llama.cpp 11434.0.0 (cuda backend)" in compare_paths.machine_line(machine)
 
 
 def _run(key: str, values: list[tuple[float, float, str]]) -> PathRun:

@@ -6,6 +6,7 @@ fakes injected into the detection; no GPU is needed."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,14 @@ def test_nvidia_gpu_count_through_nvml() -> None:
     nvml = FakeNvml(2)
     assert nvidia_gpu_count(nvml) == 2 and nvml.shutdown
     assert nvidia_gpu_count(FakeNvml(fail_init=True)) == 0
+
+
+def test_without_nvidia_ml_py_nvidia_smi_counts_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make llama`` runs the build with the system python3, which has no pynvml."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml: ImportError
+    listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\nGPU 1: NVIDIA H100 (UUID: GPU-2)\n"
+    assert nvidia_gpu_count(run=lambda argv: listing) == 2
+    assert nvidia_gpu_count(run=lambda argv: "") == 0
 
 
 def test_lavapipe_is_not_a_vulkan_gpu() -> None:
