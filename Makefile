@@ -24,6 +24,8 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 # llama.cpp binaries and the test model, cached outside the checkout (see ops/).
+# The llama.cpp backend is this machine's (cuda with an NVIDIA GPU and nvcc, ...; README "GPUs");
+# LLAMA_BACKEND=cuda make llama forces one, CUDA_ARCHITECTURES=90 names the GPUs to build for.
 llama:
 	@$(BOOTSTRAP) test --only llama.cpp
 
