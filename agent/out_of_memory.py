@@ -17,7 +17,8 @@ prints (llama.cpp 11434):
   ``failed to allocate buffer for kv cache``, ``failed to allocate compute ... buffers``.
 
 On the primary the buffer's name says whose device ran out (:class:`PlanDevices` maps
-``RPC<k>[host:port]`` back to the node and its device). The parsers are pure;
+``RPC<i>[host:port]`` back to the node and its device: ``i`` counts that server's devices,
+while the device *names* ``--device`` takes, ``RPC<k>``, count over every server). The parsers are pure;
 :func:`out_of_memory` reads the failed process's log.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
@@ -192,12 +193,16 @@ class PlanDevices:
         """Whose device ``failure`` happened on (this node's host when it cannot tell)."""
         match = _RPC_BUFFER.match(failure.buffer)
         if match:
-            device = self.rpc.get(int(match["index"]))
-            if device is None and match["endpoint"]:
-                device = next((d for d in self.devices if d.endpoint == match["endpoint"]), None)
+            index, endpoint = int(match["index"]), match["endpoint"]
+            if endpoint:
+                # A buffer is named for its server's own device number: RPC<i>[host:port].
+                served = [d for d in self.devices if d.endpoint == endpoint]
+                device = served[index] if index < len(served) else None
+            else:  # a device name: numbered over every server
+                device = self.rpc.get(index)
             if device is not None:
                 return Blame(device.node_id, device.device, failure.bytes)
-            node = self.endpoint_nodes.get(match["endpoint"] or "")
+            node = self.endpoint_nodes.get(endpoint or "")
             if node:  # a plan without devices: the worker exposes its host
                 return Blame(node, HOST_DEVICE, failure.bytes)
         local = [d for d in self.devices if not d.endpoint]

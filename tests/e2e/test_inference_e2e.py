@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from application.controller import Controller
@@ -98,6 +99,24 @@ def wait_job(store: Controller, job_id: str, states: set[str], timeout: float = 
 MESSAGES: list[Any] = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
+def _running(binary: str, marker: str) -> list[list[str]]:
+    """The command lines of this test's processes running ``binary`` with ``marker``."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = child.cmdline()
+        except psutil.Error:
+            continue
+        if cmdline and os.path.basename(cmdline[0]) == binary and marker in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def _flag(cmdline: list[str], flag: str) -> str:
+    assert flag in cmdline, cmdline
+    return cmdline[cmdline.index(flag) + 1]
+
+
 def test_streaming_split_across_two_agents(cluster: LocalCluster, store: Controller) -> None:
     chunks = list(
         client(cluster).chat.completions.create(
@@ -124,6 +143,29 @@ def test_streaming_split_across_two_agents(cluster: LocalCluster, store: Control
     job = wait_job(store, job_id, {"COMPLETED"})
     assert len(job.plan["workers"]) == 1  # a two-node split
     assert job.plan["tensor_split"][0] > 0 and job.plan["tensor_split"][1] > 0
+    # The split names its devices: each node's CPU, through its ggml-rpc-server.
+    assert job.plan["tier"] == "cpu" and job.plan["reasons"]
+    devices = job.plan["devices"]
+    assert [(d["device"], d["via_rpc"]) for d in devices] == [("CPU", True), ("CPU", True)]
+    assert [d["node_id"] for d in devices] == [
+        job.plan["primary"]["node_id"],
+        job.plan["workers"][0]["node_id"],
+    ]
+    shares = [d["share"] for d in devices]
+    assert shares == job.plan["tensor_split"]
+    # ... and llama.cpp was started with them named: llama-server numbers RPC devices in
+    # --rpc order (RPC0, RPC1), each worker exposes what -d gave it.
+    servers = [
+        cmdline
+        for cmdline in _running("llama-server", "--rpc")
+        if [float(x) for x in _flag(cmdline, "--tensor-split").split(",")]
+        == pytest.approx(shares, abs=1e-6)
+    ]
+    assert servers, _running("llama-server", "--rpc")
+    assert all(_flag(server, "--device") == "RPC0,RPC1" for server in servers)
+    assert all(_flag(server, "--n-gpu-layers") == "99" for server in servers)
+    workers = _running("ggml-rpc-server", "--port")
+    assert len(workers) >= 2 and all(_flag(w, "--device") == "CPU" for w in workers)
     codes = [code for _, code, _ in job_timeline(store, job_id)]
     order = ["JOB_DISPATCHED", "RPC_WORKER_STARTED", "TOKEN_STREAM_CHUNK", "JOB_COMPLETED"]
     positions = [codes.index(c) for c in order]

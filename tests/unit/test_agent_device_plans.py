@@ -147,11 +147,15 @@ def test_a_worker_that_could_not_take_its_share_is_blamed_from_the_primarys_outp
     assert devices.blame(failure) == Blame("w", HOST_DEVICE, 96576768)
 
 
-def test_the_third_rpc_device_is_the_second_workers_cpu() -> None:
-    failure = MemoryFailure("RPC2[10.0.0.3:50052]", 123, "")
+def test_a_buffer_is_named_for_its_servers_own_device_number() -> None:
+    """llama.cpp names an RPC buffer RPC<i>[host:port], ``i`` counting that server's devices
+    (seen here: --rpc A,B and ``failed to allocate RPC0[B] buffer`` for B's first device)."""
+    failure = MemoryFailure("RPC0[10.0.0.3:50052]", 123, "")
     assert plan_devices(MIXED).blame(failure) == Blame("b", "CPU", 123)
     second = MemoryFailure("RPC1[10.0.0.2:50052]", 5, "")
     assert plan_devices(MIXED).blame(second) == Blame("a", "CUDA1", 5)
+    # a bare device name counts over every server
+    assert plan_devices(MIXED).blame(MemoryFailure("RPC2", 7, "")) == Blame("b", "CPU", 7)
 
 
 def test_the_primarys_own_gpu_is_blamed_on_the_primary() -> None:
