@@ -18,8 +18,8 @@ prints (llama.cpp 11434):
 
 On the primary the buffer's name says whose device ran out (:class:`PlanDevices` maps
 ``RPC<i>[host:port]`` back to the node and its device: ``i`` counts that server's devices,
-while the device *names* ``--device`` takes, ``RPC<k>``, count over every server). The parsers are pure;
-:func:`out_of_memory` reads the failed process's log.
+while the device *names* ``--device`` takes, ``RPC<k>``, count over every server). The
+parsers are pure; :func:`out_of_memory` reads the failed process's log.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
