@@ -14,11 +14,12 @@ from agent.out_of_memory import (
     MemoryFailure,
     PlanDevices,
     find_out_of_memory,
+    out_of_memory,
     plan_devices,
     worker_out_of_memory,
 )
 from agent.rpc_worker import RpcWorker
-from agent.runtime_errors import RuntimeStartError
+from agent.runtime_errors import GenerationError, RuntimeCrashedError, RuntimeStartError
 from agent.server_spec import server_spec_for
 from proto import HOST_DEVICE
 from proto import control_pb2 as pb
@@ -223,3 +224,26 @@ def test_without_a_named_buffer_a_single_device_plan_blames_that_device() -> Non
         ("10.0.0.2:50052",),
     )
     assert single.blame(MemoryFailure("", 0, "")) == Blame("w", "CUDA0", 0)
+
+
+class DeadServer:
+    """A llama-server that died mid-generation: what it wrote last."""
+
+    alive = False
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return self.lines[-lines:]
+
+
+def test_an_out_of_memory_mid_generation_is_read_from_the_dead_servers_output() -> None:
+    cuda = ["CUDA error: out of memory", "  current device: 0, in function f at ggml-cuda.cu:88"]
+    stream_broke = GenerationError("llama-server stream failed: connection reset")
+    found = out_of_memory(stream_broke, plan_devices(MIXED), DeadServer(cuda))  # type: ignore[arg-type]
+    assert found is not None and found[0] == Blame("", "CUDA0", 0)
+    crashed = RuntimeCrashedError("llama-server exited", role="llama-server", stderr_tail=cuda)
+    assert out_of_memory(crashed, plan_devices(MIXED)) == (Blame("", "CUDA0", 0), cuda[0])
+    # a live server's refusal is not an out-of-memory unless it says so
+    assert out_of_memory(GenerationError("HTTP 500: boom"), plan_devices(MIXED)) is None
