@@ -317,9 +317,7 @@ def _best_in_tier(
         return (-weights[c.node_id], c.node_id)
 
     primaries = sorted((c for c in pool if c.has_model), key=rank)
-    workers_pool = sorted(
-        (c for c in pool if not tier.gpus_only or weights[c.node_id] > 0), key=rank
-    )
+    workers_pool: list[Candidate] | None = None  # sorted only once one node is not enough
     first = 1 if tier.single else 2
     last = min(limit, len(pool)) if tier.multi else 1
     for k in range(first, last + 1):
@@ -340,6 +338,10 @@ def _best_in_tier(
                     if best is None or key < best.key:
                         best = _Choice(key, tier, p, ())
                 continue
+            if workers_pool is None:
+                workers_pool = sorted(
+                    (c for c in pool if not tier.gpus_only or weights[c.node_id] > 0), key=rank
+                )
             others = [
                 c
                 for c in workers_pool
