@@ -381,10 +381,16 @@ class Run:
     argv: list[str] = field(default_factory=list)
     warmup: Sample | None = None
     samples: list[Sample] = field(default_factory=list)
+    #: Why it could not be started or warmed up (it is then not measured).
+    failure: str | None = None
 
     @property
     def label(self) -> str:
         return LABELS[self.key]
+
+    @property
+    def usable(self) -> bool:
+        return self.failure is None and self.warmup is not None and self.warmup.error is None
 
     def ok(self) -> list[Sample]:
         return [s for s in self.samples if s.error is None]
@@ -438,15 +444,19 @@ class Comparison:
 
 def results_table(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> str:
     against = {c.controller: c for c in comparisons}
+    mirrors = {direct: controller for controller, direct in PAIRS}
     rows = []
     for run in runs:
         comparison = against.get(run.key)
         tokens = stats.summarize([float(s.completion_tokens or 0) for s in run.ok()])
+        plan = run.plan.line() if run.plan else "-"
+        if run.key in mirrors:
+            plan = f"{mirrors[run.key]}'s llama-server command line"
         rows.append(
             [
                 run.key,
-                run.label,
-                run.plan.line() if run.plan else "-",
+                run.label if run.failure is None else f"{run.label} [NOT MEASURED]",
+                plan,
                 f"{len(run.ok())}/{len(run.samples)}",
                 stats.fmt(tokens.mean if tokens else None, 0),
                 stats.fmt(run.median("tokens_per_s"), 1),
@@ -729,6 +739,22 @@ def start_direct(
     say(f"  {run.key}: {shlex.join(run.argv)}")
 
 
+def stage(runs: Sequence[Run], set_up: Callable[[], None]) -> None:
+    """Run ``set_up``; when it fails, the ``runs`` it did not warm up are marked failed and
+    the check goes on with the others (a failed split still leaves the one-device figures of
+    a scarce GPU run)."""
+    try:
+        set_up()
+    except Exception as exc:  # any failure: reported, the other runs still measured
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not isinstance(exc, CheckError):
+            reason = f"{type(exc).__name__}: {reason}"
+        say(f"  FAILED: {reason}")
+        for run in runs:
+            if not run.usable:
+                run.failure = reason
+
+
 def _free_port() -> int:
     from agent.endpoints import free_loopback_port
 
@@ -845,32 +871,31 @@ def run_check(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
     try:
         with serving(model), contextlib.ExitStack() as stack:
             client = stack.enter_context(httpx.Client(timeout=REQUEST_TIMEOUT))
+
+            def set_up(agents: int, controller: Run, direct: Run, limit: int) -> None:
+                var_dir = work / controller.key
+                cluster = start_cluster(stack, controller, var_dir, [limit] * agents, backend)
+                warm_up(client, controller, model.name, args.max_tokens)
+                check_plan(cluster, controller, backend, agents)
+                recorded = logged_argv(var_dir, "llama-server*.log")
+                workers = worker_argvs(var_dir, recorded)
+                start_direct(stack, direct, binaries, recorded, work / direct.key, workers)
+                warm_up(client, direct, model.name, args.max_tokens)
+
             title = f"one agent offering {solo >> 20} MiB, and direct llama-server"
             steps.begin(4, "one-agent", title)
-            one = start_cluster(stack, runs["one-agent"], work / "one-agent", [solo], backend)
-            warm_up(client, runs["one-agent"], model.name, args.max_tokens)
-            check_plan(one, runs["one-agent"], backend, 1)
-            recorded = logged_argv(work / "one-agent", "llama-server*.log")
-            start_direct(stack, runs["direct"], binaries, recorded, work / "direct")
-            warm_up(client, runs["direct"], model.name, args.max_tokens)
-
+            one, direct = runs["one-agent"], runs["direct"]
+            stage([one, direct], lambda: set_up(1, one, direct, solo))
             title = f"two agents offering {split >> 20} MiB each, and direct --rpc"
             steps.begin(5, "two-agents", title)
-            two = start_cluster(
-                stack, runs["two-agents"], work / "two-agents", [split, split], backend
-            )
-            warm_up(client, runs["two-agents"], model.name, args.max_tokens)
-            check_plan(two, runs["two-agents"], backend, 2)
-            recorded = logged_argv(work / "two-agents", "llama-server*.log")
-            workers = worker_argvs(work / "two-agents", recorded)
-            start_direct(
-                stack, runs["direct-rpc"], binaries, recorded, work / "direct-rpc", workers
-            )
-            warm_up(client, runs["direct-rpc"], model.name, args.max_tokens)
-
+            two, direct_rpc = runs["two-agents"], runs["direct-rpc"]
+            stage([two, direct_rpc], lambda: set_up(2, two, direct_rpc, split))
             title = f"{args.requests} requests x {args.max_tokens} tokens per run, interleaved"
             steps.begin(6, "measure", title)
-            measure(client, list(runs.values()), model.name, args.requests, args.max_tokens)
+            usable = [run for run in runs.values() if run.usable]
+            if not usable:
+                raise CheckError("no run could be started: nothing to measure")
+            measure(client, usable, model.name, args.requests, args.max_tokens)
             say(f"  stopping the clusters and servers (+{steps.elapsed()})")
     finally:
         steps.end()
@@ -881,6 +906,7 @@ def run_check(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
                 "log_dir": str(run.log_dir) if run.log_dir else None,
                 "plan": asdict(run.plan) if run.plan else None,
                 "plan_problem": run.plan_problem,
+                "failure": run.failure,
                 "argv": run.argv,
                 "warmup": asdict(run.warmup) if run.warmup else None,
                 "samples": [asdict(s) for s in run.samples],
@@ -900,6 +926,7 @@ def report(result: dict[str, Any], runs: Sequence[Run], backend: str) -> tuple[s
         for r in runs
         if len(r.ok()) < len(r.samples)
     ]
+    failures += [f"{r.key}: not measured: {r.failure}" for r in runs if r.failure]
     failures += [f"{r.key}: wrong plan: {r.plan_problem}" for r in runs if r.plan_problem]
     if judged:
         failures += [f"goal not met: {goal}" for goal, met in verdicts if not met]

@@ -290,3 +290,26 @@ def test_arguments_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--backend", "vulkan"])
     capsys.readouterr()
+
+
+def test_a_failed_stage_marks_the_runs_it_did_not_warm_up_and_the_check_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    controller, direct = Run("two-agents"), Run("direct-rpc")
+
+    def set_up() -> None:
+        controller.warmup = Sample("two-agents", -1, ttft_s=0.1)
+        raise gpu_check.CheckError("direct-rpc: llama-server exited with code 1\nits log")
+
+    gpu_check.stage([controller, direct], set_up)
+    assert (controller.usable, controller.failure) == (True, None)
+    assert direct.failure == "direct-rpc: llama-server exited with code 1"
+    assert not direct.usable
+
+    def broken() -> None:
+        raise KeyError("plan")
+
+    other = Run("one-agent")
+    gpu_check.stage([other], broken)
+    assert other.failure == "KeyError: 'plan'"
+    assert "FAILED: KeyError: 'plan'" in capsys.readouterr().out
