@@ -35,6 +35,7 @@ from agent.llama_backend import (
     BackendError,
     find_nvcc,
 )
+from ops import vulkan_headers
 from ops.paths import FetchError
 
 VULKAN_FLAGS: tuple[str, ...] = ("-DGGML_VULKAN=ON",)
@@ -66,7 +67,12 @@ def backend_cmake_flags(backend: str, env: Mapping[str, str] | None = None) -> t
     if backend == CPU:
         return ()
     if backend == VULKAN:
-        return VULKAN_FLAGS
+        if shutil.which("glslc") is None:
+            raise FetchError(
+                "the vulkan backend needs glslc (the shader compiler; Debian: apt install glslc "
+                "libvulkan-dev) and the Vulkan loader"
+            )
+        return (*VULKAN_FLAGS, *vulkan_headers.include_flags())
     if backend == METAL:
         return METAL_FLAGS
     assert backend == CUDA

@@ -33,7 +33,7 @@ from typing import Any
 
 from agent.llama_backend import AUTO, BACKENDS, CPU, CUDA, METAL, VULKAN, choose_backend
 from agent.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, filter_supported
-from ops import paths
+from ops import paths, vulkan_headers
 from ops.backend_flags import backend_cmake_flags
 from ops.paths import FetchError
 
@@ -131,6 +131,13 @@ def ensure_built(
         return build(backend=backend, jobs=jobs, sdist=sdist)
 
 
+def _fetch_headers(backend: str) -> None:
+    """The Vulkan backend on a system whose Vulkan headers are too old compiles against newer
+    ones from the cache (:mod:`ops.vulkan_headers`), fetched now unless there."""
+    if backend == VULKAN and vulkan_headers.include_flags():
+        vulkan_headers.ensure_headers()
+
+
 def _require_cmake() -> None:
     if shutil.which("cmake") is None:
         raise FetchError("cmake not found on PATH; install cmake and a C++ compiler")
@@ -142,6 +149,7 @@ def configure_only(*, backend: str = CPU, sdist: Path | None = None) -> float:
     with the first error and the log's path (``<backend's cache>/configure.log``)."""
     _require_cmake()
     flags = cmake_flags(backend)
+    _fetch_headers(backend)
     archive = _sdist(sdist)
     root = paths.llama_root(backend)
     root.mkdir(parents=True, exist_ok=True)
@@ -180,6 +188,7 @@ def build(
 ) -> Path:
     _require_cmake()
     flags = cmake_flags(backend)  # first: a machine that cannot build it fails before extracting
+    _fetch_headers(backend)
     wanted = targets(backend)
     started = time.monotonic()
     archive = _sdist(sdist)

@@ -33,7 +33,7 @@ from agent.llama_backend import (
 )
 from agent.llama_binaries import default_bin_dir, find_binaries
 from agent.runtime_errors import RuntimeMissingError
-from ops import backend_flags, build_llama, paths
+from ops import backend_flags, build_llama, paths, vulkan_headers
 from ops.paths import FetchError
 
 NVCC = Path("/usr/local/cuda/bin/nvcc")
@@ -230,9 +230,20 @@ def fake_toolkit(root: Path, *, cublas: bool = True, driver_stub: bool = True) -
     return nvcc
 
 
-def test_cpu_vulkan_and_metal_flags() -> None:
+def test_cpu_vulkan_and_metal_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert backend_flags.backend_cmake_flags(CPU) == ()
+    monkeypatch.setattr("ops.backend_flags.shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(vulkan_headers, "SYSTEM_INCLUDE_DIRS", ())
+    # Headers too old (none here): the build points CMake at the fetched ones.
+    assert backend_flags.backend_cmake_flags(VULKAN) == (
+        "-DGGML_VULKAN=ON",
+        f"-DVulkan_INCLUDE_DIR={vulkan_headers.headers_dir()}",
+    )
+    monkeypatch.setattr(vulkan_headers, "system_headers_suffice", lambda roots=None: True)
     assert backend_flags.backend_cmake_flags(VULKAN) == ("-DGGML_VULKAN=ON",)
+    monkeypatch.setattr("ops.backend_flags.shutil.which", lambda name: None)
+    with pytest.raises(FetchError, match="glslc"):
+        backend_flags.backend_cmake_flags(VULKAN)
     assert backend_flags.backend_cmake_flags(METAL) == (
         "-DGGML_METAL=ON",
         "-DGGML_METAL_EMBED_LIBRARY=ON",
