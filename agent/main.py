@@ -328,8 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BYTES",
         help=(
-            "memory this agent offers to the scheduler, in bytes or with a K/M/G/T suffix "
-            "(powers of 1024), e.g. 2G (default: no limit beyond the hardware)"
+            "memory this agent offers to the scheduler, per device (each GPU and the host "
+            "memory), in bytes or with a K/M/G/T suffix (powers of 1024), e.g. 2G (default: "
+            "no limit beyond the hardware)"
         ),
     )
     parser.add_argument(
