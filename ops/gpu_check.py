@@ -120,6 +120,18 @@ PROMPTS = (
     "List four animals that live on a farm.",
     "Give me a short tip for staying healthy.",
 )
+#: What the preflight imports: the controller's and the agent's entry points, the CLI with its
+#: subcommands (``build_parser`` imports those), and what this check runs itself.
+RUNTIME_MODULES = (
+    "interfaces.controller_main",
+    "interfaces.cli",
+    "agent.main",
+    "agent.llama_server",
+    "agent.rpc_worker",
+    "ops.local_cluster",
+    "gguf",
+    "numpy",
+)
 _START_LINE = re.compile(r"^=== \S+ starting: (?P<argv>.+)$", re.MULTILINE)
 
 
@@ -507,9 +519,12 @@ def preflight(payload: Path) -> None:
             raise CheckError(
                 f"{payload / name} is missing: build the payload with python -m ops.gpu_payload"
             )
-    modules = "interfaces.cli, agent.main, ops.local_cluster, agent.llama_server, gguf, numpy"
     result = subprocess.run(
-        [sys.executable, "-c", f"import {modules}"],
+        [
+            sys.executable,
+            "-c",
+            f"import {', '.join(RUNTIME_MODULES)}; interfaces.cli.build_parser()",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

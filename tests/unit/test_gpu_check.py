@@ -313,3 +313,24 @@ def test_a_failed_stage_marks_the_runs_it_did_not_warm_up_and_the_check_goes_on(
     gpu_check.stage([other], broken)
     assert other.failure == "KeyError: 'plan'"
     assert "FAILED: KeyError: 'plan'" in capsys.readouterr().out
+
+
+def _payload(tmp_path: Path) -> Path:
+    from ops import gpu_payload, paths
+
+    for name in (paths.LLAMA_SDIST_FILE_NAME, gpu_payload.TOKENIZER_FILE):
+        (tmp_path / name).write_bytes(b"")
+    return tmp_path
+
+
+def test_the_preflight_imports_the_runtime_here(tmp_path: Path) -> None:
+    gpu_check.preflight(_payload(tmp_path))  # this venv has every runtime package
+
+
+def test_a_package_the_runtime_lacks_is_named_before_the_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_check, "RUNTIME_MODULES", (*gpu_check.RUNTIME_MODULES, "no_such"))
+    with pytest.raises(gpu_check.CheckError, match="No module named 'no_such'") as caught:
+        gpu_check.preflight(_payload(tmp_path))
+    assert "\n" not in str(caught.value)
