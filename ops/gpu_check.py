@@ -463,7 +463,7 @@ def results_table(runs: Sequence[Run], comparisons: Sequence[Comparison]) -> str
         tokens = stats.summarize([float(s.completion_tokens or 0) for s in run.ok()])
         plan = run.plan.line() if run.plan else "-"
         if run.key in mirrors:
-            plan = f"{mirrors[run.key]}'s llama-server command line"
+            plan = f"replays the {mirrors[run.key]} run's llama-server"
         rows.append(
             [
                 run.key,
