@@ -64,7 +64,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -604,38 +604,25 @@ def make_model(payload: Path, params: float, work: Path) -> ServedModel:
     return ServedModel(needs.name, path, sha256, shape, required)
 
 
-@contextlib.contextmanager
-def serving(model: ServedModel) -> Iterator[None]:
-    """Makes the local cluster serve ``model`` instead of the test model: it reads the model
-    from ``ops.paths`` and its name from ``ops.local_cluster`` (a ``ClusterConfig`` that named
-    the model would make this unnecessary)."""
-    from unittest import mock
-
-    from ops import local_cluster
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(paths, "model_path", lambda: model.path))
-        stack.enter_context(mock.patch.object(paths, "MODEL_SHA256", model.sha256))
-        stack.enter_context(mock.patch.object(paths, "MODEL_FILE_NAME", model.path.name))
-        stack.enter_context(mock.patch.object(local_cluster, "MODEL_NAME", model.name))
-        yield
-
-
 def start_cluster(
     stack: contextlib.ExitStack,
     run: Run,
     var_dir: Path,
     limits: Sequence[int],
     backend: str,
+    model: ServedModel,
 ) -> LocalCluster:
-    from ops.local_cluster import AgentSpec, ClusterConfig, ClusterError, LocalCluster
+    from ops.local_cluster import AgentSpec, ClusterConfig, ClusterError, ClusterModel, LocalCluster
 
     names = ["agent-a", "agent-b"][: len(limits)]
     agents = tuple(
         AgentSpec(name, 0, limit, holds_model=i == 0, extra_args=("--llama-backend", backend))
         for i, (name, limit) in enumerate(zip(names, limits, strict=True))
     )
-    cluster = LocalCluster(ClusterConfig(var_dir=var_dir, port=0, grpc_port=0, agents=agents))
+    served = ClusterModel(model.name, model.path, model.sha256)
+    cluster = LocalCluster(
+        ClusterConfig(var_dir=var_dir, port=0, grpc_port=0, agents=agents, model=served)
+    )
     try:
         stack.enter_context(cluster)
     except ClusterError as exc:
@@ -884,12 +871,14 @@ def run_check(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
     }
     result["runs"] = {}
     try:
-        with serving(model), contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:
             client = stack.enter_context(httpx.Client(timeout=REQUEST_TIMEOUT))
 
             def set_up(agents: int, controller: Run, direct: Run, limit: int) -> None:
                 var_dir = work / controller.key
-                cluster = start_cluster(stack, controller, var_dir, [limit] * agents, backend)
+                cluster = start_cluster(
+                    stack, controller, var_dir, [limit] * agents, backend, model
+                )
                 warm_up(client, controller, model.name, args.max_tokens)
                 check_plan(cluster, controller, backend, agents)
                 recorded = logged_argv(var_dir, "llama-server*.log")

@@ -38,6 +38,22 @@ import httpx
 from ops import paths
 
 MODEL_NAME = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """The model a local cluster serves: its name in the API, its GGUF file and the file's
+    sha256. The default is the test model (``ops.paths``)."""
+
+    name: str
+    path: Path
+    sha256: str
+
+
+def test_model() -> ClusterModel:
+    return ClusterModel(MODEL_NAME, paths.model_path(), paths.MODEL_SHA256)
+
+
 #: What each agent offers: small enough that SmolLM2-135M (≈227 MB with one 2,048-token slot
 #: of KV cache and headroom) needs both, large enough that two together hold it with four
 #: such slots (≈383 MB), so one llama-server serves four requests at once.
@@ -149,6 +165,8 @@ class ClusterConfig:
     admin_api_key: str = field(default_factory=lambda: os.environ.get("ADMIN_API_KEY", ""))
     fresh: bool = True
     quiet: bool = False
+    #: What it serves (None: the test model).
+    model: ClusterModel | None = None
     #: The model goes into the controller's model store (``dacp models add``), and nodes that
     #: need it fetch it from there; no agent need hold it.
     store_model: bool = False
@@ -231,9 +249,14 @@ class LocalCluster:
                 raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(0.2)
 
+    @property
+    def model(self) -> ClusterModel:
+        return self.config.model or test_model()
+
     def start(self) -> LocalCluster:
         cfg = self.config
-        model = paths.model_path()
+        served = self.model
+        model = served.path
         if not model.exists():
             raise ClusterError(f"the model is missing at {model}: run `make model` first")
         if cfg.fresh and cfg.var_dir.exists():
@@ -268,11 +291,11 @@ class LocalCluster:
             60,
         )
         if cfg.store_model:
-            self._say(f"adding {paths.MODEL_FILE_NAME} to the controller's model store")
+            self._say(f"adding {served.path.name} to the controller's model store")
             subprocess.run(
                 [
                     *(sys.executable, "-m", "interfaces.cli", "models", "add"),
-                    *(str(paths.model_path()), "--name", MODEL_NAME),
+                    *(str(served.path), "--name", served.name),
                 ],
                 env=controller_env,
                 check=True,
@@ -296,27 +319,27 @@ class LocalCluster:
         def nodes_ready() -> bool:
             rows = httpx.get(f"{self.url}/api/admin/nodes", headers=self._admin(), timeout=2)
             data = rows.json()["data"]
-            holds = any(m["sha256"] == paths.MODEL_SHA256 for r in data for m in r["local_models"])
+            holds = any(m["sha256"] == served.sha256 for r in data for m in r["local_models"])
             ready = [r for r in data if r["state"] == "READY"]
             return len(ready) == len(cfg.agents) and (holds or cfg.store_model)
 
         self._wait("every agent to be READY with the model reported", nodes_ready, 120)
         if cfg.store_model:
-            self._say(f"cluster ready: model {MODEL_NAME} in the controller's model store")
+            self._say(f"cluster ready: model {served.name} in the controller's model store")
             return self
         response = httpx.post(
             f"{self.url}/api/admin/models",
             headers=self._admin(),
             timeout=10,
             json={
-                "name": MODEL_NAME,
-                "sha256": paths.MODEL_SHA256,
-                "file_name": paths.MODEL_FILE_NAME,
+                "name": served.name,
+                "sha256": served.sha256,
+                "file_name": served.path.name,
             },
         )
         if response.status_code != 201:
             raise ClusterError(f"registering the model failed: {response.text}")
-        self._say(f"cluster ready: model {MODEL_NAME} registered")
+        self._say(f"cluster ready: model {served.name} registered")
         return self
 
     def start_agent(self, spec: AgentSpec, token: str) -> _Proc:
@@ -324,7 +347,7 @@ class LocalCluster:
         models_dir = cfg.var_dir / spec.name / "models"
         models_dir.mkdir(parents=True, exist_ok=True)
         if spec.holds_model:
-            model = paths.model_path()
+            model = self.model.path
             link = models_dir / model.name
             if not link.exists():
                 try:
