@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv lint typecheck test unit proto llama model demo controller clean browser bench bench-capacity
+.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity
 
 # First-run set-up (venv, llama.cpp build, model, browser) runs its steps side by side, with
 # the system python3, before the venv exists; see ops/bootstrap.py. Cached steps are no-ops.
@@ -46,6 +46,11 @@ test:
 
 unit: venv
 	$(VENV)/bin/pytest tests/unit
+
+# Opt-in: the Vulkan backend end to end on lavapipe (Mesa's software Vulkan device). Needs
+# glslc, libvulkan-dev and mesa-vulkan-drivers; builds the vulkan backend first (23 min here).
+test-vulkan: venv
+	$(VENV)/bin/pytest -m vulkan tests/vulkan
 
 demo:
 	@$(BOOTSTRAP) demo
