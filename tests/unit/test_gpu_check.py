@@ -22,16 +22,8 @@ from domain.placement import (
 )
 from domain.split_planner import plan_placement
 from ops import gpu_check
-from ops.gpu_check import (
-    Comparison,
-    PlanView,
-    Run,
-    Sample,
-    Steps,
-    StreamReader,
-    memory_limits,
-    plan_problem,
-)
+from ops.gpu_check import Steps, memory_limits, plan_problem
+from ops.gpu_measure import Comparison, PlanView, Run, Sample, StreamReader
 
 NEEDS = ModelNeeds(
     name="random-llama-1.01b",
