@@ -115,11 +115,15 @@ class PrometheusMetrics:
         for phase in ("setup", "execution"):
             self.jobs_failed.labels(phase)
         self._since = 0
+        #: Also told every time to first token (the dashboard's history: its percentiles).
+        self.first_token_observers: list[Callable[[float], None]] = []
 
     # ------------------------------------------------ application.ports.Metrics
 
     def observe_time_to_first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(max(0.0, seconds))
+        for observer in self.first_token_observers:
+            observer(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
         self.inter_token.observe(max(0.0, seconds))

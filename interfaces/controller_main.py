@@ -43,7 +43,7 @@ from interfaces.grpc_server import (
 )
 from interfaces.http_app import create_app
 from interfaces.model_store_server import start_store_server
-from interfaces.operations_api import cluster_collector, install_operations
+from interfaces.operations_api import cluster_collector, install_operations, metrics_history
 from interfaces.services import Services
 from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
 from proto import control_pb2 as pb
@@ -292,6 +292,7 @@ async def start_controller(settings: Settings) -> RunningController:
     transfers.on_model_added = jobs.capacity_changed
     services.extras["transfers"] = transfers
     metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
+    history = metrics_history(services, jobs, node_views.list_nodes)
     services.extras["recorder"] = recorder
     # Nodes prove the model files they claim before they are planned as their primaries.
     claims = ModelClaims(
@@ -363,6 +364,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),
         asyncio.create_task(claims.run(), name="model-claims"),
+        asyncio.create_task(history.run(), name="metrics-history"),
     ]
     while not http_server.started:
         if tasks[0].done():

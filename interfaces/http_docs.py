@@ -349,3 +349,39 @@ class EnrollmentToken(TypedDict):
     expires_at: float
     single_use: bool
     node_name: str | None
+
+
+class DevicePointView(TypedDict):
+    name: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+
+
+class NodePointView(TypedDict):
+    node_id: str
+    name: str
+    #: Jobs on the node when the sample was taken, and how many it runs at once.
+    busy_slots: int
+    slots: int
+    cpu_percent: float | None
+    devices: list[DevicePointView]
+
+
+class HistorySample(TypedDict):
+    """The cluster over the interval that ends at ``time`` (unix seconds)."""
+
+    time: float
+    tokens_per_second: float
+    #: Over the requests whose first token was relayed in the interval (null: none was).
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    queue_depth: int
+    nodes: list[NodePointView]
+
+
+class MetricsHistoryView(TypedDict):
+    object: Literal["list"]
+    #: Seconds between samples (METRICS_HISTORY_INTERVAL), and how many are kept.
+    interval_seconds: float
+    points: int
+    data: list[HistorySample]

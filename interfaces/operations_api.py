@@ -8,21 +8,30 @@ default; when it listens on a LAN address, restrict ``/metrics`` at the firewall
 like any exporter.
 
 The dashboard is static HTML, JavaScript and CSS from ``interfaces/static`` (no build step,
-nothing fetched from elsewhere). The page holds no secret: it asks the operator for the
-admin key, keeps it in ``sessionStorage`` and calls the admin API with it.
+nothing fetched from elsewhere; its one library, uPlot, is vendored in
+``interfaces/static/vendor``). The page holds no secret: it asks the operator for the admin
+key, keeps it in ``sessionStorage`` and calls the admin API with it. Its charts read
+``GET /api/admin/metrics/history``: the samples :class:`MetricsHistory` takes every
+``METRICS_HISTORY_INTERVAL`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Annotated, Any
 
 from litestar import Response, get
 from litestar.datastructures import CacheControlHeader, State
+from litestar.params import Parameter
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
 
 from application.job_manager import JobManager
+from application.metrics_history import DevicePoint, HistorySources, MetricsHistory, NodePoint
+from domain.states import NodeState
 from infrastructure.metrics import (
     CONTENT_TYPE,
     ClusterCollector,
@@ -30,10 +39,17 @@ from infrastructure.metrics import (
     NodeCollector,
     PrometheusMetrics,
 )
+from interfaces.admin_api import device_views
 from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import ControlPlaneServicer
 from interfaces.http_auth import admin_guard
-from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
+from interfaces.http_docs import (
+    ADMIN_KEY_ERRORS,
+    ApiOperation,
+    MetricsHistoryView,
+    errors,
+    success,
+)
 from interfaces.http_errors import not_running
 from interfaces.services import Services
 
@@ -98,6 +114,87 @@ def cluster_collector(
     return collector
 
 
+def metrics_history(
+    services: Services, jobs: JobManager, nodes: Callable[[], Sequence[Mapping[str, Any]]]
+) -> MetricsHistory:
+    """The dashboard's history, fed by the follower (tokens) and the Prometheus metrics (time
+    to first token); :meth:`MetricsHistory.run` samples it."""
+    history = MetricsHistory(
+        HistorySources(
+            queue_depth=lambda: sum(jobs.queue.depths().values()),
+            nodes=lambda: node_points(services, nodes()),
+        ),
+        interval=services.settings.metrics_history_interval,
+    )
+    history.count_after(services.app.position())  # what is older is history, not news
+    services.follower.add_event_listener(history.on_event)
+    metrics = services.extras.get("metrics")
+    if isinstance(metrics, PrometheusMetrics):
+        metrics.first_token_observers.append(history.observe_time_to_first_token)
+    services.extras["history"] = history
+    return history
+
+
+def node_points(services: Services, rows: Sequence[Mapping[str, Any]]) -> list[NodePoint]:
+    """Each node that may take work now (neither offline nor revoked): its busy slots, CPU use
+    and devices' memory, as its latest heartbeat tells them."""
+    live = services.live.all()
+    points = []
+    for row in rows:
+        if row.get("revoked") or row.get("state") == NodeState.OFFLINE.value:
+            continue
+        beat = live.get(str(row["node_id"]))
+        telemetry = beat.telemetry if beat is not None else None
+        cpu = (telemetry or {}).get("cpu_percent")
+        devices = device_views(dict(row.get("resources") or {}), telemetry)
+        points.append(
+            NodePoint(
+                node_id=str(row["node_id"]),
+                name=str(row.get("name") or ""),
+                busy_slots=len(row.get("current_jobs") or ()),
+                slots=int(row.get("slots") or 0),
+                cpu_percent=float(cpu) if cpu is not None else None,
+                devices=tuple(
+                    DevicePoint(d["name"], d["memory_total_bytes"], d["memory_free_bytes"])
+                    for d in devices
+                ),
+            )
+        )
+    return points
+
+
+@get(
+    "/api/admin/metrics/history",
+    tags=["admin"],
+    summary="The dashboard's charts: samples of tokens/s, time to first token, queue depth "
+    "and each node's slots and device memory (the last hour at the default interval)",
+    guards=[admin_guard],
+    security=[{"BearerAuth": []}],
+    operation_class=ApiOperation,
+    responses={
+        **success(MetricsHistoryView, "The samples kept, oldest first"),
+        **errors(400, *ADMIN_KEY_ERRORS, 503),
+    },
+)
+async def metrics_history_view(
+    state: State,
+    since: Annotated[
+        float | None,
+        Parameter(ge=0, description="Only the samples taken after this unix time"),
+    ] = None,
+) -> dict[str, Any]:
+    svc: Services = state.services
+    history = svc.extras.get("history")
+    if not isinstance(history, MetricsHistory):
+        raise not_running("the metrics history is not kept on this controller")
+    return {
+        "object": "list",
+        "interval_seconds": history.interval,
+        "points": history.points,
+        "data": [dataclasses.asdict(s) for s in history.samples(since)],
+    }
+
+
 @get(
     "/metrics",
     tags=["operations"],
@@ -142,8 +239,8 @@ async def dashboard() -> Response[bytes]:
 
 
 def operations_handlers() -> list[ControllerRouterHandler]:
-    """``/metrics``, ``/metrics/nodes``, ``/dashboard`` and its static files (a fresh router
-    per app)."""
+    """``/metrics``, ``/metrics/nodes``, ``/api/admin/metrics/history``, ``/dashboard`` and
+    its static files (a fresh router per app)."""
     static = create_static_files_router(
         path="/dashboard/static",
         directories=[STATIC_DIR],
@@ -151,7 +248,7 @@ def operations_handlers() -> list[ControllerRouterHandler]:
         include_in_schema=False,
         cache_control=CacheControlHeader(no_cache=True),
     )
-    return [metrics, node_metrics, dashboard, static]
+    return [metrics, node_metrics, metrics_history_view, dashboard, static]
 
 
 def _store_position(services: Services) -> int:
