@@ -24,11 +24,12 @@ from agent.agent_config import (
     MissingEnrollmentToken,
     parse_controller_url,
 )
+from agent.controller_probe import ControllerIsHttp, http_status_line
 from agent.controller_tls import (
     ControllerNotVerified,
     PinnedCa,
+    checked_token,
     fetch_pinned_ca,
-    token_ca_fingerprint,
     trusted_server_name,
     verified_server_name,
 )
@@ -45,6 +46,9 @@ CONNECTION_HINT = (
     "gRPC connection refused: controller unreachable or control port blocked — verify "
     "controller availability, address, TLS settings and firewall rules"
 )
+
+#: What gRPC says of a certificate it could not verify (OpenSSL's reason).
+CERTIFICATE_REFUSED = "CERTIFICATE_VERIFY_FAILED"
 
 # Enroll answers that retrying cannot fix.
 ENROLL_REFUSED_CODES = frozenset(
@@ -143,20 +147,46 @@ class ControllerChannel:
         await channel.close(None)
 
     async def _retry_pause(self, what: str, error: ConnectionLost) -> None:
-        """One line per failed attempt (with the troubleshooting hint), then back off."""
+        """One line per failed attempt (with the troubleshooting hint), then back off. An
+        address that answers HTTP is not the control channel, and waiting will not make it
+        one: :class:`ControllerIsHttp`, at once."""
+        target = self._target
+        if error.unreachable and target is not None:
+            status = await asyncio.to_thread(http_status_line, target.host, target.port)
+            if status is not None:
+                raise ControllerIsHttp(target.url, target.host, status)
         self.failed_attempts += 1
         delay = self._backoff.next_delay()
-        url = self._target.url if self._target else "?"
         log.warning(
             "%s attempt %d failed: %s; retrying in %.2fs — %s (%s)",
             what,
             self._backoff.attempt,
-            error.reason,
+            self._explained(error.reason),
             delay,
             CONNECTION_HINT,
-            url,
+            target.url if target else "?",
         )
         await asyncio.sleep(delay)
+
+    def _explained(self, reason: str) -> str:
+        """``reason``, and what a certificate the agent could not verify means here."""
+        if CERTIFICATE_REFUSED not in reason:
+            return reason
+        if self._pinned is not None:
+            why = (
+                "the controller did not present the CA pinned at enrollment: a controller "
+                "set up anew has a new CA (enroll again with a token it mints), or this "
+                "address is another controller's"
+            )
+        elif self.config.tls_ca_file is not None:
+            why = f"the controller's certificate does not chain to {self.config.tls_ca_file}"
+        else:
+            why = (
+                "the controller's certificate is not trusted: the enrollment token names no CA "
+                "to pin (a token from a controller without TLS?); use a token this controller "
+                "mints, or pass --tls-ca-file"
+            )
+        return f"{why} ({reason})"
 
     # -- enrollment ---------------------------------------------------------------------
 
@@ -234,9 +264,10 @@ class ControllerChannel:
     async def _pin_controller_ca(self, token: str) -> None:
         """Pins the CA the token names, from the chain the controller presents (retried
         while the controller cannot be reached; a controller that presents another CA is
-        fatal: :class:`TlsPinMismatch`)."""
+        fatal: :class:`TlsPinMismatch`). A garbled or truncated token is fatal first, before
+        anything is sent: :class:`MalformedEnrollmentToken`."""
         assert self._target is not None
-        fingerprint = token_ca_fingerprint(token)
+        fingerprint = checked_token(token).ca_fingerprint
         if not self._target.secure or fingerprint is None or self.config.tls_ca_file:
             return
         target = self._target

@@ -1,4 +1,6 @@
-"""Pinning the controller's certificate authority at enrollment, and verifying the controller.
+"""Pinning the controller's certificate authority at enrollment, and verifying the controller;
+the enrollment token the CA comes from is checked for form first (a garbled or truncated one
+is named as such, and sent nowhere).
 
 An enrollment token carries the sha256 fingerprint of the controller's CA (its ``ca`` claim).
 Before enrolling, the agent opens one TLS connection to the controller without verifying it,
@@ -20,21 +22,23 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
 import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from agent.agent_config import AgentError
+from agent.agent_config import AgentError, ConfigError
 from proto import CONTROLLER_TLS_NAME
+from proto.enrollment_token_form import TokenFields, TokenFormError, read_token
 from proto.transfer_ticket import NODE_TLS_NAME_PREFIX
 
 #: What to check when the controller cannot be verified (part of every refusal's message).
 TLS_HINT = "check the controller address and TLS settings"
+
+
+class MalformedEnrollmentToken(ConfigError):
+    """The enrollment token is garbled or cut short: no controller would take it."""
 
 
 class TlsPinMismatch(AgentError):
@@ -71,19 +75,26 @@ def trusted_server_name(name: str, host: str) -> bool:
     return name in controller_names(host)
 
 
-def token_ca_fingerprint(token: str) -> str | None:
-    """The ``ca`` claim of an enrollment token (None: absent, or not a dacp1 token). The
-    agent cannot check the token's signature (the controller does); a forged fingerprint
-    only makes the pin fail."""
-    parts = token.strip().split(".")
-    if len(parts) != 3:
-        return None
+def checked_token(token: str) -> TokenFields:
+    """The claims of an enrollment token whose form is whole, read before the token goes
+    anywhere (the agent cannot check its signature: the controller does). Raises
+    :class:`MalformedEnrollmentToken` for a garbled or truncated one."""
     try:
-        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
-    except (binascii.Error, ValueError):
+        return read_token(token)
+    except TokenFormError as e:
+        raise MalformedEnrollmentToken(
+            f"the enrollment token is malformed or truncated: {e}; copy it again whole, or "
+            "mint a new one (dacp token create)"
+        ) from None
+
+
+def token_ca_fingerprint(token: str) -> str | None:
+    """The ``ca`` claim of an enrollment token (None: absent, or not a whole token). A forged
+    fingerprint only makes the pin fail."""
+    try:
+        return read_token(token).ca_fingerprint
+    except TokenFormError:
         return None
-    ca = claims.get("ca") if isinstance(claims, dict) else None
-    return ca if isinstance(ca, str) and ca else None
 
 
 def _chain_der(tls: ssl.SSLSocket) -> list[bytes]:
@@ -117,9 +128,10 @@ def fetch_pinned_ca(host: str, port: int, fingerprint: str, timeout: float) -> P
             pem = ssl.DER_cert_to_PEM_cert(der)
             return PinnedCa(pem, verified_server_name(host, port, pem, timeout))
     raise TlsPinMismatch(
-        f"the controller at {host}:{port} did not present the CA named by the enrollment "
-        f"token (sha256 {fingerprint[:16]}…; it presented {len(chain)} certificate(s)): "
-        f"{TLS_HINT}, and that the token comes from this controller"
+        f"the controller at {host}:{port} did not present the CA the enrollment token names "
+        f"(sha256 {fingerprint[:16]}…; it presented {len(chain)} certificate(s)): the token "
+        f"comes from another controller, perhaps (mint one on this controller: dacp token "
+        f"create); else {TLS_HINT}"
     )
 
 

@@ -22,10 +22,14 @@ from agent.agent_config import (
 )
 from agent.control_client import AgentSession
 from agent.control_handler import Send
+from domain.enrollment_token import mint_token
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
 
-GOOD_TOKEN = "good-enrollment-token"
+#: Well-formed tokens (the agent checks a token's form before it sends it anywhere), signed
+#: with a secret of the fake's own; it takes the first and refuses the second.
+GOOD_TOKEN = mint_token(b"fake-controller-secret", "good", 4e9, False, None)
+REFUSED_TOKEN = mint_token(b"fake-controller-secret", "refused", 4e9, False, None)
 REFUSED_MESSAGE = "enrollment token is invalid or expired"
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 

@@ -44,6 +44,7 @@ from tests.integration.fake_control_plane import (
     CLOSE,
     GOOD_TOKEN,
     REFUSED_MESSAGE,
+    REFUSED_TOKEN,
     FakeControlPlane,
     Outbound,
     RecordingHandler,
@@ -155,7 +156,9 @@ async def test_refused_token_raises_enrollment_refused(
     tmp_path: Path, fake: FakeControlPlane, controller_url: str
 ) -> None:
     handler = RecordingHandler()
-    session = AgentSession(make_config(tmp_path, controller_url, enrollment_token="wrong"), handler)
+    session = AgentSession(
+        make_config(tmp_path, controller_url, enrollment_token=REFUSED_TOKEN), handler
+    )
     with pytest.raises(EnrollmentRefused) as refused:
         await asyncio.wait_for(session.run(), timeout=10)
     assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -445,7 +448,7 @@ async def test_cli_refused_token_exits_2(
         f"grpc://{controller_url}",
         "--insecure",
         "--enrollment-token",
-        "wrong",
+        REFUSED_TOKEN,
         "--data-dir",
         str(tmp_path / "agent-data"),
         "--advertise-address",
@@ -462,7 +465,7 @@ async def test_cli_refused_token_exits_2(
     errors = [ln for ln in stderr.decode().splitlines() if ln.startswith("node-agent: error:")]
     assert len(errors) == 1, stderr.decode()
     assert "enrollment refused" in errors[0] and REFUSED_MESSAGE in errors[0]
-    assert [r.enrollment_token for r in fake.enroll_requests] == ["wrong"]
+    assert [r.enrollment_token for r in fake.enroll_requests] == [REFUSED_TOKEN]
 
 
 async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(

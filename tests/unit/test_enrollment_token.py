@@ -207,6 +207,12 @@ def test_expired_token() -> None:
     assert verify_token(SECRET, t, NOW - 0.001, None).token_id == "tok-1"
 
 
+def test_expiry_is_shown_as_an_iso_time() -> None:
+    with pytest.raises(ExpiredTokenError) as info:
+        verify_token(SECRET, token(expires_at=1_796_472_000), 1_796_472_060, None)
+    assert "expired at 2026-12-05T12:00:00Z (now 2026-12-05T12:01:00Z)" in info.value.message
+
+
 def test_bad_signature_checked_before_expiry() -> None:
     with pytest.raises(BadSignatureError):
         verify_token(OTHER_SECRET, token(expires_at=NOW - 10), NOW, None)
