@@ -33,6 +33,32 @@ from agent.server_spec import DEFAULT_SERVER_VERBOSITY, ServerSpec
 
 log = logging.getLogger(__name__)
 
+#: llama-server's readiness endpoint: polled several times a second while a model loads.
+HEALTH_PATH = "/health"
+#: The logger httpx logs every request on, at INFO.
+HTTPX_LOGGER = "httpx"
+
+
+class HealthPollsAtDebug(logging.Filter):
+    """httpx logs every request at INFO: its lines for ``/health`` polls go out at DEBUG (shown
+    only when the agent logs at DEBUG); the others are left as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        url = args[1] if len(args) > 1 else None  # 'HTTP Request: %s %s "%s %d %s"'
+        if record.levelno != logging.INFO or getattr(url, "path", None) != HEALTH_PATH:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_HEALTH_POLLS = HealthPollsAtDebug()
+
+
+def log_health_polls_at_debug() -> None:
+    """Installs :class:`HealthPollsAtDebug` on httpx's logger (once, however often called)."""
+    logging.getLogger(HTTPX_LOGGER).addFilter(_HEALTH_POLLS)
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -168,7 +194,7 @@ class LlamaServer(ManagedChild):
     def health(self, timeout: float = 2.0) -> bool:
         """True when ``/health`` answers 200 (the model is loaded)."""
         try:
-            response = httpx.get(f"{self.base_url}/health", timeout=timeout)
+            response = httpx.get(f"{self.base_url}{HEALTH_PATH}", timeout=timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -203,7 +229,7 @@ class LlamaServer(ManagedChild):
                 if not self.alive:
                     raise self._start_failure(f"{describe_exit(self.exit_code)} during startup")
                 try:
-                    if client.get(f"{self.base_url}/health").status_code == 200:
+                    if client.get(f"{self.base_url}{HEALTH_PATH}").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
