@@ -35,6 +35,9 @@ DEFAULT_TRANSFER_PORT = 50053
 #: controller gives a server as many slots as the nodes' memory holds, up to this cap.
 DEFAULT_SLOTS = 4
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
+#: How long a stopping agent (its first SIGINT/SIGTERM) lets its running jobs finish before it
+#: stops with them (s): ``--drain-timeout``, env DACP_DRAIN_TIMEOUT; 0 stops it at once.
+DEFAULT_DRAIN_TIMEOUT = 60.0
 # Inventory labels the agent sets itself (SLOTS_LABEL, MEMORY_LIMIT_LABEL: see proto).
 RESERVED_LABELS = frozenset({SLOTS_LABEL, MEMORY_LIMIT_LABEL, TRANSFER_PORT_LABEL})
 
@@ -185,6 +188,8 @@ class AgentConfig:
     #: machine's (agent/llama_backend.py); with ``llama_bin_dir``, that build's backend.
     llama_backend: str = ""
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
+    #: How long the first stop signal lets running jobs finish (0: the agent stops at once).
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls_ca_file: Path | None = None
     #: A plaintext control channel (``--insecure``/GRPC_INSECURE=true); TLS otherwise.
     insecure: bool = False

@@ -11,6 +11,13 @@ Life of a session (:class:`AgentSession`), logged on every change of the local s
   ``Heartbeat`` every heartbeat interval, re-send the report when the inventory or the models
   change, and hand every downlink message to the :class:`ControlHandler`.
 
+Stopping (:meth:`AgentSession.on_signal`): the first SIGINT/SIGTERM/SIGHUP drains the agent.
+It tells the controller (``Stopping``: the node takes no new job, and the agent refuses any
+plan still on its way), lets its running jobs finish, at most ``drain_timeout``, then says
+``Goodbye`` (why: drained, or the drain timed out and the jobs left are lost) and stops. A
+second signal stops it at once, its jobs lost; :attr:`AgentSession.exit_code` is then 128 +
+the signal's number.
+
 A lost or unreachable controller sends the session back to ``REGISTERING`` and it retries with
 capped exponential backoff and full jitter, printing one line per failed attempt. Nothing a job
 sent is lost meanwhile: token chunks and results go to the :class:`JobJournal` first, and the
@@ -70,6 +77,10 @@ log = logging.getLogger(__name__)
 
 #: How long a stopping agent waits for the controller to hear its goodbye (s).
 GOODBYE_TIMEOUT = 2.0
+#: How often a draining agent looks whether its jobs have ended (s).
+DRAIN_POLL_INTERVAL = 0.1
+#: Why the agent stops, when nothing more is known (``stop()``, no drain).
+GOODBYE_REASON = "the agent is stopping"
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
@@ -136,6 +147,13 @@ class AgentSession(ControllerChannel, JobTraffic):
         self._main_task: asyncio.Task[Any] | None = None
         self._stop_requested = False
         self._closed = False
+        #: The first stop signal's drain (None: none asked for); while it runs, plans are refused.
+        self._drain_task: asyncio.Task[None] | None = None
+        self.draining = False
+        #: What the Goodbye says (why the agent stops).
+        self.goodbye_reason = GOODBYE_REASON
+        #: The process's exit status: 0, or 128 + the number of a second stop signal.
+        self.exit_code = 0
 
     # -- state -------------------------------------------------------------------------
 
@@ -205,6 +223,81 @@ class AgentSession(ControllerChannel, JobTraffic):
         ):
             task.cancel()
 
+    def on_signal(self, signum: int) -> None:
+        """A stop signal (safe from a signal handler): the first one drains the session
+        (:meth:`_drain`; at once with no drain timeout), a second one stops it at once."""
+        name = _signal_name(signum)
+        if self._stop_requested:
+            log.info("%s: the agent is stopping already", name)
+            return
+        if self.draining:
+            running = self._running_jobs()
+            log.warning(
+                "%s again: stopping at once; %d job(s) still running are lost", name, len(running)
+            )
+            self.goodbye_reason = (
+                f"stopped at once by a second signal ({name}) with {len(running)} job(s) running"
+            )
+            self.exit_code = 128 + signum
+            self.request_stop()
+            return
+        if self.config.drain_timeout <= 0:
+            self.goodbye_reason = f"stopped by {name} without a drain (drain timeout 0)"
+            self.request_stop()
+            return
+        self.draining = True
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(name))
+
+    def _running_jobs(self) -> list[str]:
+        try:
+            return list(self.handler.active_job_ids())
+        except Exception:
+            log.exception("handler.active_job_ids() failed")
+            return []
+
+    async def _drain(self, name: str) -> None:
+        """Lets the running jobs finish, at most ``drain_timeout``, then stops the session
+        (its Goodbye says how the drain ended)."""
+        timeout = self.config.drain_timeout
+        running = self._running_jobs()
+        log.warning(
+            "%s: draining: the agent stops once its %d running job(s) end, at most %g s "
+            "(--drain-timeout); no new job is taken; a second signal stops it at once",
+            name,
+            len(running),
+            timeout,
+        )
+        self._send_stopping()
+        try:
+            async with asyncio.timeout(timeout):
+                while self._running_jobs():
+                    await asyncio.sleep(DRAIN_POLL_INTERVAL)
+            self.goodbye_reason = f"drained ({len(running)} job(s) finished)"
+            log.info("drained: no job is running; stopping")
+        except TimeoutError:
+            left = self._running_jobs()
+            self.goodbye_reason = (
+                f"its drain timed out after {timeout:g} s with {len(left)} job(s) running"
+            )
+            log.warning(
+                "the drain timed out after %g s: stopping; %d job(s) still running are lost",
+                timeout,
+                len(left),
+            )
+        self.request_stop()
+
+    def _send_stopping(self) -> None:
+        """Tells the controller the agent drains (on the current stream, if any; a new
+        stream's Welcome sends it again)."""
+        conn = self._conn
+        if conn is None or not self.draining:
+            return
+        stopping = pb.Stopping(
+            drain_timeout_seconds=self.config.drain_timeout,
+            running_job_ids=self._running_jobs(),
+        )
+        conn.queue.put_nowait(pb.AgentMessage(stopping=stopping))
+
     async def stop(self) -> None:
         """Stop: cancel the tasks, close the channel, await ``handler.close()``."""
         self.request_stop()
@@ -218,6 +311,8 @@ class AgentSession(ControllerChannel, JobTraffic):
         if self._closed:
             return
         self._closed = True
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         tasks = list(self._dispatch_tasks)
         for task in tasks:
             task.cancel()
@@ -345,6 +440,7 @@ class AgentSession(ControllerChannel, JobTraffic):
         # Before anything else goes out on the new stream: what the controller missed.
         self._resume_jobs(conn, welcome)
         self._conn = conn
+        self._send_stopping()  # still draining: the node takes no new job over this stream
         # The last known resources go out at once; _resource_loop re-checks them right away
         # (hashing a model copied in while disconnected must not delay the heartbeats).
         assert self._resources is not None
@@ -363,7 +459,7 @@ class AgentSession(ControllerChannel, JobTraffic):
         that awaits the call cancels the call."""
         for task in loops:  # nothing more is queued after the goodbye
             task.cancel()
-        goodbye = pb.AgentMessage(goodbye=pb.Goodbye(reason="the agent is stopping"))
+        goodbye = pb.AgentMessage(goodbye=pb.Goodbye(reason=self.goodbye_reason))
         conn.queue.put_nowait(goodbye)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(GOODBYE_TIMEOUT):
@@ -448,9 +544,17 @@ async def _call_ended(
 # ---------------------------------------------------------------------------
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _install_signal_handlers(session: AgentSession) -> list[signal.Signals]:
-    """SIGINT/SIGTERM/SIGHUP stop the session where the loop supports it (not on Windows,
-    where Ctrl+C arrives as KeyboardInterrupt and asyncio.run cancels the session instead)."""
+    """SIGINT/SIGTERM/SIGHUP drain the session, a second one stops it at once
+    (:meth:`AgentSession.on_signal`), where the loop supports it (not on Windows, where Ctrl+C
+    arrives as KeyboardInterrupt and asyncio.run cancels the session instead)."""
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
@@ -458,7 +562,7 @@ def _install_signal_handlers(session: AgentSession) -> list[signal.Signals]:
         if sig is None:
             continue
         try:
-            loop.add_signal_handler(sig, session.request_stop)
+            loop.add_signal_handler(sig, session.on_signal, int(sig))
         except (NotImplementedError, RuntimeError, ValueError, AttributeError):
             continue
         installed.append(sig)
@@ -471,12 +575,14 @@ async def run_agent(
     *,
     install_signal_handlers: bool = True,
     jitter: Jitter | None = None,
-) -> None:
-    """Run one agent session until SIGINT/SIGTERM (or a fatal :class:`AgentError`)."""
+) -> int:
+    """Run one agent session until SIGINT/SIGTERM (or a fatal :class:`AgentError`); returns
+    the exit status (:attr:`AgentSession.exit_code`)."""
     session = AgentSession(config, handler, jitter=jitter)
     installed = _install_signal_handlers(session) if install_signal_handlers else []
     try:
         await session.run()
+        return session.exit_code
     finally:
         loop = asyncio.get_running_loop()
         for sig in installed:

@@ -24,7 +24,7 @@ from agent.control_handler import (
     worker_status,
 )
 from agent.job_journal import JobJournal
-from agent.job_messages import JOB_LOST
+from agent.job_messages import AGENT_STOPPING, JOB_LOST
 from agent.model_proof import prove
 from agent.model_transfers import ModelTransfers
 from proto import control_pb2 as pb
@@ -46,6 +46,8 @@ class JobTraffic:
     transfers: ModelTransfers
     _conn: Connection | None
     _dispatch_tasks: set[asyncio.Task[None]]
+    #: The agent is stopping (its drain): new work is refused, running jobs go on.
+    draining: bool
 
     def _resume_jobs(self, conn: Connection, welcome: pb.Welcome) -> None:
         """Re-sends what the controller lacks of the jobs it still waits for; cancels the
@@ -100,7 +102,9 @@ class JobTraffic:
         handler = self.handler
         send = self.send
         coro: Coroutine[Any, Any, None]
-        if kind == "execution_plan":
+        if self.draining and kind in ("execution_plan", "start_rpc_worker"):
+            coro = self._refuse_while_draining(message)
+        elif kind == "execution_plan":
             coro = handler.on_plan(message.execution_plan, send)
         elif kind == "start_rpc_worker":
             coro = handler.on_start_rpc_worker(message.start_rpc_worker, send)
@@ -145,6 +149,20 @@ class JobTraffic:
         task = asyncio.create_task(self._run_handler(kind, message, coro))
         self._dispatch_tasks.add(task)
         task.add_done_callback(self._dispatch_tasks.discard)
+
+    async def _refuse_while_draining(self, message: pb.ControllerMessage) -> None:
+        """New work that was on its way when the agent began to drain: the controller plans
+        it elsewhere."""
+        error = "the node is stopping (its agent drains)"
+        if message.WhichOneof("payload") == "execution_plan":
+            plan = message.execution_plan
+            log.info("refusing job %s: %s", plan.job_id, error)
+            await self.send(setup_failure(plan.job_id, role_name(plan.role), error, AGENT_STOPPING))
+        else:
+            start = message.start_rpc_worker
+            log.info("refusing the RPC worker of job %s: %s", start.job_id, error)
+            failed = pb.RpcWorkerStatus.FAILED
+            await self.send(worker_status(start.job_id, failed, start.host, start.port, error))
 
     def _nodes_revoked(self, node_ids: Sequence[str]) -> None:
         """Revoked nodes: refused by the model file server and the RPC worker at once."""

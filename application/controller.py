@@ -269,6 +269,16 @@ class Controller(Application[UUID]):
     def mark_offline(self, node_id: UUID | str, reason: str) -> int:
         return self._node_lost(node_id, lambda n: n.go_offline(reason), reason)
 
+    def mark_stopping(self, node_id: UUID | str, drain_timeout_seconds: float) -> int:
+        """NODE_STOPPING: the node's agent drains before it stops; no new job goes to it."""
+        return self._node_command(node_id, lambda n: n.stop_draining(drain_timeout_seconds))
+
+    def mark_stopped(self, node_id: UUID | str, reason: str) -> int:
+        """NODE_STOPPED: the node's agent said goodbye; the jobs it still held fail with it."""
+        return self._node_lost(
+            node_id, lambda n: n.stopped(reason), f"its agent stopped ({reason})"
+        )
+
     def report_node_error(self, node_id: UUID | str, message: str) -> int:
         return self._node_lost(node_id, lambda n: n.report_error(message), message)
 
@@ -757,6 +767,10 @@ class Controller(Application[UUID]):
 
     def fail(self, job_id: UUID | str, reason: str, error_code: str = "") -> int:
         return self._ending(job_id, lambda j: j.fail(reason, error_code), "failed")
+
+    def reject(self, job_id: UUID | str, reason: str, error_code: str) -> int:
+        """Ends the job as the client's error (JOB_REJECTED)."""
+        return self._ending(job_id, lambda j: j.reject(reason, error_code), "rejected")
 
     def cancel(self, job_id: UUID | str, reason: str) -> int:
         return self._ending(job_id, lambda j: j.cancel(reason), "cancelled")

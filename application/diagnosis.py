@@ -78,6 +78,22 @@ MODEL_CLAIM = Hint(
     "file in the node's --models-dir); a damaged or different file: remove it and let the node "
     "fetch the model again (dacp models pull).",
 )
+NODE_LOST = Hint(
+    "node_lost",
+    "Node lost during execution",
+    "The node's agent or machine went away while the job ran on it alone (a crash, a kill, "
+    "a power or network loss): no RPC worker was involved.",
+    "Read the node's agent log (or its service's journal) around the time; restart the agent. "
+    "Stop agents with one SIGINT/SIGTERM: they drain their jobs first.",
+)
+AGENT_STOPPED = Hint(
+    "agent_stopped",
+    "Agent stopped with jobs running",
+    "The node's agent was stopped on purpose, but its jobs did not finish first: its drain "
+    "timed out (--drain-timeout), or a second signal stopped it at once.",
+    "Give the agent a longer --drain-timeout (DACP_DRAIN_TIMEOUT; and the service manager a "
+    "longer stop timeout), or drain the node first (dacp nodes drain) and stop it once idle.",
+)
 #: The product document's troubleshooting table (AGENT_PROTOCOL and the rest are ours).
 TROUBLESHOOTING: tuple[Hint, ...] = (
     CONTROLLER_UNREACHABLE,
@@ -135,6 +151,8 @@ _CONTROLLER = (
 )
 #: Node events that mean the node left service (a job failing after one is explained by it).
 _LOSS_CODES = frozenset({"HEARTBEAT_TIMEOUT", "NODE_OFFLINE", "NODE_ERROR"})
+#: The agent stopped on purpose (a finding only when it lost jobs: a clean stop is routine).
+_STOP_CODES = frozenset({"NODE_STOPPED"})
 #: Node events that are troubles without losing the node.
 _TROUBLE_CODES = frozenset(
     {
@@ -194,15 +212,33 @@ def _lost_while(
     return False
 
 
+def had_rpc_workers(job: Mapping[str, Any]) -> bool:
+    """Whether the job really ran with RPC workers: more nodes than its primary (its
+    ``nodes``), or workers in its plan."""
+    plan = job.get("plan")
+    workers = plan.get("workers") if isinstance(plan, Mapping) else None
+    return len(job.get("nodes") or []) > 1 or bool(workers)
+
+
+def _stopped_with(node_events: Sequence[Mapping[str, Any]], job_id: Any) -> bool:
+    """Whether the node's agent stopped on purpose while the job ran (it lists it lost)."""
+    return any(
+        e.get("code") in _STOP_CODES and job_id in ((e.get("payload") or {}).get("lost_jobs") or [])
+        for e in node_events
+    )
+
+
 def classify_job_failure(
     job: Mapping[str, Any], node_events: Sequence[Mapping[str, Any]] = ()
 ) -> Hint | None:
     """The troubleshooting row for a failed job (a read-model ``jobs`` row).
 
-    Losing a node *during execution* is a broken runtime peer (the RPC row); losing it
-    *before* execution is the control channel (the controller row) unless the reason names
-    a worker, memory or a peer address. ``node_events`` (timeline entries of the node that
-    ran it) explain failures whose reason names nothing of the kind.
+    A job lost because its node's agent was stopped (NODE_STOPPED lists it) is that stop.
+    Losing a node *during execution* is a broken runtime peer (the RPC row) when the job had
+    RPC workers, else the node itself; losing it *before* execution is the control channel
+    (the controller row) unless the reason names a worker, memory or a peer address.
+    ``node_events`` (timeline entries of the node that ran it) explain failures whose reason
+    names nothing of the kind.
     """
     reason = str(job.get("failure_reason") or "")
     code = str(job.get("error_code") or "")
@@ -212,15 +248,19 @@ def classify_job_failure(
         return OUT_OF_MEMORY
     if _has(text, _SECURITY):
         return PUBLIC_PEER
+    if _stopped_with(node_events, job.get("job_id")):
+        return AGENT_STOPPED
     if _has(text, _RPC_WORKER):
         return RPC_WORKER_LOST
     lost_node = _lost_while(node_events, job.get("submitted_at"), job.get("ended_at"))
     if phase == "execution" and (_has(text, _LOST) or lost_node):
-        return RPC_WORKER_LOST
+        return RPC_WORKER_LOST if had_rpc_workers(job) else NODE_LOST
     if _has(text, _CONTROLLER):
         return CONTROLLER_UNREACHABLE
     if lost_node:
-        return CONTROLLER_UNREACHABLE if phase == "setup" else RPC_WORKER_LOST
+        if phase == "setup":
+            return CONTROLLER_UNREACHABLE
+        return RPC_WORKER_LOST if had_rpc_workers(job) else NODE_LOST
     return None
 
 
@@ -241,10 +281,44 @@ def classify_node_event(entry: Mapping[str, Any]) -> Hint | None:
     if code == "NODE_OFFLINE":
         # OFFLINE means no controller connection or heartbeat, whatever the wording.
         return classify_text(str(payload.get("reason", ""))) or CONTROLLER_UNREACHABLE
+    if code == "NODE_STOPPED":
+        # Stopped on purpose: nothing to check about the network, unless jobs were lost.
+        return AGENT_STOPPED if payload.get("lost_jobs") else None
     if code == "NODE_ERROR":
         return classify_text(str(payload.get("message", "")))
     if code == "RPC_WORKER_STOPPED":
         return classify_text(str(payload.get("reason", "")))
+    return None
+
+
+#: How a node last left service, by the event that says so.
+_EXITS = {
+    "NODE_STOPPED": "stopped",
+    "NODE_OFFLINE": "lost",
+    "NODE_ERROR": "failed",
+    "NODE_REVOKED": "revoked",
+}
+
+
+def last_exit(events: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """How the node last left service (None: it never did): ``stopped cleanly`` (its agent
+    drained and said goodbye), ``stopped, N job(s) lost`` (its drain timed out, or a second
+    signal), ``lost`` (a crash, a kill, the network: no goodbye), ``failed`` or ``revoked``."""
+    for entry in reversed(events):
+        code = str(entry.get("code"))
+        how = _EXITS.get(code)
+        if how is None:
+            continue
+        lost = list((entry.get("payload") or {}).get("lost_jobs") or [])
+        if code == "NODE_STOPPED":
+            how = f"stopped, {len(lost)} job(s) lost" if lost else "stopped cleanly"
+        return {
+            "code": code,
+            "how": how,
+            "time": entry.get("time"),
+            "lost_jobs": lost,
+            "summary": entry.get("summary", ""),
+        }
     return None
 
 
@@ -320,10 +394,10 @@ def node_findings(events: Sequence[Mapping[str, Any]], *, window: int = 50) -> l
     found: dict[tuple[str, str | None], dict[str, Any]] = {}
     for entry in events[-window:] if window > 0 else events:
         code = str(entry.get("code"))
-        if code not in _LOSS_CODES | _TROUBLE_CODES:
+        if code not in _LOSS_CODES | _TROUBLE_CODES | _STOP_CODES:
             continue
         hint = classify_node_event(entry)
-        if hint is None and code == "RPC_WORKER_STOPPED":
+        if hint is None and code in ("RPC_WORKER_STOPPED", *_STOP_CODES):
             continue  # an orderly stop
         key = (code, hint.key if hint else None)
         seen = found.get(key)
@@ -393,6 +467,7 @@ def diagnose(
         "failures_before_execution": sum(1 for r in reports if r["phase"] == "setup"),
         "failures_during_execution": sum(1 for r in reports if r["phase"] == "execution"),
         "failure_pattern": _pattern(phases) if reports else "no failed jobs",
+        "last_exit": last_exit(events),
         "findings": node_findings(events),
         "transfers": [
             {**t, "line": transfer_line(t)} for t in transfer_history(events)[:TRANSFERS_SHOWN]

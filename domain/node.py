@@ -31,6 +31,9 @@ class Node(Aggregate):
 
     #: Set by NODE_REVOKED, for good (a class default, so snapshots older than it load).
     revoked: bool = False
+    #: Set by NODE_STOPPING: its agent drains before it stops (no new job); cleared when it
+    #: stops, goes offline, fails or is revoked (a class default, for older snapshots).
+    stopping: bool = False
 
     class Event(Aggregate.Event):
         """A node event; ``state`` is the node's state once the event has happened."""
@@ -86,6 +89,33 @@ class Node(Aggregate):
         lost_jobs: list[str]
 
         def evolve(self, node: Node) -> None:
+            node.stopping = False
+            node.jobs = []
+            node.rpc_workers = {}
+            node.runtime = None
+
+    class Stopping(Event):
+        """The node's agent was asked to stop (a signal) and drains: it takes no new job,
+        and says goodbye once its running jobs end, at most ``drain_timeout_seconds`` later."""
+
+        code: ClassVar[str] = "NODE_STOPPING"
+        drain_timeout_seconds: float
+        running_jobs: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.stopping = True
+
+    class Stopped(Event):
+        """The node's agent said goodbye: it stopped on purpose. Cleanly when ``lost_jobs`` is
+        empty; else the jobs it still held are lost (its drain timed out, or a second signal
+        stopped it at once), and ``reason`` says which."""
+
+        code: ClassVar[str] = "NODE_STOPPED"
+        reason: str
+        lost_jobs: list[str]
+
+        def evolve(self, node: Node) -> None:
+            node.stopping = False
             node.jobs = []
             node.rpc_workers = {}
             node.runtime = None
@@ -128,6 +158,7 @@ class Node(Aggregate):
         lost_jobs: list[str]
 
         def evolve(self, node: Node) -> None:
+            node.stopping = False
             node.error = self.message
             node.jobs = []
             node.rpc_workers = {}
@@ -180,6 +211,7 @@ class Node(Aggregate):
 
         def evolve(self, node: Node) -> None:
             node.revoked = True
+            node.stopping = False
             node.credential_sha256 = ""
             node.jobs = []
             node.rpc_workers = {}
@@ -338,11 +370,12 @@ class Node(Aggregate):
     # ----------------------------------------------------------------- queries
 
     def settled_state(self, *, jobs: int | None = None, drain: bool | None = None) -> NodeState:
-        """The in-service state that a job count and drain flag call for (default: current)."""
+        """The in-service state that a job count and drain flag call for (default: current).
+        A stopping node drains whatever the flag says."""
         return settled_state(
             len(self.jobs) if jobs is None else jobs,
             self.capacity,
-            self.drain_requested if drain is None else drain,
+            (self.drain_requested if drain is None else drain) or self.stopping,
         )
 
     def proofs(self) -> dict[str, dict[str, Any]]:
@@ -445,6 +478,31 @@ class Node(Aggregate):
             reason=reason,
             revoked_by=revoked_by,
             lost_jobs=list(self.jobs),
+        )
+
+    def stop_draining(self, drain_timeout_seconds: float) -> None:
+        """NODE_STOPPING: its agent stops once its jobs end (within the timeout); until then
+        the node drains (DRAINING while in service) and takes no new job."""
+        if self.revoked or self.state in (NodeState.OFFLINE, NodeState.REGISTERING):
+            raise self._refuse("stop", "the node is not in service")
+        if self.stopping:
+            raise self._refuse("stop", "it is stopping already")
+        if drain_timeout_seconds < 0:
+            raise InvalidCommand(f"invalid drain timeout {drain_timeout_seconds}")
+        state = NodeState.DRAINING if self.state in _IN_SERVICE else self.state
+        self.trigger_event(
+            self.Stopping,
+            state=state,
+            drain_timeout_seconds=drain_timeout_seconds,
+            running_jobs=list(self.jobs),
+        )
+
+    def stopped(self, reason: str) -> None:
+        """NODE_STOPPED: its agent said goodbye; the jobs it still holds are lost."""
+        if self.state == NodeState.OFFLINE:
+            raise self._refuse("stop", "already offline")
+        self.trigger_event(
+            self.Stopped, state=NodeState.OFFLINE, reason=reason, lost_jobs=list(self.jobs)
         )
 
     def recover(self, agent_version: str = "") -> None:
@@ -617,7 +675,7 @@ class Node(Aggregate):
         join them, up to the runtime's slots. With no job left it may switch runtime.
         """
         allowed = {NodeState.READY} | ({NodeState.DEGRADED} if allow_degraded else set())
-        if self.state not in allowed or self.drain_requested:
+        if self.state not in allowed or self.drain_requested or self.stopping:
             raise self._refuse("take a job", "it is not schedulable")
         if job_id in self.jobs:
             raise self._refuse("take a job", f"job {job_id} is already assigned")

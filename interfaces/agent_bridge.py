@@ -227,8 +227,11 @@ class JobUplink:
     async def on_node_disconnected(self, node_id: str) -> None:
         self.jobs.node_disconnected(node_id)
 
-    async def on_node_gone(self, node_id: str) -> None:
-        await self.jobs.node_gone(node_id)
+    async def on_node_gone(self, node_id: str, reason: str = "") -> None:
+        await self.jobs.node_gone(node_id, reason)
+
+    async def messages_handled(self) -> None:
+        await self.jobs.messages_handled()
 
     def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]:
         return self.jobs.resumed_jobs(node_id)

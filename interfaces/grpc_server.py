@@ -4,10 +4,12 @@ Each upstream message becomes an application command (run in a worker thread, si
 event store is synchronous); heartbeats only touch live state. Downstream messages for a
 node go through :class:`AgentConnections`, which any thread may call.
 
-A stream the agent ends with ``Goodbye`` (it stops) takes the node OFFLINE at once and its
-jobs with it. A stream that breaks (a reset, a keepalive timeout) takes nothing: the
-node's jobs wait for it to reconnect, which its ``Welcome`` then resumes (the agent re-sends
-what was lost), until the health sweep finds it silent for ``OFFLINE_AFTER``.
+An agent asked to stop first sends ``Stopping`` (NODE_STOPPING: the node drains, no new job
+goes to it), then, its jobs ended, ``Goodbye``. A stream the agent ends with ``Goodbye``
+takes the node OFFLINE at once (NODE_STOPPED) and the jobs it still holds with it. A stream
+that breaks (a reset, a keepalive timeout) takes nothing: the node's jobs wait for it to
+reconnect, which its ``Welcome`` then resumes (the agent re-sends what was lost), until the
+health sweep finds it silent for ``OFFLINE_AFTER``.
 
 What one caller may cost is bounded (docs/architecture.md, "The Connect stream" and "Bad
 messages from an agent"): a caller without credentials is answered from memory, within
@@ -101,6 +103,10 @@ REJECTION_BURST, REJECTION_RATE = 20, 2.0
 REPORT_INTERVAL = 1.0
 #: Per node: runtime faults recorded (fatal) or logged (a burst, then so many per second).
 FAULT_BURST, FAULT_RATE = 5, 0.2
+#: Why an agent stopped when its Goodbye does not say.
+GOODBYE_REASON = "the agent is stopping"
+#: How long a node's NODE_STOPPED waits for its NODE_STOPPING to be written (s).
+STOPPING_WRITE_TIMEOUT = 10.0
 #: ACCESS_REFUSED recorded in all, whatever the number of source addresses (a burst, then
 #: so many per second); the rest are counted in /metrics only.
 REFUSAL_RECORD_BURST, REFUSAL_RECORD_RATE = 30, 1.0
@@ -258,7 +264,11 @@ class UplinkHandler(Protocol):
 
     async def on_node_disconnected(self, node_id: str) -> None: ...
 
-    async def on_node_gone(self, node_id: str) -> None: ...
+    async def on_node_gone(self, node_id: str, reason: str = "") -> None:
+        """The node is lost for good (``reason``: why its agent stopped, when it said so)."""
+
+    async def messages_handled(self) -> None:
+        """Returns once the messages handed over so far are handled (or gave up waiting)."""
 
     def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]: ...
 
@@ -325,6 +335,10 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         self.hello_timeout = HELLO_TIMEOUT_SECONDS
         #: The nodes revoked so far (Welcome names them: file servers refuse them).
         self.revoked_nodes: Callable[[], list[str]] = list
+        #: Per node: why its agent said goodbye, until its stream's clean-up reads it.
+        self._goodbyes: dict[str, str] = {}
+        #: Per node: the write of its NODE_STOPPING, which its NODE_STOPPED must follow.
+        self._stopping: dict[str, asyncio.Future[None]] = {}
 
     # ----------------------------------------------------------------- Enroll
 
@@ -692,8 +706,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self._report_resources(node_id, resources, models)
         elif kind == "runtime_fault":
             self._fault(node_id, message.runtime_fault)
+        elif kind == "stopping":
+            self._stop_draining(node_id, message.stopping)
         elif kind == "goodbye":
-            log.info("node %s says goodbye: %s", node_id, message.goodbye.reason or "stopping")
+            reason = message.goodbye.reason or GOODBYE_REASON
+            log.info("node %s says goodbye: %s", node_id, reason)
+            self._goodbyes[node_id] = reason
             return False
         elif kind == "hello":
             self._reject(node_id, kind, Rejection("a second Hello on one stream"))
@@ -741,6 +759,19 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             self._cleanups.spawn(
                 self._command(self.app.report_resources, node_id, resources, models)
             )
+
+    def _stop_draining(self, node_id: str, stopping: pb.Stopping) -> None:
+        """The agent drains before it stops: NODE_STOPPING is recorded beside the message
+        loop (the running jobs' tokens go on meanwhile); the node's NODE_STOPPED waits for it."""
+        log.info(
+            "node %s is stopping: draining %d job(s), at most %g s",
+            node_id,
+            len(stopping.running_job_ids),
+            stopping.drain_timeout_seconds,
+        )
+        self._stopping[node_id] = self._cleanups.spawn(
+            self._command(self.app.mark_stopping, node_id, stopping.drain_timeout_seconds)
+        )
 
     def _fault(self, node_id: str, fault: pb.RuntimeFault) -> None:
         """A fatal fault is recorded (NODE_ERROR), another one logged: FAULT_BURST at once,
@@ -794,8 +825,12 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
 
     async def _on_stream_closed(self, node_id: str, said_goodbye: bool) -> None:
         """The stream is gone: each step runs even when an earlier one failed. An agent that
-        said goodbye is offline now; a broken stream leaves the node's jobs waiting for it
-        to reconnect (the health sweep takes it offline if it stays silent)."""
+        said goodbye is offline now: what it sent before (the results of the jobs it drained)
+        is handled first, then NODE_STOPPED (after its NODE_STOPPING) lists the jobs it still
+        held, lost, and their clients are told. A broken stream leaves the node's jobs waiting
+        for it to reconnect (the health sweep takes it offline if it stays silent)."""
+        reason = self._goodbyes.pop(node_id, GOODBYE_REASON)
+        stopping = self._stopping.pop(node_id, None)
         try:
             self.live.mark_connected(node_id, False, self.clock())
         except Exception:
@@ -804,7 +839,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             try:
                 await self.uplink.on_node_disconnected(node_id)
                 if said_goodbye:
-                    await self.uplink.on_node_gone(node_id)
+                    await self.uplink.messages_handled()
             except Exception:
                 log.exception("job clean-up after node %s disconnected failed", node_id)
         if not said_goodbye:
@@ -814,6 +849,13 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
             )
             return
         try:
-            await self._command(self.app.mark_offline, node_id, "control stream closed")
+            if stopping is not None:
+                await asyncio.wait({stopping}, timeout=STOPPING_WRITE_TIMEOUT)
+            await self._command(self.app.mark_stopped, node_id, reason)
         except Exception:
-            log.exception("could not record node %s offline; the health sweep will", node_id)
+            log.exception("could not record node %s stopped; the health sweep will", node_id)
+        if self.uplink is not None:
+            try:
+                await self.uplink.on_node_gone(node_id, reason)
+            except Exception:
+                log.exception("job clean-up after node %s stopped failed", node_id)

@@ -143,7 +143,7 @@ class EnrollResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[str] = ..., controller_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted", "model_proof")
+    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted", "model_proof", "stopping")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class AgentMessage(_message.Message):
     MODEL_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     MODEL_EVICTED_FIELD_NUMBER: _ClassVar[int]
     MODEL_PROOF_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     resource_report: ResourceReport
@@ -168,7 +169,8 @@ class AgentMessage(_message.Message):
     model_transfer: ModelTransfer
     model_evicted: ModelEvicted
     model_proof: ModelProof
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ..., model_proof: _Optional[_Union[ModelProof, _Mapping]] = ...) -> None: ...
+    stopping: Stopping
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ..., model_proof: _Optional[_Union[ModelProof, _Mapping]] = ..., stopping: _Optional[_Union[Stopping, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_version", "node_id", "csr_pem")
@@ -323,6 +325,14 @@ class Goodbye(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Stopping(_message.Message):
+    __slots__ = ("drain_timeout_seconds", "running_job_ids")
+    DRAIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    drain_timeout_seconds: float
+    running_job_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, drain_timeout_seconds: _Optional[float] = ..., running_job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RuntimeFault(_message.Message):
     __slots__ = ("message", "fatal")

@@ -165,10 +165,10 @@ class RawSession:
             self._beat.cancel()
             self._beat = None
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "test session closed") -> None:
         """Ends the stream as an agent that stops does: goodbye, then the call."""
         self.stop_heartbeats()
-        await self.outbox.put(pb.AgentMessage(goodbye=pb.Goodbye(reason="test session closed")))
+        await self.outbox.put(pb.AgentMessage(goodbye=pb.Goodbye(reason=reason)))
         await self.outbox.put(None)
         if self.call is not None:
             with contextlib.suppress(Exception):

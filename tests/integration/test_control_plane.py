@@ -251,7 +251,8 @@ async def test_closed_stream_is_offline_at_once_and_reconnect_recovers(
     await again.open()
     again.start_heartbeats()
     await wait_for(lambda: read.get_node(node_id)["state"] == "READY")  # type: ignore[index]
-    assert codes(ctl, node_id)[-2:] == ["NODE_OFFLINE", "NODE_RECOVERED"]
+    # A goodbye is a stop on purpose (NODE_STOPPED), not a loss (NODE_OFFLINE).
+    assert codes(ctl, node_id)[-2:] == ["NODE_STOPPED", "NODE_RECOVERED"]
     await again.close()
 
 

@@ -398,7 +398,10 @@ class _Uplink:
     async def on_node_disconnected(self, node_id: str) -> None:
         return None
 
-    async def on_node_gone(self, node_id: str) -> None:
+    async def on_node_gone(self, node_id: str, reason: str = "") -> None:
+        return None
+
+    async def messages_handled(self) -> None:
         return None
 
     def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]:

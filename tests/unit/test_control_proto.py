@@ -36,6 +36,7 @@ def test_agent_message_oneof_members() -> None:
         "model_transfer",
         "model_evicted",
         "model_proof",
+        "stopping",
     ]
 
 

@@ -11,9 +11,11 @@ import pytest
 
 from application.diagnosis import (
     AGENT_PROTOCOL,
+    AGENT_STOPPED,
     CONTROLLER_UNREACHABLE,
     MODEL_CLAIM,
     NO_HINT_CHECK,
+    NODE_LOST,
     OUT_OF_MEMORY,
     PUBLIC_PEER,
     RPC_WORKER_LOST,
@@ -23,6 +25,7 @@ from application.diagnosis import (
     classify_node_event,
     classify_text,
     diagnose,
+    last_exit,
     node_findings,
     phase_label,
 )
@@ -80,9 +83,47 @@ def test_classify_text(text: str, hint: Hint | None) -> None:
     assert classify_text(text) == hint
 
 
-def test_node_lost_during_execution_is_the_rpc_row() -> None:
-    failed = job("execution", "node node-b lost: control stream closed", "node_lost")
+def test_node_lost_during_execution_is_the_rpc_row_when_the_job_had_rpc_workers() -> None:
+    failed = job(
+        "execution", "node node-b lost: control stream closed", "node_lost", nodes=["a", "b"]
+    )
     assert classify_job_failure(failed) == RPC_WORKER_LOST
+
+
+def test_a_job_without_rpc_workers_never_gets_the_rpc_row() -> None:
+    # One node, lost while the job ran on it: the node's row, not a worker it never had.
+    alone = job("execution", "node node-a lost: control stream closed", "node_lost", nodes=["a"])
+    assert classify_job_failure(alone) == NODE_LOST
+    assert classify_job_failure(job("execution", "node x was lost", "node_lost")) == NODE_LOST
+    offline = [event("NODE_OFFLINE", T1, reason="no heartbeat for 16 s", lost_jobs=["j1"])]
+    assert classify_job_failure(job("execution", "generation failed"), offline) == NODE_LOST
+    planned = {"primary": {"node_id": "a"}, "workers": [{"node_id": "b"}]}
+    with_plan = job("execution", "generation failed", plan=planned, nodes=["a"])
+    assert classify_job_failure(with_plan, offline) == RPC_WORKER_LOST
+    assert "RPC" not in NODE_LOST.check and "firewall" not in NODE_LOST.check
+
+
+def test_a_job_lost_to_a_stopped_agent_is_that_stop() -> None:
+    stopped = [
+        event("NODE_STOPPING", T0, drain_timeout_seconds=60.0, running_jobs=["j1"]),
+        event(
+            "NODE_STOPPED",
+            T1,
+            reason="its drain timed out after 60 s with 1 job(s) running",
+            lost_jobs=["j1"],
+        ),
+    ]
+    failed = job(
+        "execution",
+        "node a stopped (its drain timed out after 60 s with 1 job(s) running) during execution",
+        "node_lost",
+        nodes=["a", "b"],
+    )
+    assert classify_job_failure(failed, stopped) == AGENT_STOPPED
+    assert "--drain-timeout" in AGENT_STOPPED.check
+    # Another job, not among the stop's lost jobs, is judged as before.
+    other = {**failed, "job_id": "j9", "failure_reason": "RPC worker disconnected"}
+    assert classify_job_failure(other, stopped) == RPC_WORKER_LOST
 
 
 def test_a_device_out_of_memory_by_its_code_alone_is_the_seeds_memory_row() -> None:
@@ -114,7 +155,7 @@ def test_node_events_explain_a_vague_reason() -> None:
     assert classify_job_failure(vague) is None
     offline = [event("NODE_OFFLINE", T1, reason="no heartbeat for 16 s", lost_jobs=[])]
     assert classify_job_failure(vague, offline) == CONTROLLER_UNREACHABLE
-    running = job("execution", "generation failed")
+    running = job("execution", "generation failed", nodes=["x", "w"])
     assert classify_job_failure(running, offline) == RPC_WORKER_LOST
     # A loss long before the job was submitted explains nothing.
     old = [event("NODE_OFFLINE", "2024-01-01T00:00:00+00:00", reason="x", lost_jobs=[])]
@@ -133,6 +174,44 @@ def test_node_events() -> None:
     assert classify_node_event(event("NODE_ERROR", message="disk on fire")) is None
     assert classify_node_event(event("RPC_WORKER_STOPPED", reason="job ended")) is None
     assert classify_node_event(event("NODE_READY")) is None
+
+
+def test_a_clean_stop_is_no_finding_and_gives_no_network_advice() -> None:
+    clean = [
+        event("NODE_READY", T0),
+        event("NODE_STOPPING", T0, drain_timeout_seconds=60.0, running_jobs=["j1"]),
+        event("NODE_STOPPED", T1, reason="drained (1 job(s) finished)", lost_jobs=[]),
+    ]
+    assert classify_node_event(clean[1]) is None
+    assert classify_node_event(clean[2]) is None
+    assert node_findings(clean) == []
+    node = {"id": "n1", "name": "gpu-1", "state": "OFFLINE", "jobs": []}
+    report = diagnose(node, clean, [{"job_id": "j1", "state": "COMPLETED"}], "1")
+    assert report["findings"] == [] and report["failed_jobs"] == []
+    assert report["last_exit"]["how"] == "stopped cleanly"
+    assert report["last_exit"]["summary"] == "stopped cleanly (drained (1 job(s) finished))"
+    text = repr(report).lower()
+    assert "firewall" not in text and "tls" not in text and "rpc" not in text
+
+
+def test_a_stop_that_lost_jobs_is_a_finding_and_a_crash_is_lost() -> None:
+    lost = event(
+        "NODE_STOPPED", T1, reason="stopped at once by a second signal (SIGINT)", lost_jobs=["j1"]
+    )
+    assert classify_node_event(lost) == AGENT_STOPPED
+    [finding] = node_findings([event("NODE_READY", T0), lost])
+    assert (finding["code"], finding["hint"]) == ("NODE_STOPPED", "agent_stopped")
+    assert last_exit([lost]) == {
+        "code": "NODE_STOPPED",
+        "how": "stopped, 1 job(s) lost",
+        "time": T1,
+        "lost_jobs": ["j1"],
+        "summary": lost["summary"],
+    }
+    crash = event("NODE_OFFLINE", T2, reason="no heartbeat for 16.0 s", lost_jobs=[])
+    exit_ = last_exit([event("NODE_STOPPED", T0, reason="drained", lost_jobs=[]), crash])
+    assert exit_ is not None and (exit_["code"], exit_["how"]) == ("NODE_OFFLINE", "lost")
+    assert last_exit([event("NODE_READY", T0)]) is None
 
 
 def test_findings_are_grouped_newest_first() -> None:
@@ -164,7 +243,7 @@ def test_diagnose_report() -> None:
     }
     events = [event("NODE_READY", T0), event("NODE_OFFLINE", T1, reason="x", lost_jobs=["j1"])]
     jobs = [
-        job("execution", "node gpu-1 lost: control stream closed", "node_lost"),
+        job("execution", "node gpu-1 lost: control stream closed", "node_lost", nodes=["n1", "w"]),
         {**job("setup", "mystery"), "job_id": "j0", "ended_at": T1},
         {"job_id": "j2", "state": "COMPLETED"},
     ]
@@ -215,6 +294,17 @@ def test_phase_label() -> None:
             "NODE_OFFLINE",
             {"reason": "control stream closed", "lost_jobs": ["0123456789ab"]},
             "control stream closed; lost jobs 01234567",
+        ),
+        (
+            "NODE_STOPPING",
+            {"drain_timeout_seconds": 60.0, "running_jobs": ["a", "b"]},
+            "stopping (drain): 2 job(s) running, at most 60 s",
+        ),
+        ("NODE_STOPPED", {"reason": "drained", "lost_jobs": []}, "stopped cleanly (drained)"),
+        (
+            "NODE_STOPPED",
+            {"reason": "its drain timed out after 5 s", "lost_jobs": ["0123456789ab"]},
+            "stopped with jobs running: its drain timed out after 5 s; lost jobs 01234567",
         ),
         (
             "NODE_MESSAGE_REJECTED",
