@@ -385,3 +385,14 @@ class MetricsHistoryView(TypedDict):
     interval_seconds: float
     points: int
     data: list[HistorySample]
+
+
+class AgentSetup(TypedDict):
+    #: ``host:port`` for ``node-agent --controller-url``.
+    controller_url: str
+    #: False: the controller runs GRPC_INSECURE (agents need ``--insecure``).
+    tls: bool
+    #: True: the control channel listens on loopback (GRPC_HOST), out of other machines' reach.
+    loopback_only: bool
+    #: False: no NODE_ENROLLMENT_SECRET, so no token can be minted.
+    enrollment_enabled: bool

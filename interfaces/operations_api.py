@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-from litestar import Response, get
+from litestar import Request, Response, get
 from litestar.datastructures import CacheControlHeader, State
 from litestar.params import Parameter
 from litestar.static_files import create_static_files_router
@@ -39,12 +40,14 @@ from infrastructure.metrics import (
     NodeCollector,
     PrometheusMetrics,
 )
+from infrastructure.tls import is_loopback
 from interfaces.admin_api import device_views
 from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import ControlPlaneServicer
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
+    AgentSetup,
     ApiOperation,
     MetricsHistoryView,
     errors,
@@ -195,6 +198,44 @@ async def metrics_history_view(
     }
 
 
+def agent_controller_url(grpc_host: str, grpc_port: int, seen_as: str) -> str:
+    """The control channel's address as an agent elsewhere is to dial it (``host:port``):
+    where it listens, or, when it listens on every address, the host the operator reached
+    this controller at (``seen_as``, the dashboard's own URL)."""
+    host = grpc_host.strip("[]")
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = host == ""
+    if wildcard:
+        host = seen_as.strip("[]") or "127.0.0.1"
+    return f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"
+
+
+@get(
+    "/api/admin/agent-setup",
+    tags=["admin"],
+    summary="What an agent needs besides its enrollment token: the control channel's address "
+    "and whether it speaks TLS (the dashboard's 'Add a node' command line)",
+    guards=[admin_guard],
+    security=[{"BearerAuth": []}],
+    operation_class=ApiOperation,
+    responses={**success(AgentSetup, "The control channel"), **errors(*ADMIN_KEY_ERRORS)},
+)
+async def agent_setup(state: State, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    svc: Services = state.services
+    settings = svc.settings
+    port = int(svc.extras.get("grpc_port") or settings.grpc_port)
+    return {
+        "controller_url": agent_controller_url(
+            settings.grpc_host, port, request.url.hostname or ""
+        ),
+        "tls": not settings.insecure,
+        "loopback_only": is_loopback(settings.grpc_host),
+        "enrollment_enabled": bool(settings.node_enrollment_secret),
+    }
+
+
 @get(
     "/metrics",
     tags=["operations"],
@@ -239,8 +280,8 @@ async def dashboard() -> Response[bytes]:
 
 
 def operations_handlers() -> list[ControllerRouterHandler]:
-    """``/metrics``, ``/metrics/nodes``, ``/api/admin/metrics/history``, ``/dashboard`` and
-    its static files (a fresh router per app)."""
+    """``/metrics``, ``/metrics/nodes``, the dashboard's admin endpoints (history, agent
+    setup), ``/dashboard`` and its static files (a fresh router per app)."""
     static = create_static_files_router(
         path="/dashboard/static",
         directories=[STATIC_DIR],
@@ -248,7 +289,7 @@ def operations_handlers() -> list[ControllerRouterHandler]:
         include_in_schema=False,
         cache_control=CacheControlHeader(no_cache=True),
     )
-    return [metrics, node_metrics, metrics_history_view, dashboard, static]
+    return [metrics, node_metrics, metrics_history_view, agent_setup, dashboard, static]
 
 
 def _store_position(services: Services) -> int:

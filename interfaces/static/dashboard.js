@@ -1,5 +1,11 @@
 // DACP dashboard: talks only to the controller that served it, with the admin key the
 // operator typed (kept in sessionStorage, never in the page). Plain ES2020, no build step.
+// The cluster tab is here; the other tabs are modules of their own (dashboard_*.js).
+
+import { createAddNode } from "./dashboard_add_node.js";
+import { createCharts } from "./dashboard_charts.js";
+import { createModels } from "./dashboard_models.js";
+import { createPlayground } from "./dashboard_playground.js";
 
 const KEY_STORAGE = "dacp.adminKey";
 const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED"]);
@@ -101,7 +107,11 @@ class AuthError extends Error {}
 async function api(path, options = {}) {
   const response = await fetch(path, {
     ...options,
-    headers: { Authorization: `Bearer ${state.key}`, Accept: "application/json" },
+    headers: {
+      Authorization: `Bearer ${state.key}`,
+      Accept: "application/json",
+      ...(options.body ? { "Content-Type": "application/json" } : {}),
+    },
     cache: "no-store",
   });
   let body = null;
@@ -114,7 +124,9 @@ async function api(path, options = {}) {
     throw new AuthError(body?.error?.message || `HTTP ${response.status}`);
   }
   if (!response.ok) {
-    throw new Error(body?.error?.message || `HTTP ${response.status}`);
+    const error = body?.error || {};
+    const message = error.message || `HTTP ${response.status}`;
+    throw new Error(error.param && !message.includes(error.param) ? `${error.param}: ${message}` : message);
   }
   return body;
 }
@@ -693,6 +705,7 @@ function onFeedMessage(message) {
   logEvent(message);
   const id = message.aggregate_id;
   if (message.kind === "node") {
+    if (message.code.startsWith("MODEL_")) debounce("models", 250, () => panels.models.changed());
     const known = state.nodes.get(id);
     if (known && message.state && known.state !== message.state) {
       // Show the new state at once; the full row follows from the API.
@@ -700,6 +713,8 @@ function onFeedMessage(message) {
       renderNode(known);
     }
     debounce(`node:${id}`, 150, () => refreshNode(id));
+  } else if (message.kind === "model") {
+    debounce("models", 250, () => panels.models.changed());
   } else if (message.kind === "job") {
     const wait = message.code === "TOKEN_STREAM_CHUNK" ? 1000 : 150;
     debounce(`job:${id}`, wait, () => refreshJob(id));
@@ -854,6 +869,10 @@ function start() {
 
 function signOut(reason = "") {
   closeFeed();
+  for (const panel of Object.values(panels)) panel.reset();
+  showPanel("cluster");
+  sessionStorage.removeItem("dacp.aiKey");
+  $("ai-key").value = "";
   for (const timer of state.timers) clearInterval(timer);
   state.timers = [];
   for (const timer of state.pending.values()) clearTimeout(timer);
@@ -897,8 +916,32 @@ async function signIn(event) {
   }
 }
 
+// ------------------------------------------------------------------- tabs
+
+const ui = { api, failed, toast, el, short, size, nodes: () => [...state.nodes.values()] };
+const panels = {
+  charts: createCharts({ ...ui, root: $("panel-charts") }),
+  models: createModels({ ...ui, root: $("panel-models") }),
+  "add-node": createAddNode({ ...ui, root: $("panel-add-node") }),
+  playground: createPlayground({ ...ui, root: $("panel-playground") }),
+};
+
+function showPanel(name) {
+  for (const tab of document.querySelectorAll('[role="tab"]')) {
+    const chosen = tab.dataset.panel === name;
+    tab.setAttribute("aria-selected", String(chosen));
+    $(`panel-${tab.dataset.panel}`).hidden = !chosen;
+    const panel = panels[tab.dataset.panel];
+    if (panel && !chosen) panel.hide();
+  }
+  panels[name]?.show();
+}
+
 function init() {
   $("login-form").addEventListener("submit", signIn);
+  for (const tab of document.querySelectorAll('[role="tab"]')) {
+    tab.addEventListener("click", () => showPanel(tab.dataset.panel));
+  }
   $("sign-out").addEventListener("click", () => signOut());
   $("timeline-close").addEventListener("click", closeTimeline);
   const saved = sessionStorage.getItem(KEY_STORAGE);
