@@ -30,6 +30,8 @@ EXPECTED = {
     "/api/admin/jobs/{job_id}",
     "/api/admin/jobs/{job_id}/events",
     "/api/admin/events/stream",
+    "/api/admin/metrics/history",
+    "/api/admin/agent-setup",
 }
 #: Served, deliberately not API: the dashboard page and its static files.
 NOT_API = ("/dashboard", "/schema")
