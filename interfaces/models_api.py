@@ -11,6 +11,7 @@ from litestar import get, post
 from litestar.datastructures import State
 from litestar.params import JSONBody
 
+from application.close_names import suggestion
 from application.model_transfers import TransferCoordinator, TransferRefused
 from application.read_models import proven_holders
 from domain.model import (
@@ -40,6 +41,7 @@ from interfaces.http_docs import (
 )
 from interfaces.http_errors import ApiError, not_running
 from interfaces.openai_fields import INVALID_COMBINATION
+from interfaces.services import Services
 from proto.model_sources import SourceRefused, check_url, parse_cidrs
 
 #: The error code of a model source on a refused address.
@@ -114,6 +116,14 @@ class ModelEviction(msgspec.Struct):
     node: str
 
 
+async def _no_model(svc: Services, name: str) -> ApiError:
+    """404 for the unknown model ``name``, naming the closest registered ones."""
+    names = [str(m["name"]) for m in await asyncio.to_thread(svc.read_model.list_models)]
+    return ApiError(
+        404, f"no model named {name}{suggestion('model', name, names)}", code="model_not_found"
+    )
+
+
 async def _transfer_targets(
     state: State, name: str, refs: list[str], param: str
 ) -> tuple[TransferCoordinator, dict[str, Any], list[str]]:
@@ -125,13 +135,14 @@ async def _transfer_targets(
         raise not_running("the transfer coordinator is not running")
     model = await asyncio.to_thread(svc.read_model.get_model, name)
     if model is None:
-        raise ApiError(404, f"no model named {name}", code="model_not_found")
+        raise await _no_model(svc, name)
     nodes = await asyncio.to_thread(svc.read_model.list_nodes)
     ids = []
     for ref in refs:
         match = [n for n in nodes if ref in (n["node_id"], n["name"])]
         if not match:
-            raise ApiError(404, f"no node named {ref}", param=param, code="node_not_found")
+            hint = suggestion("node", ref, [str(n["name"]) for n in nodes])
+            raise ApiError(404, f"no node named {ref}{hint}", param=param, code="node_not_found")
         ids.append(match[0]["node_id"])
     return transfers, model, ids
 
@@ -293,7 +304,7 @@ class AdminModelRoutes(Routes):
         svc = services(state)
         model = await asyncio.to_thread(svc.read_model.get_model, data.model)
         if model is None:
-            raise ApiError(404, f"no model named {data.model}", code="model_not_found")
+            raise await _no_model(svc, data.model)
         if not add and data.url not in (model.get("sources") or []):
             raise ApiError(
                 404, f"model {data.model} has no source {data.url}", code="model_not_found"
