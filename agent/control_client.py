@@ -246,6 +246,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             self.request_stop()
             return
         self.draining = True
+        self._send_stopping()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain(name))
 
     def _running_jobs(self) -> list[str]:
@@ -267,7 +268,6 @@ class AgentSession(ControllerChannel, JobTraffic):
             len(running),
             timeout,
         )
-        self._send_stopping()
         try:
             async with asyncio.timeout(timeout):
                 while self._running_jobs():

@@ -73,7 +73,7 @@ async def test_a_job_that_outlasts_the_drain_is_lost_with_the_drains_reason(
     [row] = synced(ctl).services.read_model.list_jobs()
     job = ctl.services.app.get_job(row["job_id"])
     assert job.state == "FAILED" and job.failure_phase == "execution"
-    assert reason in job.failure_reason
+    assert reason in str(job.failure_reason)
     node_id = row["nodes"][0]
     assert codes(ctl, node_id)[-2:] == ["NODE_STOPPING", "NODE_STOPPED"]
     stopped = _last_event(ctl, node_id)

@@ -114,8 +114,7 @@ def test_replay_rebuilds_the_stop() -> None:
     node = ready_node()
     node.assign_job("j1", "primary")
     node.stop_draining(60.0)
-    events = node.collect_events()
-    again = replay(events)
+    again = replay(list(node.collect_events()))
     assert again.state == NodeState.DRAINING and again.stopping and again.jobs == ["j1"]
     again.stopped("bye")
     assert codes(again)[-1] == "NODE_STOPPED"
