@@ -171,6 +171,14 @@ async def open_panel(browser: Browser, ctl: RunningController, tab: str) -> tupl
     page = await browser.new_page(viewport={"width": 1440, "height": 1000})
     problems: list[str] = []
     page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    # The page's Content-Security-Policy lets in nothing but this controller's own files.
+    page.on(
+        "console",
+        lambda message: (
+            "Content Security Policy" in message.text
+            and problems.append(f"refused by the CSP: {message.text}")
+        ),
+    )
     await page.goto(f"http://127.0.0.1:{ctl.http_port}/dashboard")
     await sign_in(page, "test-admin-key")
     await expect(page.locator("#feed-status")).to_have_text("live")
@@ -200,10 +208,12 @@ async def test_charts_draw_the_controllers_history(
 
     page, problems = await open_panel(browser, ctl, "Charts")
     await expect(page.locator('[data-chart="tokens"] canvas')).to_have_count(1)
-    # Every chart holds samples, polled as they come (one every 0.2 s here).
+    # Every chart holds samples, polled as they come (one every 0.2 s here), and the memory
+    # chart a series per device once alpha's heartbeats have named them.
     await page.wait_for_function(
         "() => ['tokens', 'ttft', 'queue', 'utilisation', 'memory']"
         ".every((id) => window.dacpCharts[id] && window.dacpCharts[id].data[0].length >= 5)"
+        " && window.dacpCharts.memory.series.length === 3"
     )
     series = await page.evaluate(
         """() => Object.fromEntries(Object.entries(window.dacpCharts).map(([id, plot]) => [
