@@ -249,6 +249,27 @@ async def test_the_https_port_is_named(namespace: Namespace, tmp_path: Path) -> 
         ended = await agent(
             tmp_path, url, "--enrollment-token", namespace_token(env), address=namespace.outside
         )
+        failed_handshake(env["GRPC"])
     assert ended.code == 2, ended.stderr
     assert f"{url} answers HTTP ('HTTP/1.1 " in ended.error
     assert HTTP_API in ended.error
+    # The controller (dacp controller) keeps gRPC core's lines below ERROR to itself.
+    assert CORE_NOISE not in Path(env["LOG"]).read_text(errors="replace")
+
+
+async def test_the_controller_prints_grpc_core_lines_when_asked(
+    namespace: Namespace, tmp_path: Path
+) -> None:
+    with controller_in(
+        namespace, tmp_path, cli_args=("--grpc-debug",), SHUTDOWN_TIMEOUT="1"
+    ) as env:
+        failed_handshake(env["GRPC"])
+    assert CORE_NOISE in Path(env["LOG"]).read_text(errors="replace")
+
+
+def failed_handshake(address: str) -> None:
+    """A client that speaks plain HTTP to the TLS control port: a failed handshake there."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.recv(100)  # the controller closes it
