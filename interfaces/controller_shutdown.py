@@ -124,7 +124,9 @@ async def drain_controller(
     http.should_exit = True
     forced = asyncio.ensure_future(signals.forced.wait())
     try:
-        await asyncio.wait({http_task, forced}, timeout=timeout)
+        await asyncio.wait(
+            {http_task, forced}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         forced.cancel()
     waited = time.monotonic() - started
