@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, expect
+from playwright.async_api import Browser, ConsoleMessage, Page, expect
 
 from agent.main import build_parser
 from bench.synthetic_agents import proof_of
@@ -172,13 +172,12 @@ async def open_panel(browser: Browser, ctl: RunningController, tab: str) -> tupl
     problems: list[str] = []
     page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
     # The page's Content-Security-Policy lets in nothing but this controller's own files.
-    page.on(
-        "console",
-        lambda message: (
-            "Content Security Policy" in message.text
-            and problems.append(f"refused by the CSP: {message.text}")
-        ),
-    )
+
+    def refused(message: ConsoleMessage) -> None:
+        if "Content Security Policy" in message.text:
+            problems.append(f"refused by the CSP: {message.text}")
+
+    page.on("console", refused)
     await page.goto(f"http://127.0.0.1:{ctl.http_port}/dashboard")
     await sign_in(page, "test-admin-key")
     await expect(page.locator("#feed-status")).to_have_text("live")
