@@ -91,6 +91,7 @@ class ControllerChannel:
     controller_version: str
     heartbeat_interval: float
     failed_attempts: int
+    connections: int  # streams that reached READY
     _backoff: Backoff
     _target: ControllerTarget | None
     _channel: grpc.aio.Channel | None
@@ -149,9 +150,11 @@ class ControllerChannel:
     async def _retry_pause(self, what: str, error: ConnectionLost) -> None:
         """One line per failed attempt (with the troubleshooting hint), then back off. An
         address that answers HTTP is not the control channel, and waiting will not make it
-        one: :class:`ControllerIsHttp`, at once."""
+        one: :class:`ControllerIsHttp`, at once. (Asked only until a stream was open: an
+        address that took one is the control channel, and a probe would only cost time
+        while the link is down.)"""
         target = self._target
-        if error.unreachable and target is not None:
+        if error.unreachable and target is not None and self.connections == 0:
             status = await asyncio.to_thread(http_status_line, target.host, target.port)
             if status is not None:
                 raise ControllerIsHttp(target.url, target.host, status)

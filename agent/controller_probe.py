@@ -17,7 +17,7 @@ import ssl
 from agent.agent_config import DEFAULT_GRPC_PORT, AgentError
 
 #: How long each probe connection may take (seconds): it runs after a failed attempt.
-PROBE_TIMEOUT = 3.0
+PROBE_TIMEOUT = 2.0
 _HTTP_STATUS = b"HTTP/1."
 _MAX_STATUS_LINE = 200
 
