@@ -4,7 +4,6 @@ the dashboard's static files and the proto sources."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,26 +11,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.source_tree import copy_source_tree
 
 
 @pytest.fixture(scope="module")
 def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tracked files, copied: a build writes build/ and *.egg-info next to the sources."""
-    files = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    ).stdout.split(b"\0")
-    root = tmp_path_factory.mktemp("src")
-    for name in filter(None, files):
-        relative = Path(name.decode())
-        if not (REPO / relative).is_file():
-            continue
-        (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / relative, root / relative)
-    return root
+    return copy_source_tree(tmp_path_factory.mktemp("src"))
 
 
 @pytest.mark.parametrize("hook", ["build_wheel", "build_editable"])
