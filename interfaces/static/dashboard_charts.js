@@ -88,6 +88,7 @@ export function createCharts({ api, failed, el, root }) {
     timer: null,
     plots: new Map(), // chart id -> { plot, labels }
     visible: false,
+    loading: false,
   };
   window.dacpCharts = {}; // chart id -> uPlot, for whoever inspects the page (the browser test)
 
@@ -146,16 +147,21 @@ export function createCharts({ api, failed, el, root }) {
   }
 
   async function load() {
-    const last = state.samples.at(-1);
-    const query = last ? `?since=${encodeURIComponent(last.time)}` : "";
+    if (state.loading) return; // one request at a time: a second show() waits for the poll
+    state.loading = true;
     try {
+      const last = state.samples.at(-1);
+      const query = last ? `?since=${encodeURIComponent(last.time)}` : "";
       const body = await api(`/api/admin/metrics/history${query}`);
+      const newest = state.samples.at(-1)?.time ?? -Infinity; // reset meanwhile: all are new
       state.interval = body.interval_seconds;
       state.points = body.points;
-      state.samples = state.samples.concat(body.data).slice(-state.points);
+      state.samples = state.samples.concat(body.data.filter((s) => s.time > newest)).slice(-state.points);
       draw();
     } catch (error) {
       failed(error);
+    } finally {
+      state.loading = false;
     }
     schedule();
   }

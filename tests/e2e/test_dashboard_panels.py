@@ -234,6 +234,13 @@ async def test_charts_draw_the_controllers_history(
     before = len(series["tokens"]["data"][0])
     await page.wait_for_function(f"() => window.dacpCharts.tokens.data[0].length > {before}")
     await expect(page.locator("#charts-summary")).to_contain_text("one every 0.2 s")
+    # Back and forth between the tabs: each sample once, in order.
+    await page.get_by_role("tab", name="Cluster").click()
+    await page.get_by_role("tab", name="Charts").click()
+    await page.get_by_role("tab", name="Charts").click()
+    await page.wait_for_function(f"() => window.dacpCharts.tokens.data[0].length > {before + 3}")
+    times = await page.evaluate("window.dacpCharts.tokens.data[0]")
+    assert times == sorted(set(times)), times
     await expect(page.locator("#charts-title")).to_have_text("The cluster over the last 72 seconds")
     await screenshot(page, "charts")
     assert not problems, problems
