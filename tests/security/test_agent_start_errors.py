@@ -7,7 +7,8 @@ look like a network fault.
 * the controller's HTTP port instead of its gRPC port, plain HTTP or HTTPS: "this is the
   HTTP API", and the controller's warning about the bad request names the agent's address;
 * a token from another controller: the CA it names is not the one presented;
-* gRPC core's own stderr lines only with ``--grpc-debug``.
+* gRPC core's own stderr lines only with ``--grpc-debug``;
+* a certificate gRPC could not verify (retried): which CA was expected.
 """
 
 from __future__ import annotations
@@ -25,10 +26,15 @@ from pathlib import Path
 
 import pytest
 
+from agent.agent_config import AgentConfig
+from agent.control_client import AgentSession
+from agent.control_handler import NullHandler
+from agent.identity import NodeIdentity, save_identity
 from application.enrollment import enrollment_key, mint_enrollment_token
 from infrastructure.tls import load_or_create
 from interfaces.controller_main import RunningController
 from interfaces.http_peer_log import UVICORN_ERROR_LOGGER
+from proto import CONTROLLER_TLS_NAME
 from proto.grpc_verbosity import OPERATOR_VARIABLES
 from tests.integration.control_client import control_target, enroll
 from tests.security.conftest import ENROLLMENT_SECRET, controller_in
@@ -273,3 +279,66 @@ def failed_handshake(address: str) -> None:
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         sock.recv(100)  # the controller closes it
+
+
+# --- certificates gRPC could not verify (retried: they say which CA was expected) ------------
+
+
+async def _first_retry(config: AgentConfig, caplog: pytest.LogCaptureFixture) -> str:
+    """The first retried attempt's line of an agent session run with ``config``."""
+    caplog.set_level(logging.WARNING, logger="agent.controller_channel")
+    session = AgentSession(config, NullHandler())
+    task = asyncio.create_task(session.run())
+    try:
+        async with asyncio.timeout(30):
+            while not [r for r in caplog.records if "attempt 1 failed" in r.getMessage()]:
+                await asyncio.sleep(0.05)
+    finally:
+        await session.stop()
+        await asyncio.gather(task, return_exceptions=True)
+    return next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
+
+
+async def test_a_controller_set_up_anew_is_not_the_one_pinned_at_enrollment(
+    ctl: RunningController, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """identity.json pins a CA this controller does not have (its var dir was wiped)."""
+    old = load_or_create(tmp_path / "old-ca")
+    data_dir = tmp_path / "agent"
+    save_identity(
+        data_dir,
+        NodeIdentity.new(
+            "11111111-2222-3333-4444-555555555555",
+            "credential",
+            f"127.0.0.1:{ctl.grpc_port}",
+            "pinned",
+            controller_ca_pem=old.ca_pem.decode(),
+            tls_server_name=CONTROLLER_TLS_NAME,
+        ),
+    )
+    line = await _first_retry(AgentConfig(data_dir=data_dir, node_name="pinned"), caplog)
+    assert "the controller did not present the CA pinned at enrollment" in line, line
+    assert "enroll again with a token it mints" in line
+
+
+async def test_a_token_naming_no_ca_says_so_when_the_controller_is_not_trusted(
+    ctl: RunningController, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token minted without a CA (by a controller without TLS) against one with TLS: the
+    system roots do not know the controller's CA."""
+    token = mint_enrollment_token(
+        enrollment_key(ENROLLMENT_SECRET),
+        ttl_seconds=60,
+        single_use=True,
+        node_name=None,
+        now=time.time(),
+    ).token
+    config = AgentConfig(
+        data_dir=tmp_path / "agent",
+        node_name="unpinned",
+        controller_url=f"127.0.0.1:{ctl.grpc_port}",
+        enrollment_token=token,
+    )
+    line = await _first_retry(config, caplog)
+    assert "the enrollment token names no CA to pin" in line, line
+    assert ctl.services.read_model.list_nodes() == []
