@@ -29,6 +29,7 @@ import pytest
 from agent.agent_config import AgentConfig
 from agent.control_client import AgentSession
 from agent.control_handler import NullHandler
+from agent.controller_probe import http_status_line
 from agent.identity import NodeIdentity, save_identity
 from application.enrollment import enrollment_key, mint_enrollment_token
 from infrastructure.tls import load_or_create
@@ -37,6 +38,7 @@ from interfaces.http_peer_log import UVICORN_ERROR_LOGGER
 from proto import CONTROLLER_TLS_NAME
 from proto.grpc_verbosity import OPERATOR_VARIABLES
 from tests.integration.control_client import control_target, enroll
+from tests.integration.fake_control_plane import FakeControlPlane, free_port, start_server
 from tests.security.conftest import ENROLLMENT_SECRET, controller_in
 from tests.security.controller_process import token as namespace_token
 from tests.security.netns import Namespace
@@ -196,6 +198,21 @@ async def test_a_token_from_another_controller_is_named(
 
 
 # --- the HTTP port --------------------------------------------------------------------------
+
+
+async def test_the_probe_tells_http_from_grpc(ctl: RunningController) -> None:
+    """Only an HTTP/1.x server is taken for one: never a gRPC server, with TLS or without."""
+    plaintext, port = await start_server(FakeControlPlane())
+    try:
+        probes = [
+            asyncio.to_thread(http_status_line, "127.0.0.1", p)
+            for p in (ctl.grpc_port, port, free_port(), ctl.http_port)
+        ]
+        tls_grpc, plain_grpc, closed, http = await asyncio.gather(*probes)
+    finally:
+        await plaintext.stop(None)
+    assert (tls_grpc, plain_grpc, closed) == (None, None, None)
+    assert http is not None and http.startswith("HTTP/1.1 "), http
 
 
 async def test_the_plain_http_port_is_named_and_the_controller_names_the_agent(
