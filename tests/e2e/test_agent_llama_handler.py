@@ -24,6 +24,7 @@ from agent.llama_handler import LlamaHandler
 from agent.rpc_filter import PeerFilter
 from ops.paths import MODEL_SHA256, ensure_llama, ensure_model
 from proto import control_pb2 as pb
+from tests.integration.fake_control_plane import GOOD_TOKEN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -312,7 +313,7 @@ def test_missing_binaries_exit_2_with_one_line(tmp_path: Path) -> None:
             "--controller-url",
             "127.0.0.1:1",
             "--enrollment-token",
-            "unused",
+            GOOD_TOKEN,  # well-formed (the agent checks that first), never sent
             "--data-dir",
             str(tmp_path / "data"),
             "--llama-bin-dir",
