@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,16 @@ class RecordingHandler(NullHandler):
 
     async def on_resume(self, send: Send) -> None:
         self.commands.append("resume")
+
+
+class FakeRunningJobs(NullHandler):
+    """NullHandler that reports running jobs (the test ends them)."""
+
+    def __init__(self, jobs: list[str]) -> None:
+        self.jobs = jobs
+
+    def active_job_ids(self) -> list[str]:
+        return list(self.jobs)
 
 
 def free_port() -> int:
@@ -103,9 +114,35 @@ async def test_agent_restart_recovers_without_enrolling_again(
     await eventually(lambda: read.get_node(node_id)["state"] == "READY")  # type: ignore[index]
     codes = node_codes(ctl, node_id)
     assert codes.count("NODE_ENROLLED") == 1
-    assert codes[-2:] == ["NODE_OFFLINE", "NODE_RECOVERED"]
+    assert codes[-2:] == ["NODE_STOPPED", "NODE_RECOVERED"]  # it said goodbye: no loss
     await second.stop()
     await task
+
+
+async def test_a_signal_drains_the_real_agent_then_it_stops_cleanly(
+    ctl: RunningController, tmp_path: Path
+) -> None:
+    """The real session and controller: a stop signal sends Stopping (NODE_STOPPING, the node
+    DRAINING), then, no job running, Goodbye (NODE_STOPPED, nothing lost)."""
+    handler = FakeRunningJobs(["j1", "j2"])
+    session = AgentSession(agent_config(tmp_path / "agent", ctl.grpc_port, mint(ctl)), handler)
+    task = await run_session(session)
+    await session.wait_for_state(AgentState.READY, timeout=15)
+    node_id = session.node_id
+    assert node_id is not None
+    read = ctl.services.read_model
+    await eventually(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    session.on_signal(signal.SIGTERM)  # its two jobs still run
+    await eventually(lambda: read.get_node(node_id)["state"] == "DRAINING")  # type: ignore[index]
+    assert node_codes(ctl, node_id)[-1] == "NODE_STOPPING"
+    handler.jobs = []
+    await asyncio.wait_for(task, 15)
+    assert session.exit_code == 0
+    await eventually(lambda: read.get_node(node_id)["state"] == "OFFLINE")  # type: ignore[index]
+    events = list(ctl.services.app.repository.event_store.get(UUID(node_id)))
+    assert [code_of(e) for e in events][-2:] == ["NODE_STOPPING", "NODE_STOPPED"]
+    stopped: Any = events[-1]
+    assert (stopped.reason, stopped.lost_jobs) == ("drained (2 job(s) finished)", [])
 
 
 async def test_agent_backs_off_until_the_controller_appears(pg_schema: str, tmp_path: Path) -> None:
