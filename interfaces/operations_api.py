@@ -182,9 +182,9 @@ def node_points(services: Services, rows: Sequence[Mapping[str, Any]]) -> list[N
 async def metrics_history_view(
     state: State,
     since: Annotated[
-        float | None,
-        Parameter(ge=0, description="Only the samples taken after this unix time"),
-    ] = None,
+        float,
+        Parameter(ge=0, description="Only the samples taken after this unix time (0: all)"),
+    ] = 0.0,
 ) -> dict[str, Any]:
     svc: Services = state.services
     history = svc.extras.get("history")
@@ -194,7 +194,7 @@ async def metrics_history_view(
         "object": "list",
         "interval_seconds": history.interval,
         "points": history.points,
-        "data": [dataclasses.asdict(s) for s in history.samples(since)],
+        "data": [dataclasses.asdict(s) for s in history.samples(since or None)],
     }
 
 
