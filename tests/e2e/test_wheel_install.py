@@ -1,6 +1,7 @@
 """The wheel installs like software: ``pip install`` of it into a fresh venv gives working
 ``dacp`` and ``node-agent`` commands, and a controller and an agent run from that venv alone
-(outside the checkout, with a clean environment) start, enroll and answer.
+(outside the checkout, with a clean environment) start, enroll and answer a chat completion
+with real llama.cpp (the build cache's, as an installed node uses it).
 
 The venv is made without pip and filled by this venv's pip (``pip --python``), from the package
 index pip is configured with: the wheel's dependencies are resolved as an operator's install
@@ -23,7 +24,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ops import paths
+from ops.local_cluster import MODEL_NAME
 from tests.integration.source_tree import REPO, build_wheel, copy_source_tree, tracked_files
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 #: How long a process from the venv may take to come up, and to stop (s).
 START_TIMEOUT = 60.0
@@ -177,12 +182,15 @@ def processes() -> Iterator[list[_Process]]:
             process.popen.wait()
 
 
-def test_installed_controller_and_agent_enroll(
+def test_installed_controller_and_agent_serve_a_completion(
     installed: Path, tmp_path: Path, processes: list[_Process]
 ) -> None:
     """As the systemd units run them: the controller with its state directory (SQLite, its CA)
     and a config file it writes at its first start, then `dacp` commands that find everything
-    in that file, then an agent enrolling with the token they minted, then SIGTERM to each."""
+    in that file, an agent enrolling with the token they minted and serving the model they
+    registered, then SIGTERM to each."""
+    paths.ensure_llama()
+    model = paths.ensure_model()
     state = tmp_path / "state"
     config = tmp_path / "etc" / "config.toml"
     port = _free_port()
@@ -226,6 +234,9 @@ def test_installed_controller_and_agent_enroll(
     assert minted.returncode == 0, minted.stderr
     token = minted.stdout.strip().splitlines()[-1]
 
+    models_dir = tmp_path / "agent-models"
+    models_dir.mkdir()
+    (models_dir / model.name).symlink_to(model)
     agent = _Process(
         [
             str(installed / "node-agent"),
@@ -233,10 +244,11 @@ def test_installed_controller_and_agent_enroll(
             *("--enrollment-token", token),
             *("--node-name", NODE_NAME),
             *("--data-dir", str(tmp_path / "agent")),
-            *("--advertise-address", "127.0.0.1"),
-            *("--transfer-port", "0", "--heartbeat-interval", "1", "--no-runtime"),
+            *("--models-dir", str(models_dir)),
+            *("--advertise-address", "127.0.0.1", "--rpc-port", str(_free_port())),
+            *("--transfer-port", "0", "--heartbeat-interval", "1"),
         ],
-        _clean_env(tmp_path),
+        _clean_env(tmp_path, DACP_CACHE_DIR=str(paths.cache_dir())),
         tmp_path,
         tmp_path / "agent.log",
     )
@@ -252,6 +264,27 @@ def test_installed_controller_and_agent_enroll(
 
     agent.wait_for(f"{NODE_NAME} READY at the controller", enrolled)
     assert (tmp_path / "agent" / "identity.json").is_file()
+
+    registered = _run(
+        [
+            *(str(installed / "dacp"), "models", "register", MODEL_NAME),
+            *("--sha256", paths.MODEL_SHA256, "--file-name", model.name),
+        ],
+        cli_env,
+        tmp_path,
+    )
+    assert registered.returncode == 0, registered.stderr
+    completion = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+        },
+        timeout=120,
+    )
+    assert completion.status_code == 200, f"{completion.text}\n{agent.output()[-3000:]}"
+    assert completion.json()["usage"]["completion_tokens"] > 0
 
     assert agent.stop() == 0, agent.output()
     assert controller.stop() == 0, controller.output()
