@@ -32,6 +32,7 @@ from litestar.types import ControllerRouterHandler
 
 from application.job_manager import JobManager
 from application.metrics_history import DevicePoint, HistorySources, MetricsHistory, NodePoint
+from application.ports import LiveNode
 from domain.states import NodeState
 from infrastructure.metrics import (
     CONTENT_TYPE,
@@ -125,7 +126,7 @@ def metrics_history(
     history = MetricsHistory(
         HistorySources(
             queue_depth=lambda: sum(jobs.queue.depths().values()),
-            nodes=lambda: node_points(services, nodes()),
+            nodes=lambda: node_points(nodes(), services.live.all()),
         ),
         interval=services.settings.metrics_history_interval,
     )
@@ -138,10 +139,9 @@ def metrics_history(
     return history
 
 
-def node_points(services: Services, rows: Sequence[Mapping[str, Any]]) -> list[NodePoint]:
+def node_points(rows: Sequence[Mapping[str, Any]], live: Mapping[str, LiveNode]) -> list[NodePoint]:
     """Each node that may take work now (neither offline nor revoked): its busy slots, CPU use
-    and devices' memory, as its latest heartbeat tells them."""
-    live = services.live.all()
+    and devices' memory, as its latest heartbeat (``live``) tells them."""
     points = []
     for row in rows:
         if row.get("revoked") or row.get("state") == NodeState.OFFLINE.value:
