@@ -17,6 +17,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, Parameter, PathParameter
 
+from application.close_names import suggestion
 from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.errors import NotFound
 from application.feed_tickets import issue_ticket
@@ -137,10 +138,11 @@ TokenId = Annotated[
 ]
 
 
-def token_not_found(token_id: str) -> ApiError:
+def token_not_found(token_id: str, hint: str = "") -> ApiError:
+    """404 for the unknown token ``token_id`` (``hint``: the closest known ids)."""
     return ApiError(
         404,
-        f"unknown enrollment token {token_id!r}",
+        f"unknown enrollment token {token_id!r}{hint}",
         type_="not_found_error",
         code="token_not_found",
     )
@@ -314,7 +316,10 @@ class AdminRoutes(Routes):
                 svc.app.revoke_token, token_id, "admin-api", "revoked by an administrator"
             )
         except NotFound:
-            raise token_not_found(token_id) from None
+            minted = await asyncio.to_thread(svc.read_model.list_tokens, 1000)
+            ids = [str(r["token_id"]) for r in minted]
+            hint = suggestion("enrollment token", token_id, ids)
+            raise token_not_found(token_id, hint) from None
         await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
         rows = await asyncio.to_thread(svc.read_model.list_tokens, 1000)
         row = next((r for r in rows if r["token_id"] == token_id), None)

@@ -1,5 +1,6 @@
-"""The admin API's 404 for an unknown model or node names the closest known ones (what
-``dacp models source|pull|evict`` print), against a real controller."""
+"""The admin API's 404 for an unknown model, node or enrollment token names the closest known
+ones (what ``dacp models source|pull|evict`` and ``dacp token revoke`` print), against a real
+controller."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ async def test_an_unknown_model_or_node_gets_the_closest_known(ctl: RunningContr
             "node_not_found",
             "no node named gpu; no node is known yet",
         )
+
+
+async def test_an_unknown_token_gets_the_closest_known(ctl: RunningController) -> None:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{ctl.http_port}", headers=ADMIN, timeout=30
+    ) as client:
+        r = await client.post("/api/admin/enrollment-tokens", json={})
+        assert r.status_code == 201, r.text
+        token_id = r.json()["token_id"]
+        typo = token_id[:-1] + ("0" if token_id[-1] != "0" else "1")
+        r = await client.post(f"/api/admin/enrollment-tokens/{typo}/revoke")
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "token_not_found"
+        assert error["message"] == f"unknown enrollment token {typo!r}; closest known: {token_id}"
