@@ -2,9 +2,11 @@
 
 An agent that gets SIGINT while it streams a chat completion drains: the client receives its
 whole answer, the agent exits 0, and the node's events say NODE_STOPPING then NODE_STOPPED with
-no job lost. Then the controller gets SIGTERM while a stream runs on the other agent: it logs
-what it waits for, exits 0 within SHUTDOWN_TIMEOUT (1 s here) and the grace that ends the job
-left, and the client's stream ends (it does not hang)."""
+no job lost. Another agent gets a second SIGINT while it drains: it stops at once (exit 130),
+the client hears its job was lost, and NODE_STOPPED lists the job. Then the controller gets
+SIGTERM while a stream runs on the last agent: it logs what it waits for, exits 0 within
+SHUTDOWN_TIMEOUT (1 s here) and the grace that ends the job left, and the client's stream ends
+(it does not hang)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         tmp_path_factory.mktemp("graceful-stop"),
         AgentSpec("agent-a", 0, 1024 * MIB, holds_model=True, extra_args=drain),
         AgentSpec("agent-b", 0, 1024 * MIB, holds_model=True, extra_args=drain),
+        AgentSpec("agent-c", 0, 1024 * MIB, holds_model=True, extra_args=drain),
         extra_env={"SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT)},
     )
 
@@ -117,6 +120,31 @@ def test_sigint_drains_the_agent_the_client_gets_its_whole_answer(cluster: Local
     assert stopped["summary"].startswith("stopped cleanly (drained (1 job(s) finished))")
     log = cluster.agent_procs[name].log.read_text(errors="replace")
     assert "SIGINT: draining: the agent stops once its 1 running job(s) end" in log
+
+
+def test_a_second_sigint_stops_the_agent_at_once_and_its_job_is_lost(
+    cluster: LocalCluster,
+) -> None:
+    stream = Stream(cluster)
+    assert stream.first.wait(120), "no token came"
+    node_id = get(cluster, f"/api/admin/jobs/{stream.job_id}")["plan"]["primary"]["node_id"]
+    proc = cluster.agent_procs[_node_names(cluster)[node_id]]
+    proc.popen.send_signal(signal.SIGINT)
+    log = proc.log
+    deadline = time.monotonic() + 30
+    while "SIGINT: draining" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the agent did not start draining"
+        time.sleep(0.05)
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.popen.wait(30) == 128 + signal.SIGINT
+    stream.thread.join(60)
+    assert not stream.thread.is_alive()
+    assert isinstance(stream.error, openai.APIError)
+    assert "stopped at once by a second signal (SIGINT)" in str(stream.error)
+    assert get(cluster, f"/api/admin/jobs/{stream.job_id}")["state"] == "FAILED"
+    events = get(cluster, f"/api/admin/nodes/{node_id}/events")["data"]
+    assert [e["code"] for e in events][-1] == "NODE_STOPPED"
+    assert events[-1]["payload"]["lost_jobs"] == [stream.job_id]
 
 
 def test_sigterm_stops_the_controller_within_its_bound_with_a_log_line(
