@@ -136,6 +136,14 @@ def test_the_agent_drains_before_systemd_kills_it() -> None:
     assert timeout >= DEFAULT_DRAIN_TIMEOUT + AGENT_STOP_MARGIN
 
 
+def test_the_agent_keeps_the_gpus() -> None:
+    """Each of these would leave the agent (and its llama.cpp servers) no GPU device: a private
+    /dev, or a device allow-list (ProtectClock= implies one, holding the clock only)."""
+    directives = _directives(AGENT_UNIT)
+    for key in ("PrivateDevices", "ProtectClock", "DeviceAllow", "DevicePolicy"):
+        assert key not in directives, f"{AGENT_UNIT.name} sets {key}"
+
+
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
 def test_units_restart_on_failure_but_not_on_a_configuration_error(unit: Path) -> None:
     assert _one(unit, "Restart") == "on-failure"
