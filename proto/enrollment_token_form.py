@@ -67,13 +67,13 @@ def b64encode(raw: bytes) -> str:
 def _b64decode(text: str, part: str) -> bytes:
     """Strict, canonical base64url without padding."""
     if not _B64URL.fullmatch(text):
-        raise TokenFormError(f"its {part} is not base64url")
+        raise TokenFormError(f"its {part} part is not base64url")
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
-        raise TokenFormError(f"its {part} is not base64url (cut short?)") from None
+        raise TokenFormError(f"its {part} part is not base64url (cut short?)") from None
     if b64encode(raw) != text:
-        raise TokenFormError(f"its {part} is not canonical base64url (cut short?)")
+        raise TokenFormError(f"its {part} part is not canonical base64url (cut short?)")
     return raw
 
 

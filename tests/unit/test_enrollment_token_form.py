@@ -47,7 +47,7 @@ def test_a_token_cut_at_four_characters_names_its_short_mac() -> None:
         ("hello", "must look like dacp1.<claims>.<mac>"),
         ("dacp1.e30.AAAA", "claims have the wrong fields"),
         ("dacp1.bm90IGpzb24.AAAA", "claims are not JSON"),
-        ("dacp1.e30!.AAAA", "claims is not base64url"),
+        ("dacp1.e30!.AAAA", "claims part is not base64url"),
     ],
 )
 def test_garbled_tokens_say_what_is_wrong(garbled: str, what: str) -> None:
