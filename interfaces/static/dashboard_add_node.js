@@ -95,9 +95,26 @@ export function createAddNode({ api, failed, toast, el, root }) {
     }
   }
 
+  // Before any token: where agents will connect, and whether a token can be minted at all.
+  async function preview() {
+    try {
+      const setup = await api("/api/admin/agent-setup");
+      const line = root.querySelector("#add-node-target");
+      line.textContent = setup.enrollment_enabled
+        ? `Agents connect to ${setup.controller_url} (${setup.tls ? "TLS, pinned to this controller's CA" : "plaintext"}).`
+        : "Enrollment is off: the controller has no NODE_ENROLLMENT_SECRET.";
+      line.classList.toggle("note", !setup.enrollment_enabled);
+      form.querySelector("button[type=submit]").disabled = !setup.enrollment_enabled;
+    } catch (error) {
+      failed(error);
+    }
+  }
+
   form.addEventListener("submit", mint);
   return {
-    show() {},
+    show() {
+      preview();
+    },
     hide() {},
     reset() {
       root.querySelector("#add-node-result").replaceChildren();

@@ -318,6 +318,9 @@ async def test_add_a_node_gives_a_command_line_that_enrolls(
 ) -> None:
     page, problems = await open_panel(browser, ctl, "Add a node")
     form = page.locator("#add-node-form")
+    await expect(page.locator("#add-node-target")).to_have_text(
+        f"Agents connect to 127.0.0.1:{ctl.grpc_port} (TLS, pinned to this controller's CA)."
+    )
     await expect(form.get_by_label("Agent data dir")).to_have_value("~/.local/share/dacp-agent")
     data_dir = tmp_path / "gamma agent"  # a space: the command quotes it
     await form.get_by_label("Node name").fill("gamma")
@@ -411,3 +414,17 @@ async def test_the_playground_streams_a_reply(ctl: RunningController, browser: B
     assert not problems, problems
     await page.close()
     await alpha.stop()
+
+
+async def test_add_a_node_says_when_enrollment_is_off(
+    pg_schema: str, tmp_path: Path, browser: Browser
+) -> None:
+    settings = controller_settings(pg_schema, tmp_path, node_enrollment_secret=None)
+    async with controller(settings) as ctl:
+        page, problems = await open_panel(browser, ctl, "Add a node")
+        await expect(page.locator("#add-node-target")).to_have_text(
+            "Enrollment is off: the controller has no NODE_ENROLLMENT_SECRET."
+        )
+        await expect(page.get_by_role("button", name="Mint token")).to_be_disabled()
+        assert not problems, problems
+        await page.close()
