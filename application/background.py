@@ -34,6 +34,10 @@ class BackgroundTasks:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s failed", self.what, exc_info=task.exception())
 
+    def running(self) -> list[asyncio.Future[None]]:
+        """The tasks spawned so far that have not ended."""
+        return list(self._tasks)
+
     async def settle(self) -> None:
         """Waits until every task spawned so far (and any they spawn) has ended."""
         while self._tasks:

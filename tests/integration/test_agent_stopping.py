@@ -78,3 +78,44 @@ async def test_a_job_that_outlasts_the_drain_is_lost_with_the_drains_reason(
     assert codes(ctl, node_id)[-2:] == ["NODE_STOPPING", "NODE_STOPPED"]
     stopped = _last_event(ctl, node_id)
     assert (stopped.reason, stopped.lost_jobs) == (reason, [row["job_id"]])
+
+
+async def test_a_job_that_ends_right_before_the_goodbye_completes_and_is_not_lost(
+    ctl: RunningController,
+) -> None:
+    """The drain's last result and the goodbye arrive back to back on the stream: the result
+    is handled first, so the job completes and NODE_STOPPED lists nothing lost."""
+    a = await slow_primary(ctl, words=30)
+    session = a.session
+    assert session is not None
+    send = session.send
+
+    async def goodbye_after_the_result(message: pb.AgentMessage) -> None:
+        await send(message)
+        if message.WhichOneof("payload") == "job_result":
+            session.stop_heartbeats()
+            await send(pb.AgentMessage(goodbye=pb.Goodbye(reason="drained (1 job(s) finished)")))
+            await session.outbox.put(None)  # the agent ends its stream
+
+    session.send = goodbye_after_the_result  # type: ignore[method-assign]
+    async with http(ctl) as client:
+        await register(ctl, client)
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+        ) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if len(lines) == 2:
+                    await send(pb.AgentMessage(stopping=pb.Stopping(drain_timeout_seconds=60)))
+    assert "data: [DONE]" in lines and not [line for line in lines if '"error"' in line]
+    [row] = synced(ctl).services.read_model.list_jobs()
+    node_id = row["nodes"][0]
+    await wait_for(lambda: codes(ctl, node_id)[-1] == "NODE_STOPPED")
+    assert ctl.services.app.get_job(row["job_id"]).state == "COMPLETED"
+    stopped = _last_event(ctl, node_id)
+    assert (stopped.reason, stopped.lost_jobs) == ("drained (1 job(s) finished)", [])
+    assert "NODE_STOPPING" in codes(ctl, node_id)
