@@ -34,6 +34,7 @@ const CHARTS = [
     id: "utilisation",
     title: "Node utilisation (busy slots / slots)",
     unit: "%",
+    max: 100,
     series: (samples) =>
       nodeKeys(samples, (n) => [[n.node_id, n.name]]).map(([id, name]) => ({
         label: name,
@@ -41,6 +42,17 @@ const CHARTS = [
           const node = s.nodes.find((n) => n.node_id === id);
           return node && node.slots ? (100 * node.busy_slots) / node.slots : null;
         },
+      })),
+  },
+  {
+    id: "cpu",
+    title: "Node CPU use (what each node reports)",
+    unit: "%",
+    max: 100,
+    series: (samples) =>
+      nodeKeys(samples, (n) => (n.cpu_percent == null ? [] : [[n.node_id, n.name]])).map(([id, name]) => ({
+        label: name,
+        value: (s) => s.nodes.find((n) => n.node_id === id)?.cpu_percent ?? null,
       })),
   },
   {
@@ -103,7 +115,10 @@ export function createCharts({ api, failed, el, root }) {
       height: HEIGHT,
       legend: { live: true },
       cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: true }, y: { range: (_u, min, max) => [0, Math.max(1, max ?? 0) * 1.1] } },
+      scales: {
+        x: { time: true },
+        y: { range: (_u, _min, max) => [0, chart.max ?? Math.max(1, max ?? 0) * 1.1] },
+      },
       axes: [{}, { label: chart.unit, size: 56 }],
       series: [
         {},

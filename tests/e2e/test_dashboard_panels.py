@@ -210,7 +210,7 @@ async def test_charts_draw_the_controllers_history(
     # Every chart holds samples, polled as they come (one every 0.2 s here), and the memory
     # chart a series per device once alpha's heartbeats have named them.
     await page.wait_for_function(
-        "() => ['tokens', 'ttft', 'queue', 'utilisation', 'memory']"
+        "() => ['tokens', 'ttft', 'queue', 'utilisation', 'cpu', 'memory']"
         ".every((id) => window.dacpCharts[id] && window.dacpCharts[id].data[0].length >= 5)"
         " && window.dacpCharts.memory.series.length === 3"
     )
@@ -228,6 +228,8 @@ async def test_charts_draw_the_controllers_history(
     # None before alpha enrolled (the controller samples from its start).
     assert set(series["utilisation"]["data"][1]) - {None} <= {0, 50, 100}
     assert series["utilisation"]["data"][1][-1] is not None
+    assert series["cpu"]["labels"] == ["alpha"]
+    assert set(series["cpu"]["data"][1]) - {None} == {5.0}  # what its heartbeats say
     assert series["memory"]["labels"] == ["alpha CPU", "alpha GPU0"]
     assert set(series["memory"]["data"][2]) - {None} == {2.0}  # 8 GiB less 6 GiB free
     # New samples keep coming while the panel is open.
