@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from application.job_manager import CONTROLLER_STOPPING
 from application.timeline import short, size_text, source_text, transfer_progress_text
 from proto import OUT_OF_MEMORY as OUT_OF_MEMORY_CODE
 
@@ -93,6 +94,14 @@ AGENT_STOPPED = Hint(
     "timed out (--drain-timeout), or a second signal stopped it at once.",
     "Give the agent a longer --drain-timeout (DACP_DRAIN_TIMEOUT; and the service manager a "
     "longer stop timeout), or drain the node first (dacp nodes drain) and stop it once idle.",
+)
+CONTROLLER_STOPPED = Hint(
+    "controller_stopped",
+    "Controller stopped with jobs running",
+    "The controller was stopped (SIGTERM/SIGINT) while the job ran, and the job did not end "
+    "within its SHUTDOWN_TIMEOUT.",
+    "Give the controller a longer SHUTDOWN_TIMEOUT (and its service manager a longer stop "
+    "timeout), or stop it when no job runs.",
 )
 #: The product document's troubleshooting table (AGENT_PROTOCOL and the rest are ours).
 TROUBLESHOOTING: tuple[Hint, ...] = (
@@ -248,6 +257,8 @@ def classify_job_failure(
         return OUT_OF_MEMORY
     if _has(text, _SECURITY):
         return PUBLIC_PEER
+    if code == CONTROLLER_STOPPING:
+        return CONTROLLER_STOPPED
     if _stopped_with(node_events, job.get("job_id")):
         return AGENT_STOPPED
     if _has(text, _RPC_WORKER):
@@ -309,13 +320,15 @@ def last_exit(events: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         how = _EXITS.get(code)
         if how is None:
             continue
-        lost = list((entry.get("payload") or {}).get("lost_jobs") or [])
+        payload: Mapping[str, Any] = entry.get("payload") or {}
+        lost = list(payload.get("lost_jobs") or [])
         if code == "NODE_STOPPED":
             how = f"stopped, {len(lost)} job(s) lost" if lost else "stopped cleanly"
         return {
             "code": code,
             "how": how,
             "time": entry.get("time"),
+            "reason": str(payload.get("reason") or payload.get("message") or ""),
             "lost_jobs": lost,
             "summary": entry.get("summary", ""),
         }

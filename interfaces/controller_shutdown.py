@@ -25,15 +25,13 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from application.job_manager import JobManager
+from application.job_manager import CONTROLLER_STOPPING, JobManager
 
 if TYPE_CHECKING:
     from interfaces.controller_main import RunningController
 
 log = logging.getLogger(__name__)
 
-#: The error code of a job ended because the controller stopped before it did.
-CONTROLLER_STOPPING = "controller_stopping"
 #: After SHUTDOWN_TIMEOUT (or a second signal), how long the endings of the jobs left and the
 #: responses that tell their clients may take before the HTTP server cancels what remains (s).
 END_GRACE = 5.0

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from application.job_manager import CONTROLLER_STOPPING
 from interfaces.controller_main import RunningController
-from interfaces.controller_shutdown import CONTROLLER_STOPPING, StopSignals, drain_controller
+from interfaces.controller_shutdown import StopSignals, drain_controller
 from tests.integration.test_job_flow import AI, ctl, http, register, slow_primary, synced
 
 __all__ = ["ctl"]  # the fixture

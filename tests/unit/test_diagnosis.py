@@ -12,6 +12,7 @@ import pytest
 from application.diagnosis import (
     AGENT_PROTOCOL,
     AGENT_STOPPED,
+    CONTROLLER_STOPPED,
     CONTROLLER_UNREACHABLE,
     MODEL_CLAIM,
     NO_HINT_CHECK,
@@ -126,6 +127,17 @@ def test_a_job_lost_to_a_stopped_agent_is_that_stop() -> None:
     assert classify_job_failure(other, stopped) == RPC_WORKER_LOST
 
 
+def test_a_job_the_controller_ended_as_it_stopped_names_shutdown_timeout() -> None:
+    ended = job(
+        "execution",
+        "the controller stopped: the job did not end within SHUTDOWN_TIMEOUT (30 s)",
+        "controller_stopping",
+        nodes=["a"],
+    )
+    assert classify_job_failure(ended) == CONTROLLER_STOPPED
+    assert "SHUTDOWN_TIMEOUT" in CONTROLLER_STOPPED.check
+
+
 def test_a_device_out_of_memory_by_its_code_alone_is_the_seeds_memory_row() -> None:
     # The agent's code (proto.OUT_OF_MEMORY), whatever the reason's words.
     failed = job("execution", "device CUDA1 of node gpu-2: cudaMalloc failed", "out_of_memory")
@@ -205,6 +217,7 @@ def test_a_stop_that_lost_jobs_is_a_finding_and_a_crash_is_lost() -> None:
         "code": "NODE_STOPPED",
         "how": "stopped, 1 job(s) lost",
         "time": T1,
+        "reason": "stopped at once by a second signal (SIGINT)",
         "lost_jobs": ["j1"],
         "summary": lost["summary"],
     }
