@@ -32,7 +32,7 @@ SHUTDOWN_TIMEOUT = 1.0
 LONG_ANSWER: dict[str, Any] = {
     "model": MODEL_NAME,
     "messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
-    "max_tokens": 120,
+    "max_tokens": 200,
     "temperature": 0.8,
     "seed": 7,
 }
