@@ -11,7 +11,8 @@ Life of a session (:class:`AgentSession`), logged on every change of the local s
   ``Heartbeat`` every heartbeat interval, re-send the report when the inventory or the models
   change, and hand every downlink message to the :class:`ControlHandler`.
 
-Stopping (:meth:`AgentSession.on_signal`): the first SIGINT/SIGTERM/SIGHUP drains the agent.
+Stopping (:meth:`AgentSession.on_signal`, :class:`agent.agent_stop.StopSignals`): the first
+SIGINT/SIGTERM/SIGHUP drains the agent.
 It tells the controller (``Stopping``: the node takes no new job, and the agent refuses any
 plan still on its way), lets its running jobs finish, at most ``drain_timeout``, then says
 ``Goodbye`` (why: drained, or the drain timed out and the jobs left are lost) and stops. A
@@ -40,7 +41,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import signal
 from typing import Any, cast
 
 import grpc
@@ -55,6 +55,7 @@ from agent.agent_config import (
     IdentityRejected,
     Jitter,
 )
+from agent.agent_stop import StopSignals
 from agent.control_handler import (
     ControlHandler,
 )
@@ -77,10 +78,6 @@ log = logging.getLogger(__name__)
 
 #: How long a stopping agent waits for the controller to hear its goodbye (s).
 GOODBYE_TIMEOUT = 2.0
-#: How often a draining agent looks whether its jobs have ended (s).
-DRAIN_POLL_INTERVAL = 0.1
-#: Why the agent stops, when nothing more is known (``stop()``, no drain).
-GOODBYE_REASON = "the agent is stopping"
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
@@ -147,13 +144,14 @@ class AgentSession(ControllerChannel, JobTraffic):
         self._main_task: asyncio.Task[Any] | None = None
         self._stop_requested = False
         self._closed = False
-        #: The first stop signal's drain (None: none asked for); while it runs, plans are refused.
-        self._drain_task: asyncio.Task[None] | None = None
-        self.draining = False
-        #: What the Goodbye says (why the agent stops).
-        self.goodbye_reason = GOODBYE_REASON
-        #: The process's exit status: 0, or 128 + the number of a second stop signal.
-        self.exit_code = 0
+        #: What the stop signals started (a drain), what the Goodbye says, the exit status.
+        self.stop_signals = StopSignals(
+            config.drain_timeout,
+            self._running_jobs,
+            self._send_stopping,
+            self.request_stop,
+            lambda: self._stop_requested,
+        )
 
     # -- state -------------------------------------------------------------------------
 
@@ -224,30 +222,18 @@ class AgentSession(ControllerChannel, JobTraffic):
             task.cancel()
 
     def on_signal(self, signum: int) -> None:
-        """A stop signal (safe from a signal handler): the first one drains the session
-        (:meth:`_drain`; at once with no drain timeout), a second one stops it at once."""
-        name = _signal_name(signum)
-        if self._stop_requested:
-            log.info("%s: the agent is stopping already", name)
-            return
-        if self.draining:
-            running = self._running_jobs()
-            log.warning(
-                "%s again: stopping at once; %d job(s) still running are lost", name, len(running)
-            )
-            self.goodbye_reason = (
-                f"stopped at once by a second signal ({name}) with {len(running)} job(s) running"
-            )
-            self.exit_code = 128 + signum
-            self.request_stop()
-            return
-        if self.config.drain_timeout <= 0:
-            self.goodbye_reason = f"stopped by {name} without a drain (drain timeout 0)"
-            self.request_stop()
-            return
-        self.draining = True
-        self._send_stopping()
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain(name))
+        """A stop signal (safe from a signal handler): the first one drains the session, a
+        second one stops it at once (:class:`StopSignals`)."""
+        self.stop_signals.on_signal(signum)
+
+    @property
+    def draining(self) -> bool:
+        """Whether a stop signal drains the agent: plans are refused meanwhile."""
+        return self.stop_signals.draining
+
+    @property
+    def exit_code(self) -> int:
+        return self.stop_signals.exit_code
 
     def _running_jobs(self) -> list[str]:
         try:
@@ -255,36 +241,6 @@ class AgentSession(ControllerChannel, JobTraffic):
         except Exception:
             log.exception("handler.active_job_ids() failed")
             return []
-
-    async def _drain(self, name: str) -> None:
-        """Lets the running jobs finish, at most ``drain_timeout``, then stops the session
-        (its Goodbye says how the drain ended)."""
-        timeout = self.config.drain_timeout
-        running = self._running_jobs()
-        log.warning(
-            "%s: draining: the agent stops once its %d running job(s) end, at most %g s "
-            "(--drain-timeout); no new job is taken; a second signal stops it at once",
-            name,
-            len(running),
-            timeout,
-        )
-        try:
-            async with asyncio.timeout(timeout):
-                while self._running_jobs():
-                    await asyncio.sleep(DRAIN_POLL_INTERVAL)
-            self.goodbye_reason = f"drained ({len(running)} job(s) finished)"
-            log.info("drained: no job is running; stopping")
-        except TimeoutError:
-            left = self._running_jobs()
-            self.goodbye_reason = (
-                f"its drain timed out after {timeout:g} s with {len(left)} job(s) running"
-            )
-            log.warning(
-                "the drain timed out after %g s: stopping; %d job(s) still running are lost",
-                timeout,
-                len(left),
-            )
-        self.request_stop()
 
     def _send_stopping(self) -> None:
         """Tells the controller the agent drains (on the current stream, if any; a new
@@ -311,8 +267,7 @@ class AgentSession(ControllerChannel, JobTraffic):
         if self._closed:
             return
         self._closed = True
-        if self._drain_task is not None:
-            self._drain_task.cancel()
+        self.stop_signals.cancel()
         tasks = list(self._dispatch_tasks)
         for task in tasks:
             task.cancel()
@@ -459,7 +414,7 @@ class AgentSession(ControllerChannel, JobTraffic):
         that awaits the call cancels the call."""
         for task in loops:  # nothing more is queued after the goodbye
             task.cancel()
-        goodbye = pb.AgentMessage(goodbye=pb.Goodbye(reason=self.goodbye_reason))
+        goodbye = pb.AgentMessage(goodbye=pb.Goodbye(reason=self.stop_signals.goodbye_reason))
         conn.queue.put_nowait(goodbye)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(GOODBYE_TIMEOUT):
@@ -537,54 +492,3 @@ async def _call_ended(
     if code == grpc.StatusCode.OK:
         return ConnectionLost("controller closed the stream", unreachable=False)
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
-
-
-# ---------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _install_signal_handlers(session: AgentSession) -> list[signal.Signals]:
-    """SIGINT/SIGTERM/SIGHUP drain the session, a second one stops it at once
-    (:meth:`AgentSession.on_signal`), where the loop supports it (not on Windows, where Ctrl+C
-    arrives as KeyboardInterrupt and asyncio.run cancels the session instead)."""
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        sig = getattr(signal, name, None)
-        if sig is None:
-            continue
-        try:
-            loop.add_signal_handler(sig, session.on_signal, int(sig))
-        except (NotImplementedError, RuntimeError, ValueError, AttributeError):
-            continue
-        installed.append(sig)
-    return installed
-
-
-async def run_agent(
-    config: AgentConfig,
-    handler: ControlHandler,
-    *,
-    install_signal_handlers: bool = True,
-    jitter: Jitter | None = None,
-) -> int:
-    """Run one agent session until SIGINT/SIGTERM (or a fatal :class:`AgentError`); returns
-    the exit status (:attr:`AgentSession.exit_code`)."""
-    session = AgentSession(config, handler, jitter=jitter)
-    installed = _install_signal_handlers(session) if install_signal_handlers else []
-    try:
-        await session.run()
-        return session.exit_code
-    finally:
-        loop = asyncio.get_running_loop()
-        for sig in installed:
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)

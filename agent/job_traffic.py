@@ -46,8 +46,11 @@ class JobTraffic:
     transfers: ModelTransfers
     _conn: Connection | None
     _dispatch_tasks: set[asyncio.Task[None]]
-    #: The agent is stopping (its drain): new work is refused, running jobs go on.
-    draining: bool
+
+    @property
+    def draining(self) -> bool:
+        """The agent is stopping (its drain): new work is refused, running jobs go on."""
+        raise NotImplementedError
 
     def _resume_jobs(self, conn: Connection, welcome: pb.Welcome) -> None:
         """Re-sends what the controller lacks of the jobs it still waits for; cancels the

@@ -1,9 +1,12 @@
 """``node-agent``: enroll this machine with the controller and keep its control stream open.
 
-Exit codes: 0 after a clean stop (SIGINT/SIGTERM/SIGHUP/Ctrl+C); 2 with a one-line message for bad
-flags, a refused enrollment token, a controller that fails the pin at enrollment (it shows
-another CA, or a certificate of the pinned CA that is not the controller's), a rejected stored
-identity, no token and no identity, or missing llama.cpp binaries (unless ``--no-runtime``).
+Exit codes: 0 after a clean stop (the first SIGINT/SIGTERM/SIGHUP/Ctrl+C drains the agent:
+its running jobs finish, at most ``--drain-timeout``); 128 + the signal's number when a second
+signal stopped it at once (its running jobs lost); 2 with a one-line message for bad
+flags, a garbled, truncated or refused enrollment token, an address that answers HTTP, a
+controller that fails the pin at enrollment (it shows another CA, or a certificate of the
+pinned CA that is not the controller's), a rejected stored identity, no token and no identity,
+or missing llama.cpp binaries (unless ``--no-runtime``).
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -11,6 +14,8 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -20,11 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import psutil
-
 import agent.grpc_fork  # noqa: F401  # before anything imports grpc
-from agent import AGENT_VERSION
+from agent import AGENT_VERSION, grpc_logging  # grpc_logging: before anything imports grpc
+from agent.advertise_address import default_advertise_address
 from agent.agent_config import (
+    DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_RPC_PORT,
     DEFAULT_SLOTS,
     DEFAULT_TRANSFER_PORT,
@@ -32,15 +37,20 @@ from agent.agent_config import (
     AgentConfig,
     AgentError,
     ConfigError,
+    Jitter,
     MissingEnrollmentToken,
     parse_byte_size,
     parse_controller_url,
 )
-from agent.control_client import run_agent
+from agent.agent_stop import install_signal_handlers as stop_on_signals
+from agent.control_client import AgentSession
+from agent.control_handler import ControlHandler
+from agent.controller_tls import checked_token
 from agent.fetch_limits import add_fetch_arguments, fetch_limits_from_args
 from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
 from agent.llama_binaries import add_binaries_arguments
+from agent.llama_server import log_health_polls_at_debug
 from infrastructure import event_loop
 from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
 
@@ -49,25 +59,6 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 DATA_DIR_NAME = "dacp-agent"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-# Interfaces that are usually not the LAN peers should use (tried after the others).
-_VIRTUAL_INTERFACE_PREFIXES = (
-    "docker",
-    "br-",
-    "veth",
-    "virbr",
-    "cni",
-    "flannel",
-    "lxc",
-    "vmnet",
-    "vboxnet",
-    "vethernet",
-    "tun",
-    "tap",
-    "wg",
-    "tailscale",
-    "zt",
-)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -94,61 +85,6 @@ def default_data_dir() -> Path:
     return root / DATA_DIR_NAME
 
 
-def private_ipv4_addresses() -> list[str]:
-    """Private (RFC 1918) IPv4 addresses of the interfaces that are up; physical-looking
-    interfaces first, bridges/VPNs after."""
-    try:
-        addresses = psutil.net_if_addrs()
-        stats = psutil.net_if_stats()
-    except (OSError, RuntimeError):
-        return []
-    preferred: list[str] = []
-    others: list[str] = []
-    for name, entries in addresses.items():
-        stat = stats.get(name)
-        if stat is not None and not stat.isup:
-            continue
-        for entry in entries:
-            if entry.family != socket.AF_INET:
-                continue
-            try:
-                ip = ipaddress.IPv4Address(entry.address)
-            except ValueError:
-                continue
-            if ip.is_loopback or ip.is_link_local or ip.is_unspecified or not ip.is_private:
-                continue
-            bucket = others if name.lower().startswith(_VIRTUAL_INTERFACE_PREFIXES) else preferred
-            bucket.append(str(ip))
-    return preferred + others
-
-
-def default_advertise_address(controller_url: str | None = None) -> str:
-    """The address this machine reaches the controller from (what the controller sees, and
-    checks at enrollment), when it is private or loopback; else the first non-loopback private
-    IPv4 address, else 127.0.0.1 (single-machine setups)."""
-    route = _route_address(controller_url) if controller_url else None
-    if route is not None:
-        return route
-    candidates = private_ipv4_addresses()
-    return candidates[0] if candidates else "127.0.0.1"
-
-
-def _route_address(controller_url: str) -> str | None:
-    """The local address the kernel picks to reach the controller (no packet is sent: a UDP
-    socket is only connected)."""
-    try:
-        try:
-            target = parse_controller_url(controller_url)
-        except ConfigError:  # grpc://, which is for --insecure: only the address matters here
-            target = parse_controller_url(controller_url, insecure=True)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target.host, target.port))
-            local = ipaddress.IPv4Address(probe.getsockname()[0])
-    except (ConfigError, OSError, ValueError):
-        return None
-    return str(local) if local.is_private or local.is_loopback else None
-
-
 # ---------------------------------------------------------------------------
 # Argument types
 # ---------------------------------------------------------------------------
@@ -161,6 +97,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
     return value
 
 
@@ -353,6 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the heartbeat interval the controller asks for",
     )
     parser.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=os.environ.get("DACP_DRAIN_TIMEOUT") or DEFAULT_DRAIN_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "on the first SIGINT/SIGTERM, how long running jobs may take to finish before the "
+            "agent stops anyway (a second signal stops it at once; 0: no drain); "
+            "default: %(default)s; env DACP_DRAIN_TIMEOUT"
+        ),
+    )
+    parser.add_argument(
         "--label",
         type=_label,
         action="append",
@@ -386,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
             "env GRPC_INSECURE=true"
         ),
     )
+    grpc_logging.add_grpc_debug_argument(parser)
     parser.add_argument(
         "--log-level",
         type=_log_level,
@@ -393,6 +351,27 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one of {', '.join(LOG_LEVELS)} (default: %(default)s)",
     )
     return parser
+
+
+async def run_agent(
+    config: AgentConfig,
+    handler: ControlHandler,
+    *,
+    install_signal_handlers: bool = True,
+    jitter: Jitter | None = None,
+) -> int:
+    """Run one agent session until SIGINT/SIGTERM (or a fatal :class:`AgentError`); returns
+    the exit status (:attr:`AgentSession.exit_code`)."""
+    session = AgentSession(config, handler, jitter=jitter)
+    installed = stop_on_signals(session.on_signal) if install_signal_handlers else []
+    try:
+        await session.run()
+        return session.exit_code
+    finally:
+        loop = asyncio.get_running_loop()
+        for sig in installed:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
 
 
 def _stored_controller_url(data_dir: Path) -> str | None:
@@ -425,6 +404,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         llama_backend=args.llama_backend,
         heartbeat_interval=args.heartbeat_interval,
+        drain_timeout=args.drain_timeout,
         tls_ca_file=Path(args.tls_ca_file).expanduser() if args.tls_ca_file else None,
         insecure=args.insecure,
         memory_limit_bytes=args.memory_limit,
@@ -443,6 +423,8 @@ def preflight(config: AgentConfig) -> None:
             f"no enrollment token and no stored identity in {config.data_dir}; "
             "pass --enrollment-token or set DACP_ENROLLMENT_TOKEN"
         )
+    if identity is None and config.enrollment_token:
+        checked_token(config.enrollment_token)  # garbled or truncated: named, sent nowhere
     url = config.controller_url or (identity.controller_url if identity else None)
     if not url:
         raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
@@ -467,6 +449,7 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    log_health_polls_at_debug()  # several a second while a model loads
 
 
 def _one_line(exc: BaseException) -> str:
@@ -480,13 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         preflight(config)
         handler = build_handler(config)
-        event_loop.run(run_agent(config, handler))
+        return event_loop.run(run_agent(config, handler))
     except (AgentError, IdentityFileError) as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Windows: no loop signal handlers; Ctrl+C lands here
         return EXIT_OK
-    return EXIT_OK
 
 
 if __name__ == "__main__":

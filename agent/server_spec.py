@@ -104,7 +104,12 @@ class ServerSpec:
         argv += ["--host", host, "--port", str(port), "--parallel", str(self.parallel)]
         # The plan decides context, layers and split; don't let --fit second-guess it.
         argv += ["--fit", "off", "--no-webui", "--log-verbosity", str(verbosity)]
-        if self.parallel > 1:
+        # A chat server has no --kv-unified: each slot holds exactly ctx_size / parallel
+        # tokens, the context the plan gives a job, so a longer prompt is refused (the
+        # client's 400) instead of taking the cache the other slots' requests need. An
+        # embedding server keeps one unified cache: its inputs are bounded by --ubatch-size
+        # (the per-slot context) anyway, and a batch's vectors then equal each input's alone.
+        if self.embeddings and self.parallel > 1:
             argv.append("--kv-unified")
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]

@@ -71,7 +71,7 @@ from domain.job import MAX_REPLANS
 from domain.model import EMBEDDING
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
-from proto import OUT_OF_MEMORY
+from proto import CLIENT_ERROR_CODES, OUT_OF_MEMORY
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
 STALE_JOB_GRACE = 30.0
 #: The error code of a job ended so.
 ABANDONED = "abandoned"
+#: The error code of a job the controller ended as it stopped (SHUTDOWN_TIMEOUT passed).
+CONTROLLER_STOPPING = "controller_stopping"
+#: How long the jobs of an agent that said goodbye wait for its last messages to be handled
+#: (the results of the jobs it drained) before the rest are lost (s).
+STOPPED_SETTLE_TIMEOUT = 10.0
 
 
 def capped(params: dict[str, Any], context_size: int) -> dict[str, Any]:
@@ -576,6 +581,20 @@ class JobManager:
             ended.append(run.job_id)
         return ended
 
+    async def end_executing(self, why: str, code: str) -> list[str]:
+        """Ends every job that executes now as JOB_FAILED with ``code`` (the controller
+        stops and waited long enough): its client hears ``why``, its primary stops; returns
+        their ids once the endings are recorded. Jobs still in setup or queued end with their
+        requests."""
+        runs = [run for run in self.runs.values() if run.executing_since is not None]
+        for run in runs:
+            self.runs.pop(run.job_id, None)
+            log.warning("job %s: %s", run.job_id, why)
+            self._cancel_on_primary(run, why)
+            self._ending_jobs[run.job_id] += 1
+        await asyncio.gather(*(self._end_past_deadline(run, why, code) for run in runs))
+        return [run.job_id for run in runs]
+
     async def _end_past_deadline(self, run: JobRun, why: str, code: str) -> None:
         # Its tokens so far are recorded once JOB_SETUP_VALIDATED is: wait for that first,
         # so they land before the ending, in the execution phase.
@@ -849,8 +868,9 @@ class JobManager:
         if result.ok:
             await self._record_ending(job_id, self.app.complete, item.outcome, tell=tell)
         else:
-            fail = self.app.fail
-            await self._record_ending(job_id, fail, item.error, result.error_code, tell=tell)
+            # A request the node refused as invalid is the client's error, not the node's.
+            end = self.app.reject if result.error_code in CLIENT_ERROR_CODES else self.app.fail
+            await self._record_ending(job_id, end, item.error, result.error_code, tell=tell)
 
     def node_disconnected(self, node_id: str) -> None:
         """A node's stream closed (or a new one replaced it): the setups waiting for it fail
@@ -883,18 +903,28 @@ class JobManager:
             if node_id in run.nodes and (run.phase == "execution" or run.setup_ok)
         ]
 
-    async def node_gone(self, node_id: str) -> None:
-        """A node stayed disconnected past the reconnect grace: the executions on it are
-        lost (failed as ``node_lost``; a job on a lost RPC worker is stopped first)."""
+    async def messages_handled(self) -> None:
+        """Waits until the agent messages handed over so far are handled (not those that come
+        meanwhile), at most STOPPED_SETTLE_TIMEOUT: an agent that said goodbye has its last
+        results (the jobs it drained) recorded before its stop, which would count them lost."""
+        running = self._background.running()
+        if running:
+            await asyncio.wait(running, timeout=STOPPED_SETTLE_TIMEOUT)
+
+    async def node_gone(self, node_id: str, stopped: str = "") -> None:
+        """A node stayed disconnected past the reconnect grace, or its agent stopped
+        (``stopped``: why, as it said in its goodbye): the executions on it are lost (failed
+        as ``node_lost``; a job on a lost RPC worker is stopped first)."""
         label = self._label(node_id)
         executing = self._executing_on(node_id)
-        await asyncio.gather(*(self._lose(run, node_id, label) for run in executing))
+        await asyncio.gather(*(self._lose(run, node_id, label, stopped) for run in executing))
 
-    async def _lose(self, run: JobRun, node_id: str, label: str) -> None:
+    async def _lose(self, run: JobRun, node_id: str, label: str, stopped: str = "") -> None:
         """Ends an executing job whose node was lost; the client hears it whatever happens."""
+        cause = f": its agent stopped ({stopped})" if stopped else ""
         item = StreamItem(
             "error",
-            error=f"node {label} was lost during execution; "
+            error=f"node {label} was lost during execution{cause}; "
             "uninterrupted generation is not guaranteed",
             error_code="node_lost",
         )
@@ -910,7 +940,7 @@ class JobManager:
             return
         if node_id != run.primary:
             self._cancel_on_primary(run, f"RPC worker node {label} lost")
-        why = f"node {label} lost during execution"
+        why = f"node {label} lost during execution{cause}"
         tell = functools.partial(run.queue.put_nowait, item)
         await self._record_ending(run.job_id, self.app.fail, why, "node_lost", tell=tell)
 

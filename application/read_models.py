@@ -80,6 +80,8 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
             "rpc_workers": {},
             "drain_requested": False,
             "drained": False,
+            #: Its agent drains before it stops (NODE_STOPPING); rows stored before lack it.
+            "stopping": False,
             "error": None,
             "security_violations": 0,
             "enrolled_at": at,
@@ -124,7 +126,10 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
                 "at": at,
             },
         }
-    elif isinstance(event, Node.WentOffline | Node.ErrorReported | Node.Revoked):
+    elif isinstance(event, Node.Stopping):
+        new["stopping"] = True
+    elif isinstance(event, Node.WentOffline | Node.Stopped | Node.ErrorReported | Node.Revoked):
+        new["stopping"] = False
         new["current_jobs"] = []
         new["rpc_workers"] = {}
         new["runtime"] = None
@@ -204,7 +209,7 @@ def eligibility_of(node: dict[str, Any]) -> dict[str, Any] | None:
     """The ``eligibility`` row of a node: what the scheduler reads (``None``: not eligible)."""
     jobs = len(node["current_jobs"])
     free_slots = runtime_capacity(node.get("runtime") if jobs else None, int(node["slots"])) - jobs
-    if node["drain_requested"] or free_slots <= 0:
+    if node["drain_requested"] or node.get("stopping") or free_slots <= 0:
         return None
     if node["state"] == NodeState.READY:
         fallback_only = False
@@ -348,6 +353,8 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             failure_reason=event.reason,
             error_code=event.error_code,
         )
+    elif isinstance(event, Job.Rejected):
+        new.update(ended_at=at, failure_reason=event.reason, error_code=event.error_code)
     elif isinstance(event, Job.Cancelled):
         new.update(ended_at=at, failure_reason=event.reason, error_code="cancelled")
     return new
@@ -439,6 +446,10 @@ class ReadModel(Protocol):
         limit: int = 50,
         offset: int = 0,
     ) -> list[dict[str, Any]]: ...
+
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        """The ids of the jobs whose (dashed) id begins with ``prefix``, at most ``limit``."""
+        ...
 
     def eligibility(self) -> list[dict[str, Any]]: ...
 

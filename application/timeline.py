@@ -8,6 +8,7 @@ store; nothing is written.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from enum import Enum
@@ -266,6 +267,15 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"no heartbeat for {float(p.get('seconds_since_last') or 0):.1f} s"
     ),
     "NODE_OFFLINE": lambda p: f"{p.get('reason')}{_lost(p.get('lost_jobs') or [])}",
+    "NODE_STOPPING": lambda p: (
+        f"stopping (drain): {len(p.get('running_jobs') or [])} job(s) running, "
+        f"at most {float(p.get('drain_timeout_seconds') or 0):g} s"
+    ),
+    "NODE_STOPPED": lambda p: (
+        f"stopped with jobs running: {p.get('reason')}{_lost(p['lost_jobs'])}"
+        if p.get("lost_jobs")
+        else f"stopped cleanly ({p.get('reason')})"
+    ),
     "NODE_RECOVERED": lambda p: (
         f"recovered, agent {p['agent_version']}" if p.get("agent_version") else "recovered"
     ),
@@ -330,6 +340,7 @@ SUMMARIES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "JOB_COMPLETED": _completed,
     "JOB_FAILED": _failed,
     "JOB_CANCELLED": lambda p: f"reason={p.get('reason')}",
+    "JOB_REJECTED": lambda p: f"the client's error ({p.get('error_code')}): {p.get('reason')}",
     "MODEL_REGISTERED": lambda p: (
         f"{p.get('name')} = {p.get('file_name')} sha256 {str(p.get('sha256'))[:12]}..."
     ),
@@ -386,6 +397,37 @@ def entry_of(event: object, position: int | None = None) -> Entry:
         "summary": summarize(code, payload),
         "payload": payload,
     }
+
+
+#: The ids the OpenAI API gives a job's answer: a prefix, then the job id's 32 hex digits.
+CHAT_COMPLETION_ID_PREFIX = "chatcmpl-"
+COMPLETION_ID_PREFIX = "cmpl-"
+#: The shortest abbreviation of a job id a person may type (``short`` shows eight).
+MIN_JOB_PREFIX = 4
+_HEX = re.compile(r"[0-9a-f]+")
+_DASHES_AT = (8, 12, 16, 20)  # in the 32 hex digits: where the dashed form has its dashes
+
+
+def answer_id(prefix: str, job_id: str) -> str:
+    """``chatcmpl-…``/``cmpl-…``: what the OpenAI API calls the answer of job ``job_id``."""
+    return prefix + job_id.replace("-", "")
+
+
+def job_id_forms(ident: str) -> tuple[UUID | None, str | None]:
+    """What a person may type for a job: its full id, the ``chatcmpl-``/``cmpl-`` id an SDK
+    returned (the full id), or its short id or any longer beginning (a prefix of the dashed id,
+    typed with or without dashes). ``(uuid, None)``, ``(None, prefix)`` or ``(None, None)``."""
+    text = ident.strip().lower()
+    for prefix in (CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX):
+        text = text.removeprefix(prefix)
+    uid = as_uuid(text)
+    if uid is not None:
+        return uid, None
+    digits = text.replace("-", "")
+    if not MIN_JOB_PREFIX <= len(digits) < 32 or not _HEX.fullmatch(digits):
+        return None, None
+    dashed = "".join(("-" if i in _DASHES_AT else "") + c for i, c in enumerate(digits))
+    return None, dashed
 
 
 def as_uuid(ident: UUID | str) -> UUID | None:

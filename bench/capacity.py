@@ -128,6 +128,9 @@ class Controller:
             "QUEUE_TIMEOUT": "900",
             "QUEUE_MAX": "100000",
             "DACP_VAR_DIR": str(var_dir),
+            # Its own config file (written at its first start): never the operator's.
+            "DACP_CONFIG": str(var_dir / "config.toml"),
+            "DACP_URL": f"http://127.0.0.1:{self.port}",
         }
         #: The controller's CA: the synthetic agents verify it over TLS, as real ones do.
         self.ca_file = var_dir / "tls" / "ca.pem"

@@ -18,6 +18,8 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.ResourcesReported,
     Node.HeartbeatTimedOut,
     Node.WentOffline,
+    Node.Stopping,
+    Node.Stopped,
     Node.Recovered,
     Node.DrainRequested,
     Node.Drained,
@@ -50,6 +52,7 @@ JOB_EVENTS: tuple[type[Job.Event] | type[Job.Submitted], ...] = (
     Job.TokenStreamChunk,
     Job.Completed,
     Job.Failed,
+    Job.Rejected,
     Job.Cancelled,
 )
 

@@ -145,6 +145,18 @@ class Job(Aggregate):
             job.failure_reason = self.reason
             job.ended_at = self.timestamp.isoformat()
 
+    class Rejected(Event):
+        """The client's request was invalid (HTTP 400): the client's error, not a node's."""
+
+        code: ClassVar[str] = "JOB_REJECTED"
+        resulting_state: ClassVar[JobState] = JobState.REJECTED
+        reason: str
+        error_code: str
+
+        def evolve(self, job: Job) -> None:
+            job.failure_reason = self.reason
+            job.ended_at = self.timestamp.isoformat()
+
     class Cancelled(Event):
         code: ClassVar[str] = "JOB_CANCELLED"
         resulting_state: ClassVar[JobState] = JobState.CANCELLED
@@ -306,6 +318,12 @@ class Job(Aggregate):
         phase = FailurePhase.SETUP if self.state in SETUP_PHASE_STATES else FailurePhase.EXECUTION
         self.trigger_event(self.Failed, phase=phase.value, reason=reason, error_code=error_code)
         return phase
+
+    def reject(self, reason: str, error_code: str) -> None:
+        """Ends the job as the client's error (its request was invalid)."""
+        if self.terminal:
+            raise self._refuse("be rejected", "it has already ended")
+        self.trigger_event(self.Rejected, reason=reason, error_code=error_code)
 
     def cancel(self, reason: str) -> None:
         if self.terminal:

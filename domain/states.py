@@ -33,9 +33,14 @@ class JobState(StrEnum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    #: The client's request was refused as invalid (a prompt over the context, a request
+    #: llama-server refused): the client's error, never counted against a node.
+    REJECTED = "REJECTED"
 
 
-TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_JOB_STATES = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED}
+)
 SETUP_PHASE_STATES = frozenset(
     {JobState.SUBMITTED, JobState.QUEUED, JobState.PLANNED, JobState.DISPATCHED}
 )

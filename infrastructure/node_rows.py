@@ -117,6 +117,9 @@ class NodeRowsReadModel:
             state=state, model=model, node_id=node_id, limit=limit, offset=offset
         )
 
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        return self._views.job_ids_starting(prefix, limit)
+
     def eligibility(self) -> list[dict[str, Any]]:
         return self._views.eligibility()
 

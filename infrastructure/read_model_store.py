@@ -8,6 +8,7 @@ SQL serves Postgres and SQLite: only the placeholder and the table qualification
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -500,6 +501,18 @@ class _ReadModelViews:
             f"ORDER BY submitted_at DESC, job_id LIMIT {int(limit)} OFFSET {int(offset)}",
             tuple(params),
         )
+
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        if not re.fullmatch(r"[0-9a-f-]*", prefix):
+            return []  # nothing else begins an id (and LIKE's wildcards stay out)
+        return [
+            row["job_id"]
+            for row in self._all(
+                f"SELECT data FROM {self._t('jobs')} WHERE job_id LIKE ? "
+                f"ORDER BY job_id LIMIT {int(limit)}",
+                (prefix + "%",),
+            )
+        ]
 
     def eligibility(self) -> list[dict[str, Any]]:
         return self._all(

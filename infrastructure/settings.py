@@ -14,6 +14,7 @@ from application.deadlines import (
     Deadlines,
 )
 from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
+from application.metrics_history import DEFAULT_HISTORY_INTERVAL
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
 from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
 from proto.model_file_server import (
@@ -26,8 +27,69 @@ from proto.model_sources import parse_cidrs
 #: The controller's model store port (an agent's own file server defaults to 50053).
 DEFAULT_MODEL_STORE_PORT = 50054
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: How long a stopping controller (SIGTERM, SIGINT) waits for its running jobs (s).
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 #: A request travels to its primary in one plan message, which the agent must let in.
 MAX_REQUEST_BYTES_LIMIT = AGENT_RECEIVE_BYTES - PLAN_OVERHEAD_BYTES
+
+
+#: Every environment variable :meth:`Settings.from_env` reads (the config file's keys too).
+SETTING_NAMES = (
+    "ADMIN_API_KEY",
+    "AI_API_KEY",
+    "ALLOWED_PEER_CIDRS",
+    "DACP_VAR_DIR",
+    "DATABASE_POOL_SIZE",
+    "DATABASE_URL",
+    "DEGRADED_AFTER",
+    "ENROLL_ALLOW_NAT",
+    "FEED_SESSION_SECONDS",
+    "FIRST_TOKEN_TIMEOUT",
+    "GRPC_HOST",
+    "GRPC_INSECURE",
+    "GRPC_KEEPALIVE_INTERVAL",
+    "GRPC_KEEPALIVE_TIMEOUT",
+    "GRPC_PORT",
+    "HEARTBEAT_INTERVAL",
+    "HOST",
+    "MAX_REQUEST_BYTES",
+    "METRICS_HISTORY_INTERVAL",
+    "MODEL_SOURCE_ALLOWED_CIDRS",
+    "MODEL_STORE_CONNECTIONS_PER_ADDRESS",
+    "MODEL_STORE_DIR",
+    "MODEL_STORE_HANDSHAKE_TIMEOUT",
+    "MODEL_STORE_PORT",
+    "MODEL_STORE_WORKERS",
+    "NODE_ENROLLMENT_SECRET",
+    "OFFLINE_AFTER",
+    "OPEN_API",
+    "PORT",
+    "QUEUE_MAX",
+    "QUEUE_TIMEOUT",
+    "RECORD_CONTENT",
+    "REDIS_KEY_PREFIX",
+    "REDIS_URL",
+    "REQUEST_TIMEOUT",
+    "RPC_PORT",
+    "RPC_WORKER_IDLE_GRACE",
+    "RPC_WORKER_START_TIMEOUT",
+    "SETUP_TIMEOUT",
+    "SHUTDOWN_TIMEOUT",
+    "SHUTDOWN_TIMEOUT",
+    "STREAM_IDLE_TIMEOUT",
+    "TLS_CA_FILE",
+    "TLS_CERT_FILE",
+    "TLS_KEY_FILE",
+    "TOKEN_RECORD_INTERVAL",
+)
+
+
+def default_var_dir(env: Mapping[str, str]) -> Path:
+    """Where a controller keeps its state unless ``DACP_VAR_DIR`` says otherwise:
+    ``$XDG_DATA_HOME/dacp`` (default ``~/.local/share/dacp``), never the current directory."""
+    xdg = env.get("XDG_DATA_HOME", "").strip()
+    root = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    return root / "dacp"
 
 
 class SettingsError(ValueError):
@@ -109,6 +171,8 @@ class Settings:
     #: How long an RPC worker no job uses stays up for warm reuse (then StopRpcWorker).
     rpc_worker_idle_grace: float = DEFAULT_RPC_WORKER_IDLE_GRACE
     setup_timeout: float = 120.0
+    #: How long SIGTERM/SIGINT waits for running jobs before it ends them (0: not at all).
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     queue_max: int = DEFAULT_QUEUE_MAX
     token_record_interval: float = 1.0
@@ -137,6 +201,8 @@ class Settings:
     open_api: bool = False
     #: How long a live-feed stream opened with a ticket lasts from the ticket's minting (s).
     feed_session_seconds: float = DEFAULT_FEED_SESSION_SECONDS
+    #: Seconds between the samples of the dashboard's charts (GET /api/admin/metrics/history).
+    metrics_history_interval: float = DEFAULT_HISTORY_INTERVAL
     #: Seconds a connection to the store has for its TLS handshake and request head.
     model_store_handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     #: Threads sending the store's files at once.
@@ -186,6 +252,9 @@ class Settings:
                 env, "RPC_WORKER_IDLE_GRACE", DEFAULT_RPC_WORKER_IDLE_GRACE
             ),
             setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
+            shutdown_timeout=_float(
+                env, "SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, zero_means_off=True
+            ),
             queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
             queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
             token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", 1.0),
@@ -194,7 +263,7 @@ class Settings:
             request_timeout=_float(env, "REQUEST_TIMEOUT", 0.0, zero_means_off=True),
             keepalive_interval=_float(env, "GRPC_KEEPALIVE_INTERVAL", keepalive.DEFAULT_INTERVAL),
             keepalive_timeout=_float(env, "GRPC_KEEPALIVE_TIMEOUT", keepalive.DEFAULT_TIMEOUT),
-            var_dir=Path(env.get("DACP_VAR_DIR", "var")),
+            var_dir=Path(env.get("DACP_VAR_DIR") or default_var_dir(env)).expanduser(),
             insecure=_bool(env, "GRPC_INSECURE", False),
             tls_cert_file=_path(env, "TLS_CERT_FILE"),
             tls_key_file=_path(env, "TLS_KEY_FILE"),
@@ -205,6 +274,9 @@ class Settings:
             model_store_port=_store_port(env),
             open_api=_bool(env, "OPEN_API", False),
             feed_session_seconds=_float(env, "FEED_SESSION_SECONDS", DEFAULT_FEED_SESSION_SECONDS),
+            metrics_history_interval=_float(
+                env, "METRICS_HISTORY_INTERVAL", DEFAULT_HISTORY_INTERVAL
+            ),
             model_store_handshake_timeout=_float(
                 env, "MODEL_STORE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT
             ),

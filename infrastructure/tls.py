@@ -258,7 +258,6 @@ def load_or_create(
     if cert_file is not None and key_file is not None:
         return _operator_files(cert_file, key_file, ca_file)
     ca_pem, ca_key_pem = _ensure_ca(tls_dir)
-    ca_path = tls_dir / "ca.pem"
     names, addresses = local_names()
     cert_pem, key_pem = issue_server_cert(ca_pem, ca_key_pem, names, addresses)
     chain_file, server_key = tls_dir / "server.pem", tls_dir / "server.key"
@@ -270,30 +269,39 @@ def load_or_create(
         key_pem=key_pem,
         chain_file=chain_file,
         key_file=server_key,
-        ca_file=ca_path,
+        ca_file=ca_path(tls_dir),
         server_name=SERVER_NAME,
         ca_key_pem=ca_key_pem,
     )
 
 
+def ca_path(tls_dir: Path) -> Path:
+    """The controller's own CA certificate in ``tls_dir`` (only a controller creates it)."""
+    return tls_dir / "ca.pem"
+
+
 def _ensure_ca(tls_dir: Path) -> tuple[bytes, bytes]:
     """The controller's own CA (PEM certificate, key), created on first use."""
-    ca_path, ca_key_path = tls_dir / "ca.pem", tls_dir / "ca.key"
-    if ca_path.exists() and ca_key_path.exists():
-        return ca_path.read_bytes(), ca_key_path.read_bytes()
+    cert_path, ca_key_path = ca_path(tls_dir), tls_dir / "ca.key"
+    if cert_path.exists() and ca_key_path.exists():
+        return cert_path.read_bytes(), ca_key_path.read_bytes()
     ca_pem, ca_key_pem = _new_ca()
     _write_private(ca_key_path, ca_key_pem)
-    _write_private(ca_path, ca_pem)
+    _write_private(cert_path, ca_pem)
     log.info("created the controller's certificate authority in %s", tls_dir)
     return ca_pem, ca_key_pem
 
 
 def pinned_ca(
-    tls_dir: Path, *, cert_file: Path | None = None, ca_file: Path | None = None
+    tls_dir: Path,
+    *,
+    cert_file: Path | None = None,
+    ca_file: Path | None = None,
+    create: bool = True,
 ) -> bytes:
     """The CA certificate (PEM) agents pin and clients trust: the operator's (``TLS_CA_FILE``,
     else the last certificate of ``TLS_CERT_FILE``), or the controller's own, created now if
-    the controller has not started yet."""
+    the controller has not started yet (with ``create``; else a :class:`TlsError`)."""
     try:
         if ca_file is not None:
             return ca_file.read_bytes()
@@ -302,6 +310,15 @@ def pinned_ca(
             return last.public_bytes(serialization.Encoding.PEM)
     except (OSError, ValueError) as e:
         raise TlsError(f"cannot read the CA certificate: {e}") from e
+    if not create:
+        try:
+            return ca_path(tls_dir).read_bytes()
+        except OSError:
+            raise TlsError(
+                f"no controller CA in {tls_dir}: no controller has started with this DACP_VAR_DIR "
+                "(start `dacp controller` first, or point DACP_VAR_DIR or DACP_CONFIG at the "
+                "controller's)"
+            ) from None
     return _ensure_ca(tls_dir)[0]
 
 

@@ -88,9 +88,13 @@ def job_view(row: dict[str, Any], *, full: bool) -> dict[str, Any]:
     view = {"object": "admin.job", **row}
     if not full:
         view.pop("text", None)
+    state = row.get("state")
     view["failure"] = (
         {"phase": row.get("failure_phase"), "reason": row.get("failure_reason")}
-        if row.get("state") == JobState.FAILED
+        if state == JobState.FAILED
+        # The client's error: its request, not a phase of the job's run.
+        else {"phase": "request", "reason": row.get("failure_reason")}
+        if state == JobState.REJECTED
         else None
     )
     view["timings"] = timings(row)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import logging
 import os
+import secrets
 import sqlite3
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 import psycopg
@@ -26,28 +28,86 @@ from application.enrollment import (
 )
 from infrastructure import event_loop
 from infrastructure.settings import Settings, SettingsError
+from interfaces.cli_target import CliEnv, CliError, load_cli_env, store_flag, take_used
 
 if TYPE_CHECKING:
     from application.controller import Controller
 
 
-class CliError(Exception):
-    """A one-line message for the user; exit code 2."""
+@dataclasses.dataclass(frozen=True)
+class FirstStart:
+    """A controller starting with no config file: the values it starts with (its admin key and
+    enrollment secret generated when the environment has none), written into the file once it
+    is up (a controller that fails to start writes nothing)."""
+
+    values: dict[str, str]
+    generated: tuple[str, ...]
+
+
+def _first_start(env: CliEnv) -> FirstStart | None:
+    if env.configuration.file is not None:
+        return None
+    values = dict(env.values)
+    generated = tuple(k for k in ("ADMIN_API_KEY", "NODE_ENROLLMENT_SECRET") if not values.get(k))
+    for secret in generated:
+        values[secret] = secrets.token_urlsafe(32)
+    return FirstStart(values, generated)
+
+
+def _write_config(env: CliEnv, first: FirstStart, settings: Settings, http_port: int) -> None:
+    """Writes the config file every dacp command reads: the controller's address (DACP_URL),
+    state directory, store, ports, admin key and enrollment secret. Never rewritten."""
+    from infrastructure.config_file import FIRST_START_KEYS, URL_ENV, write_new
+    from infrastructure.tls import is_loopback
+
+    values = dict(first.values)
+    values["DACP_VAR_DIR"] = str(settings.var_dir.absolute())
+    if not values.get(URL_ENV):
+        https = not settings.insecure and not is_loopback(settings.host)
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "localhost") else settings.host
+        host = "[::1]" if host == "::" else (f"[{host}]" if ":" in host else host)
+        values[URL_ENV] = f"{'https' if https else 'http'}://{host}:{http_port}"
+    written = {k: values[k] for k in FIRST_START_KEYS if values.get(k)}
+    path = env.configuration.path
+    try:
+        wrote = write_new(path, written, dt.datetime.now(dt.UTC))
+    except OSError as e:
+        env.say(
+            f"cannot write the config file {path} ({e.strerror or e}): dacp commands in "
+            "other shells need this controller's environment"
+        )
+        return
+    if wrote:
+        env.say(
+            f"first start: wrote {path} (mode 0600); every dacp command reads it"
+            + (f"; generated {' and '.join(first.generated)} there" if first.generated else "")
+        )
 
 
 def _cmd_controller(args: argparse.Namespace) -> int:
-    from interfaces.controller_main import serve_forever
+    from proto.grpc_verbosity import CONTROLLER_VERBOSITY, set_grpc_verbosity
+
+    set_grpc_verbosity(CONTROLLER_VERBOSITY, debug=args.grpc_debug)  # before grpc is imported
+    from interfaces.controller_main import RunningController, serve_forever
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = Settings.from_env()
+    env = load_cli_env()
+    first = _first_start(env)
+    settings = Settings.from_env(first.values if first else env.values)
     if args.insecure:
         settings = dataclasses.replace(settings, insecure=True)
     if args.open_api:
         settings = dataclasses.replace(settings, open_api=True)
+
+    def up(running: RunningController) -> None:
+        if first is not None:
+            _write_config(env, first, settings, running.http_port)
+        env.say(f"event store: {env.store_label()}; config: {env.configuration.path}")
+
     try:
-        event_loop.run(serve_forever(settings))
+        event_loop.run(serve_forever(settings, on_up=up))
     except KeyboardInterrupt:
         pass
     except OSError as e:
@@ -56,22 +116,27 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 
 def _controller_ca(settings: Settings) -> bytes | None:
-    """The CA the controller serves TLS with (created now if it has never started); None with
-    GRPC_INSECURE=true."""
+    """The CA the controller serves TLS with (never created here: only a controller creates
+    its CA); None with GRPC_INSECURE=true."""
     from infrastructure.tls import TlsError, pinned_ca
 
     if settings.insecure:
         return None
     try:
         return pinned_ca(
-            settings.tls_dir, cert_file=settings.tls_cert_file, ca_file=settings.tls_ca_file
+            settings.tls_dir,
+            cert_file=settings.tls_cert_file,
+            ca_file=settings.tls_ca_file,
+            create=False,
         )
     except TlsError as e:
         raise CliError(str(e)) from e
 
 
 def _cmd_ca_export(args: argparse.Namespace) -> int:
-    ca = _controller_ca(Settings.from_env())
+    env = load_cli_env()
+    env.say(f"the CA of the controller in {env.settings().var_dir}")
+    ca = _controller_ca(env.settings())
     if ca is None:
         raise CliError("GRPC_INSECURE=true: the controller serves no TLS, so it has no CA")
     sys.stdout.write(ca.decode())
@@ -79,12 +144,30 @@ def _cmd_ca_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
+    env = load_cli_env()
+    if args.store:
+        minted = _mint_in_store(args, env)
+    else:
+        body: dict[str, object] = {"ttl_seconds": args.ttl, "single_use": args.single_use}
+        if args.node_name:
+            body["node_name"] = args.node_name
+        answer = env.admin().call("POST", "/api/admin/enrollment-tokens", body, 201)
+        minted = {k: answer[k] for k in ("token", "token_id", "expires_at", "single_use")}
+        minted["node_name"] = answer.get("node_name")
+    if args.json:
+        print(orjson.dumps(minted).decode())
+    else:
+        print(minted["token"])
+    return 0
+
+
+def _mint_in_store(args: argparse.Namespace, env: CliEnv) -> dict[str, object]:
     from infrastructure.tls import fingerprint_of
 
-    settings = Settings.from_env()
+    settings = env.settings()
     ca = _controller_ca(settings)
     service = EnrollmentService(
-        _open_app(args),
+        _open_app(args, env),
         settings.node_enrollment_secret,
         ca_fingerprint=fingerprint_of(ca) if ca is not None else None,
     )
@@ -103,65 +186,50 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     finally:
         service.app.close()
-    if args.json:
-        print(orjson.dumps(minted.__dict__).decode())
-    else:
-        print(minted.token)
-    return 0
+    return dict(minted.__dict__)
 
 
-def _open_app(args: argparse.Namespace) -> Controller:
+def _open_app(args: argparse.Namespace, env: CliEnv | None = None) -> Controller:
+    """The event store's application, as the configuration names it (said on stderr)."""
     from application.controller import Controller
     from infrastructure.persistence import persistence_env
     from infrastructure.storage import ensure_postgres_schema
 
-    settings = Settings.from_env()
-    url = getattr(args, "database_url", None) or settings.database_url
-    env = persistence_env(url, var_dir=settings.var_dir)
-    ensure_postgres_schema(env)
-    return Controller(env=env)
+    env = env or load_cli_env()
+    settings = env.settings()
+    given = getattr(args, "database_url", None)
+    env.using_store(given)
+    store = persistence_env(given or settings.database_url, var_dir=settings.var_dir)
+    ensure_postgres_schema(store)
+    return Controller(env=store)
 
 
 def _cmd_models_register(args: argparse.Namespace) -> int:
     from domain.errors import DomainError
 
-    app = _open_app(args)
-    try:
-        app.register_model(
-            args.name, args.sha256, args.file_name, args.context_size, args.kind, args.pooling
-        )
-    except DomainError as e:
-        raise CliError(str(e)) from e
-    finally:
-        app.close()
+    env = load_cli_env()
+    if not args.store:
+        body: dict[str, object] = {
+            "name": args.name,
+            "sha256": args.sha256,
+            "file_name": args.file_name,
+            "context_size": args.context_size,
+            "kind": args.kind,
+            "pooling": args.pooling,
+        }
+        env.admin().call("POST", "/api/admin/models/", body, 201)
+    else:
+        app = _open_app(args, env)
+        try:
+            app.register_model(
+                args.name, args.sha256, args.file_name, args.context_size, args.kind, args.pooling
+            )
+        except DomainError as e:
+            raise CliError(str(e)) from e
+        finally:
+            app.close()
     print(f"registered {args.kind} model {args.name} → {args.file_name} ({args.sha256[:12]}…)")
     return 0
-
-
-def _admin_post(url: str, path: str, body: dict[str, object], expected: int) -> Any:
-    """POSTs to the running controller's admin API (ADMIN_API_KEY; SSL_CERT_FILE over
-    HTTPS); the answer's JSON, or a :class:`CliError` with its message."""
-    import httpx
-
-    key = os.environ.get("ADMIN_API_KEY", "")
-    verify: str | bool = os.environ.get("SSL_CERT_FILE") or True
-    try:
-        answer = httpx.post(
-            f"{url.rstrip('/')}{path}",
-            headers={"Authorization": f"Bearer {key}"},
-            json=body,
-            timeout=60,
-            verify=verify,
-        )
-    except httpx.HTTPError as e:
-        raise CliError(f"cannot reach the controller at {url}: {e}") from e
-    if answer.status_code != expected:
-        try:
-            message = answer.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = answer.text[:200]
-        raise CliError(f"refused ({answer.status_code}): {message}")
-    return answer.json()
 
 
 def _cmd_models_source(args: argparse.Namespace) -> int:
@@ -169,30 +237,37 @@ def _cmd_models_source(args: argparse.Namespace) -> int:
     from domain.errors import DomainError
     from proto.model_sources import SourceRefused, check_url, parse_cidrs
 
-    if args.action == "add":  # what the admin API checks (nodes check again before a fetch)
-        allowed = parse_cidrs(Settings.from_env().model_source_allowed_cidrs)
+    env = load_cli_env()
+    if not args.store:
+        path = "/api/admin/models/sources" + ("" if args.action == "add" else "/remove")
+        expected = 201 if args.action == "add" else 200
+        env.admin().call("POST", path, {"model": args.name, "url": args.url}, expected)
+    else:
+        if args.action == "add":  # what the admin API checks (nodes check again before a fetch)
+            allowed = parse_cidrs(env.settings().model_source_allowed_cidrs)
+            try:
+                check_url(args.url, allowed)
+            except SourceRefused as e:
+                raise CliError(f"cannot add the source of {args.name}: {e}") from e
+        app = _open_app(args, env)
         try:
-            check_url(args.url, allowed)
-        except SourceRefused as e:
-            raise CliError(f"cannot add the source of {args.name}: {e}") from e
-    app = _open_app(args)
-    try:
-        if args.action == "add":
-            app.add_model_source(args.name, args.url)
-        else:
-            app.remove_model_source(args.name, args.url)
-    except (DomainError, NotFound) as e:
-        raise CliError(f"cannot {args.action} the source of {args.name}: {e}") from e
-    finally:
-        app.close()
+            if args.action == "add":
+                app.add_model_source(args.name, args.url)
+            else:
+                app.remove_model_source(args.name, args.url)
+        except (DomainError, NotFound) as e:
+            raise CliError(f"cannot {args.action} the source of {args.name}: {e}") from e
+        finally:
+            app.close()
     verb = "added to" if args.action == "add" else "removed from"
     print(f"{args.url} {verb} the sources of model {args.name}")
     return 0
 
 
 def _cmd_models_evict(args: argparse.Namespace) -> int:
-    gone = _admin_post(
-        args.url, "/api/admin/models/evict", {"model": args.name, "node": args.node}, 200
+    admin = load_cli_env().admin(args.url)
+    gone = admin.call(
+        "POST", "/api/admin/models/evict", {"model": args.name, "node": args.node}, 200
     )
     print(f"deleted {gone['file_name']} from node {args.node}")
     return 0
@@ -202,7 +277,8 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
     """Asks the running controller (its admin API) to have nodes fetch a model."""
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
     body: dict[str, object] = {"model": args.name, "nodes": nodes}
-    transfers = _admin_post(args.url, "/api/admin/models/pull", body, 202)["transfers"]
+    admin = load_cli_env().admin(args.url)
+    transfers = admin.call("POST", "/api/admin/models/pull", body, 202)["transfers"]
     for t in transfers:
         print(
             f"node {t['node_id']} fetches {args.name} from {', '.join(t['sources'])}"
@@ -217,8 +293,9 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
 def _admin_url_option(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--url",
-        default=os.environ.get("DACP_URL", "http://127.0.0.1:8000"),
-        help="the controller's HTTP address (env DACP_URL); ADMIN_API_KEY is the key",
+        default=None,
+        help="the controller's HTTP address (default: DACP_URL, from the environment or the "
+        "config file); ADMIN_API_KEY is the key",
     )
 
 
@@ -241,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /v1 without AI_API_KEY on a HOST beyond loopback (as OPEN_API=true): "
         "anyone who reaches it may use the cluster; without it such a controller refuses to start",
+    )
+    from proto.grpc_verbosity import GRPC_DEBUG_FLAG
+
+    ctl.add_argument(
+        GRPC_DEBUG_FLAG,
+        action="store_true",
+        help="let gRPC core print its own debug output (by default only its errors, unless "
+        "GRPC_VERBOSITY or GRPC_TRACE is set)",
     )
     ctl.set_defaults(func=_cmd_controller)
 
@@ -278,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("--node-name", default=None, help="bind the token to this node name")
     create.add_argument("--json", action="store_true", help="print token details as JSON")
+    store_flag(create)
+    create.add_argument("--database-url", default=None, help="with --store: the event store")
     create.set_defaults(func=_cmd_token_create)
     nodes_cli.register_token_commands(token_sub)
     models = sub.add_parser("models", help="the model registry")
@@ -299,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="an embedding model's pooling (default: the model's own)",
     )
-    reg.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
+    store_flag(reg)
+    reg.add_argument("--database-url", default=None, help="with --store: the event store")
     reg.set_defaults(func=_cmd_models_register)
     pull = models_sub.add_parser(
         "pull", help="have nodes fetch a model from nodes that hold it (via the admin API)"
@@ -314,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("action", choices=("add", "remove"))
     source.add_argument("name", help="the registered model")
     source.add_argument("url", help="http(s)://HOST[:PORT]/PATH of the GGUF file")
-    source.add_argument("--database-url", default=None, help="default: DATABASE_URL or var/")
+    store_flag(source)
+    source.add_argument("--database-url", default=None, help="with --store: the event store")
     source.set_defaults(func=_cmd_models_source)
     evict = models_sub.add_parser(
         "evict", help="delete a model's file from a node's disk (refused while jobs use it)"
@@ -333,8 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    take_used()
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        for line in take_used():
+            if code == 0:
+                print(f"dacp: {line}", file=sys.stderr)
+        return code
     except (CliError, SettingsError) as e:
         print(f"dacp: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,12 @@ from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
 from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
+from interfaces.controller_shutdown import (
+    SignalFreeServer,
+    StopSignals,
+    drain_controller,
+    wait_for_stop,
+)
 from interfaces.grpc_server import (
     MAX_CONCURRENT_RPCS,
     AgentConnections,
@@ -42,6 +48,8 @@ from interfaces.grpc_server import (
     NodeCertificates,
 )
 from interfaces.http_app import create_app
+from interfaces.http_peer_log import PeerNamingProtocol
+from interfaces.http_peer_log import install as install_peer_naming
 from interfaces.model_store_server import start_store_server
 from interfaces.operations_api import cluster_collector, install_operations, metrics_history
 from interfaces.services import Services
@@ -335,6 +343,7 @@ async def start_controller(settings: Settings) -> RunningController:
         storage.close()
         raise OSError(f"cannot bind the gRPC port {settings.grpc_host}:{settings.grpc_port}")
     await grpc_server.start()
+    services.extras["grpc_port"] = grpc_port  # the port bound (GRPC_PORT=0: a free one)
 
     http_app = create_app(services)
     https = https_files(settings, services.tls)
@@ -346,8 +355,10 @@ async def start_controller(settings: Settings) -> RunningController:
         lifespan="on",
         ssl_certfile=https[0] if https else None,
         ssl_keyfile=https[1] if https else None,
+        http=PeerNamingProtocol,  # a bad request's warning names its source
     )
-    http_server = uvicorn.Server(config)
+    install_peer_naming()
+    http_server = SignalFreeServer(config)
     monitor = HealthMonitor(
         services.app,
         node_views,
@@ -532,7 +543,10 @@ def https_files(settings: Settings, tls: ServerTls | None) -> tuple[str, str] | 
     return str(tls.chain_file), str(tls.key_file)
 
 
-async def serve_forever(settings: Settings) -> None:
+async def serve_forever(
+    settings: Settings, on_up: Callable[[RunningController], None] | None = None
+) -> None:
+    """Runs a controller until SIGTERM or SIGINT; ``on_up`` is called once it serves."""
     if not settings.admin_api_key:
         log.warning("ADMIN_API_KEY is not set: the admin API and dashboard are disabled")
     async with controller(settings) as running:
@@ -549,4 +563,15 @@ async def serve_forever(settings: Settings) -> None:
         )
         if tls is None:
             log.warning(INSECURE_WARNING)
-        await running.tasks[0]
+        if on_up is not None:
+            on_up(running)
+        signals = StopSignals()
+        signals.install()
+        try:
+            await wait_for_stop(running, signals)
+            if signals.requested.is_set():
+                await drain_controller(running, settings.shutdown_timeout, signals)
+        finally:
+            signals.remove()
+        if running.tasks[0].done() and not running.tasks[0].cancelled():
+            running.tasks[0].result()  # the HTTP server's own failure, if any

@@ -9,7 +9,6 @@ read-model views. Errors end with exit code 2 and one line on stderr, nothing on
 from __future__ import annotations
 
 import argparse
-import os
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ import orjson
 import psycopg
 from eventsourcing.persistence import PersistenceError
 
+from application.close_names import suggestion
 from application.diagnosis import diagnose
 from application.timeline import (
     ReplayError,
@@ -29,6 +29,7 @@ from application.timeline import (
     entry_of,
     events_of,
     iso,
+    job_id_forms,
     job_row,
     job_timeline,
     parse_time,
@@ -45,6 +46,8 @@ from infrastructure.read_model_store import ReadModelStore, open_read_model
 from infrastructure.settings import SettingsError
 from infrastructure.storage import Storage, open_storage
 
+#: How many of the latest jobs an unknown job id is compared with (for the closest ones).
+SUGGEST_FROM_JOBS = 1000
 #: How many of a node's recent jobs ``diagnose`` looks at.
 DIAGNOSE_JOBS = 20
 #: The shadow views ``projections rebuild`` builds beside the live ones.
@@ -65,13 +68,25 @@ def _emit_json(value: Any) -> None:
 
 
 def store_env(database_url: str | None) -> dict[str, str]:
-    """The eventsourcing environment of an existing store (never creates an SQLite file)."""
-    url = database_url or os.environ.get("DATABASE_URL") or None
-    var_dir = Path(os.environ.get("DACP_VAR_DIR", "var"))
+    """The eventsourcing environment of an existing store (never creates an SQLite file), as
+    the configuration names it (said on stderr)."""
+    from interfaces.cli_target import load_cli_env
+
+    try:
+        cli_env = load_cli_env()
+        settings = cli_env.settings()
+    except SettingsError as e:
+        raise Refusal(str(e)) from e
+    url = database_url or settings.database_url
+    var_dir = settings.var_dir
+    cli_env.using_store(database_url)
     if not url:
         path = var_dir / DEFAULT_SQLITE_FILE
         if not path.is_file():
-            raise Refusal(f"no event store at {path}: set DATABASE_URL or pass --database-url")
+            raise Refusal(
+                f"no event store at {path}: no controller has run with this DACP_VAR_DIR "
+                f"(set DATABASE_URL, DACP_VAR_DIR or DACP_CONFIG, or pass --database-url)"
+            )
         return persistence_env(None, var_dir=var_dir)
     try:
         env = persistence_env(url, var_dir=var_dir, pool_size=2)
@@ -110,8 +125,21 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def resolve(storage: Storage, ident: str, kind: str) -> UUID:
-    """The id of the node (by id or name) or job (by id) that ``ident`` names."""
+    """The id of the node (by id or name) or job that ``ident`` names: a job by its full id,
+    its short id (or any longer beginning) or the ``chatcmpl-``/``cmpl-`` id of its answer."""
     uid = as_uuid(ident)
+    if kind == "job":
+        uid, prefix = job_id_forms(ident)
+        if prefix is not None:
+            begun = storage.read_model.job_ids_starting(prefix, 6)
+            if len(begun) == 1:
+                return UUID(begun[0])
+            if len(begun) > 1:
+                more = ", …" if len(begun) > 5 else ""
+                raise Refusal(
+                    f"several jobs begin with {ident}; type more of the id: "
+                    f"{', '.join(begun[:5])}{more}"
+                )
     if uid is not None:
         found = timeline_kind(storage.app, uid)
         if found == kind:
@@ -125,7 +153,16 @@ def resolve(storage: Storage, ident: str, kind: str) -> UUID:
         if len(matches) > 1:
             ids = ", ".join(str(m["node_id"]) for m in matches)
             raise Refusal(f"several nodes are named {ident}; use an id: {ids}")
-    raise Refusal(f"unknown {kind} {ident}")
+    raise Refusal(f"unknown {kind} {ident}{suggestion(kind, ident, known(storage, kind, uid))}")
+
+
+def known(storage: Storage, kind: str, uid: UUID | None) -> list[str]:
+    """What an unknown ``kind`` is compared with: node names (ids, for an id), or the ids of
+    the latest :data:`SUGGEST_FROM_JOBS` jobs."""
+    if kind == "job":
+        return [str(r["job_id"]) for r in storage.read_model.list_jobs(limit=SUGGEST_FROM_JOBS)]
+    key = "name" if uid is None else "node_id"
+    return [str(r[key]) for r in storage.read_model.list_nodes() if r.get(key)]
 
 
 # ------------------------------------------------------------------- tables
@@ -277,6 +314,16 @@ def refusals_text(refused: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _exit_text(exit_: Mapping[str, Any] | None) -> str:
+    """How the node last left service: stopped cleanly, stopped with jobs lost, or lost."""
+    if not exit_:
+        return "-"
+    how = str(exit_["how"])
+    if exit_["code"] == "NODE_OFFLINE":
+        how += " (no goodbye: a crash, a kill or the network)"
+    return f"{how} at {table_time(str(exit_.get('time')))}: {exit_.get('reason') or '-'}"
+
+
 def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
     lines = format_table(
         ["", ""],
@@ -291,6 +338,7 @@ def diagnosis_text(report: Mapping[str, Any]) -> list[str]:
             ],
             ["drain requested", "yes" if report.get("drain_requested") else "no"],
             ["error", str(report.get("error") or "-")],
+            ["last stop", _exit_text(report.get("last_exit"))],
             [
                 "failures",
                 f"{report['failure_pattern']}: {report['failures_before_execution']} before, "

@@ -1,14 +1,18 @@
 """``dacp nodes revoke`` and ``dacp token list|revoke``: revoking nodes and enrollment tokens,
-written to the event store directly. Every running controller sees NODE_REVOKED through its
-projection follower and closes the node's stream; a revoked token enrolls nobody."""
+through the running controller's admin API (``DACP_URL``), or with ``--store`` written to the
+event store directly: every running controller sees NODE_REVOKED through its projection
+follower and closes the node's stream; a revoked token enrolls nobody."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
+from application.close_names import suggestion
 from application.errors import NotFound
 from domain.errors import DomainError
+from domain.times import iso_time
+from interfaces.cli_target import load_cli_env, store_flag
 from interfaces.events_cli import (
     Refusal,
     _emit_json,
@@ -22,6 +26,18 @@ from interfaces.events_cli import (
 
 @_guarded
 def cmd_nodes_revoke(args: argparse.Namespace) -> int:
+    if not args.store:
+        admin = load_cli_env().admin()
+        nodes = admin.call("GET", "/api/admin/nodes", None, 200)["data"]
+        match = [n for n in nodes if args.ident in (n["node_id"], n["name"])]
+        if not match:
+            names = [str(n["name"]) for n in nodes]
+            raise Refusal(f"no node named {args.ident}{suggestion('node', args.ident, names)}")
+        node_id = match[0]["node_id"]
+        body = {"reason": args.reason}
+        row = admin.call("POST", f"/api/admin/nodes/{node_id}/revoke", body, 200)
+        print(f"revoked node {row['name']} ({node_id}): its credential no longer works")
+        return 0
     with opened(args) as storage:
         node_id = resolve(storage, args.ident, "node")
         try:
@@ -45,6 +61,7 @@ def cmd_token_list(args: argparse.Namespace) -> int:
         [
             str(r["token_id"]),
             str(r["minted_at"])[:19],
+            iso_time(float(r["expires_at"])),
             str(r["minted_by"]),
             "single" if r["single_use"] else "multi",
             str(r["node_name"] or "-"),
@@ -52,17 +69,25 @@ def cmd_token_list(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
-    print("\n".join(format_table(["TOKEN", "MINTED", "BY", "USE", "NODE", "STATE"], table)))
+    headers = ["TOKEN", "MINTED", "EXPIRES", "BY", "USE", "NODE", "STATE"]
+    print("\n".join(format_table(headers, table)))
     return 0
 
 
 @_guarded
 def cmd_token_revoke(args: argparse.Namespace) -> int:
+    if not args.store:
+        path = f"/api/admin/enrollment-tokens/{args.token_id}/revoke"
+        load_cli_env().admin().call("POST", path, None, 200)
+        print(f"revoked enrollment token {args.token_id}: it enrolls nobody from now on")
+        return 0
     with opened(args) as storage:
         try:
             storage.app.revoke_token(args.token_id, "cli", args.reason)
         except NotFound:
-            raise Refusal(f"unknown enrollment token {args.token_id}") from None
+            ids = [str(t["token_id"]) for t in storage.read_model.list_tokens(1000)]
+            hint = suggestion("enrollment token", args.token_id, ids)
+            raise Refusal(f"unknown enrollment token {args.token_id}{hint}") from None
         except DomainError as e:
             raise Refusal(f"cannot revoke {args.token_id}: {e}") from None
     print(f"revoked enrollment token {args.token_id}: it enrolls nobody from now on")
@@ -79,6 +104,7 @@ def register_token_commands(token_sub: argparse._SubParsersAction[argparse.Argum
     revoke = token_sub.add_parser("revoke", help="no enrollment with this token from now on")
     revoke.add_argument("token_id", metavar="TOKEN_ID")
     revoke.add_argument("--reason", default="revoked by an administrator")
+    store_flag(revoke)
     _store_option(revoke)
     revoke.set_defaults(func=cmd_token_revoke)
 
@@ -92,5 +118,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     revoke.add_argument("ident", metavar="NODE", help="NODE_ID or node name")
     revoke.add_argument("--reason", default="revoked by an administrator")
+    store_flag(revoke)
     _store_option(revoke)
     revoke.set_defaults(func=cmd_nodes_revoke)

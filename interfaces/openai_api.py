@@ -29,6 +29,7 @@ from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
 from application.read_models import proven_holders
 from application.store_guard import STORE_UNAVAILABLE
+from application.timeline import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX, answer_id
 from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
 from interfaces.http_auth import inference_guard
@@ -217,7 +218,9 @@ _CHAT_ERRORS = errors(
 )
 async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     submission = parse_chat_request(await _body(request))
-    return await _generate(state, request, submission, "chatcmpl-", ChatStream, chat_message)
+    return await _generate(
+        state, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
+    )
 
 
 @post(
@@ -234,7 +237,9 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
 )
 async def completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
     submission = parse_completion_request(await _body(request))
-    return await _generate(state, request, submission, "cmpl-", CompletionStream, completion)
+    return await _generate(
+        state, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
+    )
 
 
 @post(
@@ -270,7 +275,7 @@ async def _generate(
         return started
     jobs, run, first = started
     answer = Answer(
-        prefix + run.job_id.replace("-", ""),
+        answer_id(prefix, run.job_id),
         int(time.time()),
         submission.model,
         include_usage=bool(submission.params.get("include_usage")),

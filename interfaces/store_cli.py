@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from infrastructure.settings import Settings
+from interfaces.cli_target import load_cli_env
 
 
 class _Progress:
@@ -56,7 +56,8 @@ def _cmd_add(args: argparse.Namespace) -> int:
         validate_use,
     )
     from infrastructure.model_store import ControllerModelStore, StoredFile, StoreError
-    from interfaces.cli import CliError, _open_app
+    from interfaces.cli import _open_app
+    from interfaces.cli_target import CliError
     from proto.gguf_metadata import read_gguf_metadata
 
     source = Path(args.path).expanduser()
@@ -76,9 +77,9 @@ def _cmd_add(args: argparse.Namespace) -> int:
         validate_use(args.kind, args.pooling)
     except DomainError as e:
         raise CliError(f"cannot add {source}: {e}") from e
-    settings = Settings.from_env()
-    store = ControllerModelStore(settings.model_store_dir)
-    app = _open_app(args)  # the event store answers before a byte is copied
+    env = load_cli_env()
+    store = ControllerModelStore(env.settings().model_store_dir)
+    app = _open_app(args, env)  # the event store answers before a byte is copied
     stored: StoredFile | None = None
     try:
         try:
@@ -129,7 +130,8 @@ def _cmd_unstore(args: argparse.Namespace) -> int:
     from domain.errors import DomainError
     from domain.model import model_id
     from infrastructure.model_store import ControllerModelStore
-    from interfaces.cli import CliError, _open_app
+    from interfaces.cli import _open_app
+    from interfaces.cli_target import CliError
 
     app = _open_app(args)
     try:
@@ -139,7 +141,7 @@ def _cmd_unstore(args: argparse.Namespace) -> int:
         raise CliError(f"cannot unstore {args.name}: {e}") from e
     finally:
         app.close()
-    store = ControllerModelStore(Settings.from_env().model_store_dir)
+    store = ControllerModelStore(load_cli_env().settings().model_store_dir)
     removed = store.release(sha256, args.name)
     others = sorted(store.names(sha256))
     print(

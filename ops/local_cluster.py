@@ -268,6 +268,9 @@ class LocalCluster:
             **base_env,
             **cfg.extra_env,
             "DACP_VAR_DIR": str(cfg.var_dir / "controller"),
+            # Its own config file (written at its first start): never the operator's.
+            "DACP_CONFIG": str(cfg.var_dir / "controller" / "config.toml"),
+            "DACP_URL": self.url,
             "PORT": str(self.port),
             "GRPC_PORT": str(self.grpc_port),
             # Agents learn the store's port with each transfer: any free one will do.

@@ -34,6 +34,8 @@ PLAN_OVERHEAD_BYTES = 1024 * 1024
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # JobResult.error_code of a request llama-server refused as invalid (HTTP 400 there, and here).
 REQUEST_REJECTED = "invalid_request"
+# The codes above are the client's errors: the job ends JOB_REJECTED, never counted against a node.
+CLIENT_ERROR_CODES = frozenset({CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED})
 # SetupResult / RpcWorkerStatus / JobResult .error_code of a participant whose device ran out of
 # memory (llama.cpp's output says so, on any backend): before the first token the controller
 # re-plans with that device's budget lowered; after it the client gets HTTP 503 with this code.
@@ -64,6 +66,7 @@ CONTROLLER_TLS_NAME = "dacp-controller"
 
 __all__ = [
     "AGENT_RECEIVE_BYTES",
+    "CLIENT_ERROR_CODES",
     "CONTEXT_LENGTH_EXCEEDED",
     "CONTROLLER_RECEIVE_BYTES",
     "CONTROLLER_TLS_NAME",

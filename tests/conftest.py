@@ -8,6 +8,7 @@ import agent.grpc_fork  # noqa: F401  # isort: skip
 
 import dataclasses
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,14 @@ from infrastructure.persistence import persistence_env
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, ensure_postgres_schema, open_storage
 
+# No test reads or writes the operator's own config file or state directory: each test gets
+# its own XDG_CONFIG_HOME (see `_own_config`), and the session one is a fresh directory too.
+for _name in ("DACP_CONFIG", "DACP_URL", "DACP_VAR_DIR"):
+    os.environ.pop(_name, None)
+_SESSION_XDG = Path(tempfile.mkdtemp(prefix="dacp-tests-xdg-"))
+os.environ["XDG_CONFIG_HOME"] = str(_SESSION_XDG / "config")
+os.environ["XDG_DATA_HOME"] = str(_SESSION_XDG / "data")
+
 TEST_DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -26,6 +35,14 @@ TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def _drop_schema(schema: str) -> None:
     with psycopg.connect(TEST_DATABASE_URL, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _own_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config file a controller writes at its first start is this test's alone."""
+    home = tmp_path_factory.mktemp("xdg")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
 
 
 @pytest.fixture

@@ -195,13 +195,24 @@ def test_a_prompt_longer_than_the_context_is_a_400_context_length_exceeded(
     cluster: LocalCluster, store: Controller
 ) -> None:
     """llama-server refuses it (`exceed_context_size_error`); the client gets OpenAI's 400,
-    streamed or not (nothing was sent before the refusal), and the node serves on."""
-    long: list[Any] = [{"role": "user", "content": "tell me about llamas " * 2000}]  # > 2,048
-    for stream in (False, True):
+    streamed or not (nothing was sent before the refusal), and the node serves on. The context
+    a job gets is the model's (2,048 tokens), not the server's whole cache (4 slots): a prompt
+    of about 2,400 tokens is refused too. Each refusal is the client's error (JOB_REJECTED),
+    which `dacp diagnose` never counts against the node."""
+    admin_headers = admin(cluster)
+    before = {
+        j["job_id"]
+        for j in httpx.get(
+            f"{cluster.url}/api/admin/jobs?limit=200", headers=admin_headers, timeout=10
+        ).json()["data"]
+    }
+    long: list[Any] = [{"role": "user", "content": "tell me about llamas " * 2000}]  # > 8,192
+    just_over: list[Any] = [{"role": "user", "content": "llamas and alpacas " * 800}]
+    for messages, stream in ((long, False), (long, True), (just_over, False)):
         with pytest.raises(openai.BadRequestError) as refused:
             client(cluster).chat.completions.create(
                 model=MODEL_NAME,
-                messages=long,
+                messages=messages,
                 max_tokens=8,
                 stream=stream,  # type: ignore[call-overload]
             )
@@ -210,6 +221,12 @@ def test_a_prompt_longer_than_the_context_is_a_400_context_length_exceeded(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=8, seed=3, temperature=0
     )
     assert store.get_job(job_id_of(completion.id)).state == "COMPLETED"
+    rows = httpx.get(
+        f"{cluster.url}/api/admin/jobs?limit=200", headers=admin_headers, timeout=10
+    ).json()["data"]
+    refused_jobs = [j for j in rows if j["job_id"] not in before and j["state"] != "COMPLETED"]
+    assert [j["state"] for j in refused_jobs] == ["REJECTED"] * 3, refused_jobs
+    assert {j["error_code"] for j in refused_jobs} == {"context_length_exceeded"}
 
 
 def test_eight_concurrent_sdk_streams_all_succeed(cluster: LocalCluster, store: Controller) -> None:

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 from eventsourcing.persistence import Tracking
 
-from application.diagnosis import CONTROLLER_UNREACHABLE, PUBLIC_PEER, RPC_WORKER_LOST
+from application.diagnosis import (
+    CONTROLLER_UNREACHABLE,
+    NODE_LOST,
+    PUBLIC_PEER,
+    RPC_WORKER_LOST,
+)
 from application.timeline import job_timeline, parse_time, timeline
 from application.version import CONTROLLER_VERSION
 from infrastructure.storage import Storage
@@ -29,8 +34,13 @@ def incident(storage: Storage) -> Incident:
 
 def dacp(capsys: pytest.CaptureFixture[str], storage: Storage, *argv: str) -> tuple[int, str, str]:
     capsys.readouterr()
-    code = cli.main([*argv, "--database-url", database_url(storage.env)])
+    url = database_url(storage.env)
+    code = cli.main([*argv, "--database-url", url])
     out, err = capsys.readouterr()
+    if code == 0:  # a command that succeeds ends by naming the store it read
+        *err_lines, used = err.splitlines(keepends=True)
+        assert used.startswith("dacp: used the event store ") and "(--database-url)" in used, err
+        err = "".join(err_lines)
     return code, out, err
 
 
@@ -187,7 +197,10 @@ def test_diagnose_reports_phase_and_hint(
     assert "agent version       0.1.0" in out
     assert "state               OFFLINE" in out
     assert f"{incident.execution_failed_job}  smollm2  failed during execution" in out
-    assert "check:  " + RPC_WORKER_LOST.check in out
+    # A one-node job: the node's own row, never an RPC worker it did not have.
+    assert "check:  " + NODE_LOST.check in out and RPC_WORKER_LOST.check not in out
+    assert "last stop           lost (no goodbye: a crash, a kill or the network) at " in out
+    assert out.split("last stop")[1].split("\n")[0].endswith(": control stream closed")
     assert PUBLIC_PEER.check in out  # the SECURITY_VIOLATION finding
     assert "fails during execution: 0 before, 1 during execution" in out
     assert str(incident.completed_job) not in out.split("recent events")[0]
@@ -198,6 +211,23 @@ def test_diagnose_reports_phase_and_hint(
     assert len(b["recent_events"]) == 3
     assert [j["phase"] for j in b["failed_jobs"]] == ["execution"]
     assert b["jobs_considered"] == 2
+
+
+def test_a_job_is_named_by_any_id_a_person_has_seen(
+    storage: Storage, incident: Incident, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The full id, the short id the tables show (or any longer beginning, with or without
+    dashes), and the ``chatcmpl-``/``cmpl-`` id the SDK returned all name the same job."""
+    job = str(incident.execution_failed_job)
+    code, full, _ = dacp(capsys, storage, "events", "job", job, "--json")
+    assert code == 0
+    hex_id = job.replace("-", "")
+    for form in (job[:8], job[:13], hex_id[:12], f"chatcmpl-{hex_id}", f"cmpl-{hex_id}"):
+        assert dacp(capsys, storage, "events", "job", form, "--json") == (0, full, ""), form
+        code, out, _ = dacp(capsys, storage, "replay", "job", form)
+        assert code == 0 and job in out, form
+    unknown = dacp(capsys, storage, "events", "job", "chatcmpl-" + "0" * 32)
+    assert unknown[0] == 2 and unknown[2].startswith("dacp: unknown job")
 
 
 @pytest.mark.parametrize(
@@ -282,7 +312,8 @@ def test_python_dash_m_entry_point(storage: Storage, incident: Incident) -> None
     assert "SECURITY_VIOLATION" in done.stdout and "control stream closed" in done.stdout
     missing = run("events", "node", "ghost")
     assert missing.returncode == 2
-    assert missing.stdout == "" and missing.stderr == "dacp: unknown node ghost\n"
+    assert missing.stdout == ""
+    assert missing.stderr == "dacp: unknown node ghost; known: node-a, node-b\n"
 
 
 def test_no_store_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

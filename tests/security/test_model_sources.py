@@ -115,7 +115,7 @@ async def test_sources_on_loopback_link_local_and_metadata_are_refused(
         assert next(m for m in rows if m["name"] == "x")["sources"] == [lan]
 
     # `dacp models source add` writes to the store itself: the same check, one line, exit 2.
-    cli = await dacp(pg_schema, "models", "source", "add", "x", "http://127.0.0.1:6379/")
+    cli = await dacp(pg_schema, "models", "source", "add", "--store", "x", "http://127.0.0.1:6379/")
     assert cli.returncode == 2, (cli.stdout, cli.stderr)
     assert "loopback" in cli.stderr and "MODEL_SOURCE_ALLOWED_CIDRS" in cli.stderr
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
@@ -124,6 +124,7 @@ async def test_sources_on_loopback_link_local_and_metadata_are_refused(
         "models",
         "source",
         "add",
+        "--store",
         "x",
         "http://127.0.0.1:6379/",
         MODEL_SOURCE_ALLOWED_CIDRS="127.0.0.1/32",

@@ -81,7 +81,7 @@ async def test_dacp_nodes_revoke_closes_the_stream_of_a_running_controller(
     await session.open()
     session.start_heartbeats(0.2)
     await until(lambda: ctl.services.connections.is_connected(enrolled.node_id), 10)
-    done = await dacp(pg_schema, "nodes", "revoke", "cli-revoked")
+    done = await dacp(pg_schema, "nodes", "revoke", "--store", "cli-revoked")
     assert done.returncode == 0, done.stderr
     assert "revoked node cli-revoked" in done.stdout
     took = await until(lambda: not ctl.services.connections.is_connected(enrolled.node_id), 10)

@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 
+from domain.times import iso_time
 from interfaces.controller_main import RunningController
 from tests.integration.control_client import control_target, enroll
 from tests.security.conftest import dacp
@@ -65,7 +66,7 @@ async def test_dacp_token_create_list_and_revoke(ctl: RunningController, pg_sche
         "NODE_ENROLLMENT_SECRET": "test-enrollment-secret",
         "DACP_VAR_DIR": str(ctl.services.settings.var_dir),  # the controller's CA
     }
-    created = await dacp(pg_schema, "token", "create", "--json", **env)
+    created = await dacp(pg_schema, "token", "create", "--store", "--json", **env)
     assert created.returncode == 0, created.stderr
     minted = orjson.loads(created.stdout)
     assert minted["single_use"] is True and 3590 < minted["expires_at"] - time.time() <= 3600
@@ -74,11 +75,12 @@ async def test_dacp_token_create_list_and_revoke(ctl: RunningController, pg_sche
     assert listing.returncode == 0, listing.stderr
     [line] = [ln for ln in listing.stdout.splitlines() if ln.startswith(minted["token_id"])]
     assert line.split()[-1] == "valid" and " cli " in line
-    revoked = await dacp(pg_schema, "token", "revoke", minted["token_id"])
+    assert f" {iso_time(minted['expires_at'])} " in line  # a time people read, not unix seconds
+    revoked = await dacp(pg_schema, "token", "revoke", "--store", minted["token_id"])
     assert revoked.returncode == 0, revoked.stderr
     refused = await _refused(ctl, minted["token"], "too-late")
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-    missing = await dacp(pg_schema, "token", "revoke", "0123abcd")
+    missing = await dacp(pg_schema, "token", "revoke", "--store", "0123abcd")
     assert missing.returncode == 2 and "unknown enrollment token" in missing.stderr
 
 
@@ -106,6 +108,6 @@ async def test_a_token_is_never_minted_for_a_name_enroll_would_refuse(
         "NODE_ENROLLMENT_SECRET": "test-enrollment-secret",
         "DACP_VAR_DIR": str(ctl.services.settings.var_dir),
     }
-    cli = await dacp(pg_schema, "token", "create", "--node-name", "gpu box", **env)
+    cli = await dacp(pg_schema, "token", "create", "--store", "--node-name", "gpu box", **env)
     assert cli.returncode == 2 and cli.stdout == ""
     assert len(cli.stderr.strip().splitlines()) == 1 and "node_name" in cli.stderr

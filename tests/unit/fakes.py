@@ -72,6 +72,10 @@ class FakeReadModel:
         ]
         return rows[offset : offset + limit]
 
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        self.catch_up()
+        return sorted(j for j in self.jobs if j.startswith(prefix))[:limit]
+
     def eligibility(self) -> list[dict[str, Any]]:
         self.catch_up()
         return [e for n in self.nodes.values() if (e := eligibility_of(n)) is not None]

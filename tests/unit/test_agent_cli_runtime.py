@@ -149,7 +149,7 @@ async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
 def test_the_default_advertised_address_is_the_one_the_controller_sees() -> None:
     """The controller checks at enrollment that the advertised address is the connection's
     source: by default the agent advertises the address of its route to the controller."""
-    from agent.main import default_advertise_address
+    from agent.advertise_address import default_advertise_address
 
     assert default_advertise_address("127.0.0.1:50051") == "127.0.0.1"
     assert default_advertise_address("grpcs://127.0.0.1:50051") == "127.0.0.1"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent import control_client
+from agent import agent_stop
 from agent.agent_config import DEFAULT_DRAIN_TIMEOUT, AgentConfig
 from agent.control_client import AgentSession
 from agent.control_handler import NullHandler
@@ -39,7 +39,7 @@ class FakeCall:
 
 @pytest.fixture(autouse=True)
 def no_poll_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(control_client, "DRAIN_POLL_INTERVAL", 0)
+    monkeypatch.setattr(agent_stop, "DRAIN_POLL_INTERVAL", 0)
 
 
 async def started(
@@ -91,10 +91,10 @@ async def test_the_first_signal_drains_refuses_new_work_and_stops_once_the_jobs_
     assert failed.rpc_worker_status.state == pb.RpcWorkerStatus.FAILED
     assert not session._stop_requested  # j1 still runs
     handler.jobs = []
-    assert session._drain_task is not None
-    await session._drain_task
+    assert session.stop_signals.task is not None
+    await session.stop_signals.task
     assert session._stop_requested
-    assert session.goodbye_reason == "drained (1 job(s) finished)"
+    assert session.stop_signals.goodbye_reason == "drained (1 job(s) finished)"
     assert session.exit_code == 0
 
 
@@ -108,7 +108,7 @@ async def test_a_second_signal_stops_at_once_with_a_non_zero_status(
     session.on_signal(signal.SIGINT)
     assert session._stop_requested
     assert session.exit_code == 128 + signal.SIGINT
-    assert session.goodbye_reason == (
+    assert session.stop_signals.goodbye_reason == (
         "stopped at once by a second signal (SIGINT) with 2 job(s) running"
     )
 
@@ -119,10 +119,13 @@ async def test_a_drain_that_times_out_says_so_and_exits_zero(
     session, _handler, _conn = await started(tmp_path, ["j1"], drain_timeout=0.01)
     stopped_after.append(session)
     session.on_signal(signal.SIGTERM)
-    assert session._drain_task is not None
-    await session._drain_task  # the job never ends
+    assert session.stop_signals.task is not None
+    await session.stop_signals.task  # the job never ends
     assert session._stop_requested and session.exit_code == 0
-    assert session.goodbye_reason == "its drain timed out after 0.01 s with 1 job(s) running"
+    assert (
+        session.stop_signals.goodbye_reason
+        == "its drain timed out after 0.01 s with 1 job(s) running"
+    )
 
 
 async def test_no_drain_timeout_stops_at_the_first_signal(
@@ -132,7 +135,10 @@ async def test_no_drain_timeout_stops_at_the_first_signal(
     stopped_after.append(session)
     session.on_signal(signal.SIGTERM)
     assert session._stop_requested and not session.draining and session.exit_code == 0
-    assert session.goodbye_reason == "stopped by SIGTERM without a drain (drain timeout 0)"
+    assert (
+        session.stop_signals.goodbye_reason
+        == "stopped by SIGTERM without a drain (drain timeout 0)"
+    )
     assert queued(conn) == []  # no Stopping: nothing to drain
 
 

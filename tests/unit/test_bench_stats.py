@@ -175,7 +175,7 @@ def test_parse_start_lines() -> None:
 def test_settings_from_argv_mirrors_runtime_spec() -> None:
     argv = (
         "/x/llama-server --model /m.gguf --ctx-size 2048 --host 127.0.0.1 --port 5 "
-        "--parallel 2 --fit off --no-webui --log-verbosity 4 --kv-unified --threads 3 "
+        "--parallel 2 --fit off --no-webui --log-verbosity 4 --threads 3 "
         "--alias smol --rpc 127.0.0.1:1,127.0.0.1:2 --n-gpu-layers 99 "
         "--tensor-split 0.25,0.75 --flash-attn on --no-mmap"
     ).split()

@@ -174,6 +174,18 @@ def test_spec_argv_without_rpc_leaves_layers_alone(tmp_path: Path) -> None:
     assert "--rpc" not in argv and "--n-gpu-layers" not in argv and "--tensor-split" not in argv
 
 
+def test_each_chat_slot_holds_the_plans_context_exactly(tmp_path: Path) -> None:
+    """No unified KV cache for chat: each of the 4 slots holds 2,048 tokens, the context a job
+    gets, so a longer prompt is refused there; embeddings keep the unified cache (their
+    inputs are bounded by the per-slot batch anyway)."""
+    chat = ServerSpec(str(tmp_path / "m.gguf"), ctx_size=8192, parallel=4)
+    argv = chat.argv(Path("llama-server"), "127.0.0.1", 1)
+    assert "--kv-unified" not in argv and "--parallel 4" in " ".join(argv)
+    embed = ServerSpec(str(tmp_path / "m.gguf"), ctx_size=8192, parallel=4, embeddings=True)
+    joined = " ".join(embed.argv(Path("llama-server"), "127.0.0.1", 1))
+    assert "--kv-unified" in joined and "--ubatch-size 2048" in joined
+
+
 def test_equal_specs_compare_equal_for_warm_reuse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -97,6 +97,7 @@ def unstore(name: str) -> int:
 def test_add_copies_the_file_with_progress_and_registers_its_shape(
     gguf_file: Path,
     store_dir: Path,
+    var_dir: Path,
     stored: OpenStore,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -107,9 +108,10 @@ def test_add_copies_the_file_with_progress_and_registers_its_shape(
     assert size > 10 * 1024
     assert add(str(gguf_file)) == 0
     out, err = capsys.readouterr()
-    lines = err.splitlines()
+    *lines, used = err.splitlines()
     assert len(lines) >= 5
     assert all(line.startswith("copying tiny.gguf: ") for line in lines)
+    assert used == f"dacp: used the event store SQLite in {var_dir} (DACP_VAR_DIR from environment)"
     percents = [int(re.findall(r"(\d+)%", line)[0]) for line in lines]
     assert percents == sorted(set(percents)) and percents[-1] == 100
     assert f"stored tiny.gguf ({size} bytes, sha256 {sha256[:12]}" in out
