@@ -59,6 +59,13 @@ _SYSTEM_LIB_DIRS = (
 )
 
 
+#: Why a machine without nvcc cannot build the ``cuda`` backend.
+NO_NVCC = (
+    "the cuda backend needs nvcc (the CUDA toolkit): none on PATH, in $CUDACXX, "
+    "$CUDA_HOME or /usr/local/cuda"
+)
+
+
 def backend_cmake_flags(backend: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The flags ``backend`` adds to the common ones. Raises :class:`FetchError` (one line)
     when this machine cannot configure it (no ``nvcc``, a partial toolkit, no architectures)."""
@@ -79,10 +86,7 @@ def backend_cmake_flags(backend: str, env: Mapping[str, str] | None = None) -> t
     env = os.environ if env is None else env
     nvcc = find_nvcc(env)
     if nvcc is None:
-        raise FetchError(
-            "the cuda backend needs nvcc (the CUDA toolkit): none on PATH, in $CUDACXX, "
-            "$CUDA_HOME or /usr/local/cuda"
-        )
+        raise FetchError(NO_NVCC)
     root = toolkit_root(nvcc)
     problem = cuda_toolkit_problem(root)
     if problem is not None:

@@ -460,7 +460,6 @@ def collector_for(tmp_path: Path, **config: Any) -> tuple[ResourceCollector, Lla
     return ResourceCollector(agent, FakeNvmlModule([]), probe), probe
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="the fake build is shell scripts")
 def test_the_collector_asks_the_build_once_and_heartbeats_read_its_devices(
     tmp_path: Path,
 ) -> None:

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -120,8 +119,6 @@ def test_the_rpc_banner_names_its_protocol_and_devices() -> None:
 
 # --- runners, with scripts standing in for the binaries ------------------------------------
 
-posix_only = pytest.mark.skipif(sys.platform == "win32", reason="the fakes are shell scripts")
-
 
 def script(path: Path, body: str) -> Path:
     path.write_text("#!/bin/sh\n" + body, encoding="utf-8")
@@ -129,7 +126,6 @@ def script(path: Path, body: str) -> Path:
     return path
 
 
-@posix_only
 def test_a_listing_is_read_from_stdout_with_rpc_servers_first(tmp_path: Path) -> None:
     args = tmp_path / "args"
     server = script(
@@ -146,7 +142,6 @@ def test_a_listing_is_read_from_stdout_with_rpc_servers_first(tmp_path: Path) ->
     ]
 
 
-@posix_only
 def test_failures_are_empty_answers_and_warnings(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -162,7 +157,6 @@ def test_failures_are_empty_answers_and_warnings(
     assert "cannot run" in caplog.text
 
 
-@posix_only
 def test_a_binary_that_hangs_is_given_up_after_the_timeout(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -173,7 +167,6 @@ def test_a_binary_that_hangs_is_given_up_after_the_timeout(
     assert "took more than" in caplog.text
 
 
-@posix_only
 def test_the_rpc_server_is_started_on_a_port_it_cannot_take(tmp_path: Path) -> None:
     """Its banner is read from a server that exits at once: the port is held here."""
     fake = script(
@@ -188,7 +181,6 @@ def test_the_rpc_server_is_started_on_a_port_it_cannot_take(tmp_path: Path) -> N
     assert [d.name for d in banner.devices] == ["CPU"]
 
 
-@posix_only
 def test_a_build_is_asked_once_until_a_binary_changes(tmp_path: Path) -> None:
     calls = tmp_path / "calls"
     server = script(
