@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -52,6 +52,25 @@ class Submission:
     messages: list[dict[str, Any]]
     params: dict[str, Any]
     stream: bool
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt as the model's chat template will see it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A legacy completion's prompt: text, or token ids the server takes as they are."""
+
+    text: str | list[int]
+
+
+#: What the controller counts before a request reaches a node.
+Prompt = ChatPrompt | TextPrompt
 
 
 @dataclass(frozen=True)

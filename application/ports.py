@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from application.commands import FetchRequest
+from application.commands import FetchRequest, Prompt
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,22 @@ class ModelFetcher(Protocol):
 
     def fetch_for(self, model: dict[str, Any]) -> bool:
         """Whether such a fetch is under way or starts now (jobs then wait for it)."""
+        ...
+
+
+class PromptCounter(Protocol):
+    """Counts a prompt's tokens as the model's own server will (chat template, tokenizer).
+
+    ``count`` answers for the model file with ``sha256``: an upper bound on the prompt's
+    tokens that is exact whenever it reaches ``limit`` (a short prompt is not tokenized at
+    all), or None when this counter cannot count for that file (it does not hold the file,
+    or cannot reproduce its tokenizer or template).
+    """
+
+    async def count(self, sha256: str, prompt: Prompt, limit: int) -> int | None: ...
+
+    async def prepare(self, sha256: str) -> None:
+        """Reads what counting for the file needs ahead of its first request."""
         ...
 
 

@@ -21,6 +21,7 @@ from eventsourcing.domain import Aggregate
 from application.read_models import project_job
 from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
+from domain.context_window import slot_context
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
@@ -138,7 +139,8 @@ def _plan(plan: Mapping[str, Any] | None) -> str:
     if split:
         text += " split=" + "/".join(f"{float(s):g}" for s in split)
     if plan.get("context_size"):
-        text += f" ctx={plan['context_size']}"
+        # What one slot holds, as llama.cpp sizes it: the context a job of the plan gets.
+        text += f" ctx={slot_context(int(plan['context_size']))}/slot"
     if int(plan.get("parallel") or 1) > 1:
         text += f" x{plan['parallel']} slots"
     if plan.get("tier"):

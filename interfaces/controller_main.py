@@ -18,6 +18,7 @@ import uvicorn
 
 from application.admission import AdmissionQueue
 from application.background import BackgroundTasks
+from application.context_guard import ContextGuard
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
@@ -31,6 +32,7 @@ from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
+from infrastructure.prompt_counter import GgufPromptCounter
 from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
@@ -151,6 +153,9 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
             settings.node_enrollment_secret,
             ca_fingerprint=tls.fingerprint if tls is not None else None,
         ),
+        context_guard=ContextGuard(
+            GgufPromptCounter(ControllerModelStore(settings.model_store_dir))
+        ),
         tls=tls,
     )
     return services, storage
@@ -164,6 +169,15 @@ async def _deadlines_forever(jobs: JobManager) -> None:
             jobs.enforce_deadlines()
         except Exception:
             log.exception("enforcing job deadlines failed")
+
+
+async def _prepare_prompt_counts(services: Services) -> None:
+    """Reads the tokenizers of the models the store holds, so no first request waits."""
+    try:
+        models = await asyncio.to_thread(services.read_model.list_models)
+        await services.context_guard.prepare([m for m in models if m.get("stored")])
+    except Exception:
+        log.exception("reading the models' tokenizers ahead failed (read on first use)")
 
 
 async def _wake_queue_forever(jobs: JobManager) -> None:
@@ -376,6 +390,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),
         asyncio.create_task(claims.run(), name="model-claims"),
         asyncio.create_task(history.run(), name="metrics-history"),
+        asyncio.create_task(_prepare_prompt_counts(services), name="prompt-counts"),
     ]
     while not http_server.started:
         if tasks[0].done():

@@ -30,8 +30,11 @@ _NOT_HTTP1 = (
     ),
 )
 
-#: The peer whose data the protocol is handling now, and what that data looked like.
-_HANDLING: ContextVar[str | None] = ContextVar("http_peer", default=None)
+#: The peer whose data the protocol is handling now, and that data: described only when a
+#: warning is logged, so a well-formed request pays one context-variable set and reset.
+_HANDLING: ContextVar[tuple[tuple[str, int] | None, bytes] | None] = ContextVar(
+    "http_peer", default=None
+)
 
 
 def describe_peer(client: tuple[str, int] | None, data: bytes) -> str:
@@ -47,7 +50,7 @@ class PeerNamingProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol; what it logs while handling a peer's data names the peer."""
 
     def data_received(self, data: bytes) -> None:
-        token = _HANDLING.set(describe_peer(self.client, data))
+        token = _HANDLING.set((self.client, data))
         try:
             super().data_received(data)
         finally:
@@ -58,9 +61,9 @@ class PeerNamingFilter(logging.Filter):
     """Adds the peer being handled to uvicorn's warnings (``… (from 192.0.2.7:51234)``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        peer = _HANDLING.get()
-        if peer is not None and record.levelno >= logging.WARNING:
-            record.msg = f"{record.getMessage()} ({peer})"
+        handling = _HANDLING.get()
+        if handling is not None and record.levelno >= logging.WARNING:
+            record.msg = f"{record.getMessage()} ({describe_peer(*handling)})"
             record.args = None
         return True
 

@@ -24,6 +24,7 @@ from litestar.response import Stream
 
 from application.admission import CapacityError
 from application.commands import JobOutcome, Submission
+from application.context_guard import ContextLengthExceeded
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
@@ -45,7 +46,11 @@ from interfaces.openai_docs import (
     ModelCard,
     ModelCards,
 )
-from interfaces.openai_legacy import parse_completion_request, parse_embeddings_request
+from interfaces.openai_legacy import (
+    parse_completion_request,
+    parse_embeddings_request,
+    prompt_of,
+)
 from interfaces.openai_responses import (
     Answer,
     ChatStream,
@@ -327,6 +332,12 @@ async def _started(
     """The job, admitted and with its first stream item (or its failure raised); a 499
     response when the client left first."""
     model = await _model(svc, submission.model, kind)
+    prompt = prompt_of(submission)
+    if prompt is not None:
+        try:
+            await svc.context_guard.check(model, prompt)
+        except ContextLengthExceeded as e:
+            raise ApiError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED) from e
     jobs = _jobs(svc)
     admitted = asyncio.ensure_future(_admit(jobs, submission, model))
     gone = asyncio.ensure_future(_client_gone(request))

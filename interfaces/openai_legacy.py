@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from application.commands import Submission
+from application.commands import ChatPrompt, Prompt, Submission, TextPrompt
 from interfaces.openai_fields import (
     MAX_CONTEXT,
     SEED_MAX,
@@ -169,3 +169,15 @@ def parse_embeddings_request(body: Any) -> tuple[Submission, str]:
     params: dict[str, Any] = {"endpoint": "embeddings", **caller(body)}
     messages = [{"role": INPUT_ROLE, "content": item} for item in inputs]
     return Submission(model=model, messages=messages, params=params, stream=False), encoding
+
+
+def prompt_of(submission: Submission) -> Prompt | None:
+    """What the controller counts of a submission before a node sees it (None: embeddings,
+    whose inputs the node's server bounds by its batch size)."""
+    endpoint = submission.params.get("endpoint")
+    if endpoint == "embeddings":
+        return None
+    if endpoint == "completions":
+        return TextPrompt(submission.messages[0]["content"])
+    options = submission.params.get("options") or {}
+    return ChatPrompt(submission.messages, list(options.get("tools") or []))

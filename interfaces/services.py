@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from application.context_guard import ContextGuard
 from application.controller import Controller
 from application.enrollment import EnrollmentService
 from application.ports import LiveState
@@ -25,6 +26,8 @@ class Services:
     live: LiveState
     connections: AgentConnections
     enrollment: EnrollmentService
+    #: Refuses a prompt longer than the context before any node sees it.
+    context_guard: ContextGuard
     #: The controller's TLS material; None with GRPC_INSECURE=true.
     tls: ServerTls | None = None
     #: Refused HTTP keys by (api, status): counted for /metrics, not recorded as events.

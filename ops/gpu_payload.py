@@ -60,6 +60,10 @@ TARGET_PLATFORMS: tuple[str, ...] = (
 )
 #: Distributions the GPU machine already has (its Python comes with them).
 PRESENT_ON_TARGET = frozenset({"numpy", "grpcio"})
+#: Requirements whose own dependencies the project never uses, fetched without them:
+#: ``tokenizers`` needs ``huggingface_hub`` (10 MiB with its closure) only to download
+#: tokenizers from the Hub, and the controller reads them from GGUF files.
+WITHOUT_DEPENDENCIES = frozenset({"tokenizers"})
 _WHEEL_NAME = re.compile(r"^([A-Za-z0-9_.]+)-[^-]+-.+\.whl$")
 
 
@@ -89,8 +93,17 @@ def wheel_distribution(file_name: str) -> str | None:
     return normalize(match.group(1)) if match else None
 
 
-def pip_download_command(requirements: Sequence[str], dest: Path) -> list[str]:
+def requirement_name(requirement: str) -> str:
+    """The normalized distribution name a requirement line names."""
+    return normalize(re.split(r"[\[<>=!~;\s]", requirement, maxsplit=1)[0])
+
+
+def pip_download_command(
+    requirements: Sequence[str], dest: Path, *, dependencies: bool = True
+) -> list[str]:
     command = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check"]
+    if not dependencies:
+        command.append("--no-deps")
     command += ["--only-binary=:all:", "--python-version", TARGET_PYTHON, "--implementation", "cp"]
     for platform in TARGET_PLATFORMS:
         command += ["--platform", platform]
@@ -98,11 +111,19 @@ def pip_download_command(requirements: Sequence[str], dest: Path) -> list[str]:
 
 
 def download_wheels(requirements: Sequence[str], dest: Path, say: Callable[[str], None]) -> None:
-    """pip downloads the wheels of ``requirements`` and their closure into ``dest``; its
-    ``Collecting`` lines are the progress."""
+    """pip downloads the wheels of ``requirements`` and their closure into ``dest`` (those of
+    :data:`WITHOUT_DEPENDENCIES` alone); its ``Collecting`` lines are the progress."""
     say(f"downloading wheels for {len(requirements)} requirements (Python {TARGET_PYTHON}) ...")
+    alone = [r for r in requirements if requirement_name(r) in WITHOUT_DEPENDENCIES]
+    rest = [r for r in requirements if r not in alone]
+    _pip_download(pip_download_command(rest, dest), say)
+    if alone:
+        _pip_download(pip_download_command(alone, dest, dependencies=False), say)
+
+
+def _pip_download(command: list[str], say: Callable[[str], None]) -> None:
     proc = subprocess.Popen(
-        pip_download_command(requirements, dest),
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,7 +7,8 @@ request waits in the admission queue while the agent fetches the file from the c
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -57,3 +58,37 @@ def test_a_model_only_the_controller_stores_is_fetched_and_served(cluster: Local
     fetched = cluster.config.var_dir / "agent-a" / "models" / paths.MODEL_FILE_NAME
     assert fetched.is_file() and not fetched.is_symlink()
     assert fetched.stat().st_size == model["stored"]["size_bytes"]
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_node_sees_it(
+    cluster: LocalCluster,
+) -> None:
+    """The controller holds the file, so it counts the prompt with the model's own template
+    and tokenizer: a prompt of the slot's context or more is OpenAI's 400, streamed or not,
+    chat or legacy, and no job is created (no node was asked). A prompt that fits is served."""
+    before = {j["job_id"] for j in get(cluster, "/api/admin/jobs?limit=200")["data"]}
+    client = openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0, timeout=300
+    )
+    over: list[Any] = [{"role": "user", "content": "llamas and alpacas " * 800}]  # ~2,400
+    attempts: list[tuple[str, Callable[[], object]]] = [
+        ("messages", lambda: client.chat.completions.create(model=MODEL_NAME, messages=over)),
+        (
+            "messages",
+            lambda: client.chat.completions.create(model=MODEL_NAME, messages=over, stream=True),
+        ),
+        (
+            "prompt",
+            lambda: client.completions.create(model=MODEL_NAME, prompt="alpaca " * 2100),
+        ),
+        ("prompt", lambda: client.completions.create(model=MODEL_NAME, prompt=[7] * 2048)),
+    ]
+    for param, attempt in attempts:
+        with pytest.raises(openai.BadRequestError) as refused:
+            attempt()
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+        assert "maximum context length is 2048 tokens" in refused.value.message
+    after = {j["job_id"] for j in get(cluster, "/api/admin/jobs?limit=200")["data"]}
+    assert after == before
+    fits = client.completions.create(model=MODEL_NAME, prompt=[7] * 2047, max_tokens=1)
+    assert fits.choices[0].finish_reason == "length"

@@ -12,9 +12,12 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from application.context_guard import ContextGuard
 from application.enrollment import EnrollmentService
 from application.timeline import job_timeline
 from infrastructure.live_state import InProcessLiveState
+from infrastructure.model_store import ControllerModelStore
+from infrastructure.prompt_counter import GgufPromptCounter
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage
 from interfaces.admin_jobs_api import AdminJobRoutes
@@ -35,6 +38,9 @@ def services_for(storage: Storage, admin_key: str | None = "test-admin-key") -> 
         live=InProcessLiveState(),
         connections=AgentConnections(),
         enrollment=EnrollmentService(storage.app, None),
+        context_guard=ContextGuard(
+            GgufPromptCounter(ControllerModelStore(Settings().model_store_dir))
+        ),
     )
 
 

@@ -339,12 +339,12 @@ def test_phase_label() -> None:
                     "context_size": 2048,
                 }
             },
-            "primary=aaaaaaaa workers=1 [bbbbbbbb] split=0.75/0.25 ctx=2048",
+            "primary=aaaaaaaa workers=1 [bbbbbbbb] split=0.75/0.25 ctx=2048/slot",
         ),
         (
             "JOB_PLANNED",
             {"plan": {"primary": {"node_id": "aaaaaaaa-1"}, "context_size": 2048, "parallel": 4}},
-            "primary=aaaaaaaa workers=0 ctx=2048 x4 slots",
+            "primary=aaaaaaaa workers=0 ctx=2048/slot x4 slots",
         ),
         ("SOMETHING_NEW", {"a": 1, "b": "x", "c": [1]}, "a=1 b=x"),
         ("HEARTBEAT_TIMEOUT", {"seconds_since_last": "n/a"}, "seconds_since_last=n/a"),

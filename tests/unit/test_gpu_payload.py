@@ -91,3 +91,19 @@ def test_the_working_tree_is_what_git_would_send(tmp_path: Path) -> None:
     (tmp_path / "gpu-payload" / "big.whl").write_bytes(b"z" * 5000)
     assert gpu_payload.working_tree_bytes(tmp_path) == 13 + 100 + 10
     assert gpu_payload.working_tree_bytes(tmp_path / "not-a-repo") is None
+
+
+def test_tokenizers_travel_without_the_hub_client_it_only_needs_for_downloads(
+    tmp_path: Path,
+) -> None:
+    requirements = gpu_payload.runtime_requirements(ROOT / "pyproject.toml")
+    alone = [
+        r
+        for r in requirements
+        if gpu_payload.requirement_name(r) in gpu_payload.WITHOUT_DEPENDENCIES
+    ]
+    assert alone == ["tokenizers>=0.20"]
+    assert gpu_payload.requirement_name("eventsourcing[postgres]>=9.5,<9.6") == "eventsourcing"
+    command = gpu_payload.pip_download_command(alone, tmp_path, dependencies=False)
+    assert "--no-deps" in command and command[-1] == "tokenizers>=0.20"
+    assert "--no-deps" not in gpu_payload.pip_download_command(alone, tmp_path)
