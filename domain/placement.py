@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from domain.states import NodeState
 from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from proto import DEVICE_CPU as _DEVICE_CPU
 from proto import DEVICE_GPU as _DEVICE_GPU
@@ -23,9 +24,8 @@ from proto import HOST_DEVICE as _HOST_DEVICE
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
-READY = "READY"
-DEGRADED = "DEGRADED"
-ELIGIBLE_STATES = frozenset({READY, DEGRADED})
+#: Node states a job may be placed on (DEGRADED only when READY nodes cannot hold it).
+ELIGIBLE_STATES = frozenset({NodeState.READY, NodeState.DEGRADED})
 
 DEFAULT_HEADROOM_FRACTION = 0.10
 DEFAULT_OVERHEAD_BYTES = 64 * MIB

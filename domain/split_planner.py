@@ -71,7 +71,6 @@ from domain.placement import (
     MODEL_NOT_PRESENT,
     NO_ELIGIBLE_NODES,
     NODE_LIMIT,
-    READY,
     RPC_VERSION_MISMATCH,
     SPLIT_RESOLUTION,
     TIER_CPU,
@@ -91,6 +90,7 @@ from domain.placement import (
     _parse_address,
     required_bytes,
 )
+from domain.states import NodeState
 
 RES = SPLIT_RESOLUTION
 
@@ -323,7 +323,7 @@ def _best_in_tier(
     for k in range(first, last + 1):
         best: _Choice | None = None
         for p in primaries:
-            p_degraded = int(p.state != READY)
+            p_degraded = int(p.state != NodeState.READY)
             if k == 1:
                 cost = tier.fit((p,), required, request)
                 if cost is not None:
@@ -347,8 +347,8 @@ def _best_in_tier(
                 for c in workers_pool
                 if c.node_id != p.node_id and c.rpc_protocol == p.rpc_protocol
             ]
-            ready = [c for c in others if c.state == READY]
-            degraded = [c for c in others if c.state != READY]
+            ready = [c for c in others if c.state == NodeState.READY]
+            degraded = [c for c in others if c.state != NodeState.READY]
             for d in range(0, k):
                 if k - 1 - d > len(ready) or d > len(degraded):
                     continue
@@ -711,7 +711,7 @@ def plan_placement(request: PlacementRequest, candidates: Iterable[Candidate]) -
         )
 
     limit = min(request.max_nodes, request.needs.layers)
-    ready_pool = [c for c in pool if c.state == READY]
+    ready_pool = [c for c in pool if c.state == NodeState.READY]
 
     fallback_used = False
     choice = _best(ready_pool, request, limit)

@@ -19,10 +19,6 @@ class NodeState(StrEnum):
     ERROR = "ERROR"
 
 
-SCHEDULABLE_NODE_STATES = frozenset({NodeState.READY})
-FALLBACK_NODE_STATES = frozenset({NodeState.DEGRADED})
-
-
 class JobState(StrEnum):
     SUBMITTED = "SUBMITTED"
     QUEUED = "QUEUED"

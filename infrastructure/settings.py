@@ -181,7 +181,8 @@ class Settings:
     request_timeout: float = 0.0  # off
     keepalive_interval: float = keepalive.DEFAULT_INTERVAL
     keepalive_timeout: float = keepalive.DEFAULT_TIMEOUT
-    var_dir: Path = field(default_factory=lambda: Path("var"))
+    #: Never the current directory: DACP_VAR_DIR, else the XDG data directory.
+    var_dir: Path = field(default_factory=lambda: default_var_dir(os.environ))
     #: Plaintext gRPC and plain HTTP: only with GRPC_INSECURE=true (or ``--insecure``).
     insecure: bool = False
     tls_cert_file: Path | None = None
@@ -229,60 +230,61 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         cidrs = tuple(c.strip() for c in env.get("ALLOWED_PEER_CIDRS", "").split(",") if c.strip())
+        base = cls()  # the defaults are the dataclass's, stated once
         settings = cls(
             database_url=env.get("DATABASE_URL") or None,
-            database_pool_size=_int(env, "DATABASE_POOL_SIZE", 5),
+            database_pool_size=_int(env, "DATABASE_POOL_SIZE", base.database_pool_size),
             redis_url=env.get("REDIS_URL") or None,
-            redis_key_prefix=env.get("REDIS_KEY_PREFIX") or "dacp:live:",
+            redis_key_prefix=env.get("REDIS_KEY_PREFIX") or base.redis_key_prefix,
             ai_api_key=env.get("AI_API_KEY") or None,
             admin_api_key=env.get("ADMIN_API_KEY") or None,
             node_enrollment_secret=env.get("NODE_ENROLLMENT_SECRET") or None,
-            host=env.get("HOST", "127.0.0.1"),
-            port=_int(env, "PORT", 8000),
-            grpc_host=env.get("GRPC_HOST", "127.0.0.1"),
-            grpc_port=_int(env, "GRPC_PORT", 50051),
-            rpc_port=_int(env, "RPC_PORT", 50052),
-            heartbeat_interval=_float(env, "HEARTBEAT_INTERVAL", 2.0),
-            degraded_after=_float(env, "DEGRADED_AFTER", 6.0),
-            offline_after=_float(env, "OFFLINE_AFTER", 15.0),
-            allowed_peer_cidrs=cidrs or DEFAULT_ALLOWED_PEER_CIDRS,
-            record_content=_bool(env, "RECORD_CONTENT", True),
-            rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", 30.0),
-            rpc_worker_idle_grace=_float(
-                env, "RPC_WORKER_IDLE_GRACE", DEFAULT_RPC_WORKER_IDLE_GRACE
-            ),
-            setup_timeout=_float(env, "SETUP_TIMEOUT", 120.0),
+            host=env.get("HOST", base.host),
+            port=_int(env, "PORT", base.port),
+            grpc_host=env.get("GRPC_HOST", base.grpc_host),
+            grpc_port=_int(env, "GRPC_PORT", base.grpc_port),
+            rpc_port=_int(env, "RPC_PORT", base.rpc_port),
+            heartbeat_interval=_float(env, "HEARTBEAT_INTERVAL", base.heartbeat_interval),
+            degraded_after=_float(env, "DEGRADED_AFTER", base.degraded_after),
+            offline_after=_float(env, "OFFLINE_AFTER", base.offline_after),
+            allowed_peer_cidrs=cidrs or base.allowed_peer_cidrs,
+            record_content=_bool(env, "RECORD_CONTENT", base.record_content),
+            rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", base.rpc_worker_timeout),
+            rpc_worker_idle_grace=_float(env, "RPC_WORKER_IDLE_GRACE", base.rpc_worker_idle_grace),
+            setup_timeout=_float(env, "SETUP_TIMEOUT", base.setup_timeout),
             shutdown_timeout=_float(
-                env, "SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT, zero_means_off=True
+                env, "SHUTDOWN_TIMEOUT", base.shutdown_timeout, zero_means_off=True
             ),
-            queue_timeout=_float(env, "QUEUE_TIMEOUT", DEFAULT_QUEUE_TIMEOUT),
-            queue_max=_int(env, "QUEUE_MAX", DEFAULT_QUEUE_MAX),
-            token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", 1.0),
-            first_token_timeout=_float(env, "FIRST_TOKEN_TIMEOUT", DEFAULT_FIRST_TOKEN_TIMEOUT),
-            stream_idle_timeout=_float(env, "STREAM_IDLE_TIMEOUT", DEFAULT_STREAM_IDLE_TIMEOUT),
-            request_timeout=_float(env, "REQUEST_TIMEOUT", 0.0, zero_means_off=True),
-            keepalive_interval=_float(env, "GRPC_KEEPALIVE_INTERVAL", keepalive.DEFAULT_INTERVAL),
-            keepalive_timeout=_float(env, "GRPC_KEEPALIVE_TIMEOUT", keepalive.DEFAULT_TIMEOUT),
+            queue_timeout=_float(env, "QUEUE_TIMEOUT", base.queue_timeout),
+            queue_max=_int(env, "QUEUE_MAX", base.queue_max),
+            token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", base.token_record_interval),
+            first_token_timeout=_float(env, "FIRST_TOKEN_TIMEOUT", base.first_token_timeout),
+            stream_idle_timeout=_float(env, "STREAM_IDLE_TIMEOUT", base.stream_idle_timeout),
+            request_timeout=_float(
+                env, "REQUEST_TIMEOUT", base.request_timeout, zero_means_off=True
+            ),
+            keepalive_interval=_float(env, "GRPC_KEEPALIVE_INTERVAL", base.keepalive_interval),
+            keepalive_timeout=_float(env, "GRPC_KEEPALIVE_TIMEOUT", base.keepalive_timeout),
             var_dir=Path(env.get("DACP_VAR_DIR") or default_var_dir(env)).expanduser(),
-            insecure=_bool(env, "GRPC_INSECURE", False),
+            insecure=_bool(env, "GRPC_INSECURE", base.insecure),
             tls_cert_file=_path(env, "TLS_CERT_FILE"),
             tls_key_file=_path(env, "TLS_KEY_FILE"),
             tls_ca_file=_path(env, "TLS_CA_FILE"),
-            max_request_bytes=_int(env, "MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
-            enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", False),
+            max_request_bytes=_int(env, "MAX_REQUEST_BYTES", base.max_request_bytes),
+            enroll_allow_nat=_bool(env, "ENROLL_ALLOW_NAT", base.enroll_allow_nat),
             model_store_path=_path(env, "MODEL_STORE_DIR"),
             model_store_port=_store_port(env),
-            open_api=_bool(env, "OPEN_API", False),
-            feed_session_seconds=_float(env, "FEED_SESSION_SECONDS", DEFAULT_FEED_SESSION_SECONDS),
+            open_api=_bool(env, "OPEN_API", base.open_api),
+            feed_session_seconds=_float(env, "FEED_SESSION_SECONDS", base.feed_session_seconds),
             metrics_history_interval=_float(
-                env, "METRICS_HISTORY_INTERVAL", DEFAULT_HISTORY_INTERVAL
+                env, "METRICS_HISTORY_INTERVAL", base.metrics_history_interval
             ),
             model_store_handshake_timeout=_float(
-                env, "MODEL_STORE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT
+                env, "MODEL_STORE_HANDSHAKE_TIMEOUT", base.model_store_handshake_timeout
             ),
-            model_store_workers=_int(env, "MODEL_STORE_WORKERS", DEFAULT_WORKERS),
+            model_store_workers=_int(env, "MODEL_STORE_WORKERS", base.model_store_workers),
             model_store_connections_per_address=_int(
-                env, "MODEL_STORE_CONNECTIONS_PER_ADDRESS", DEFAULT_CONNECTIONS_PER_ADDRESS
+                env, "MODEL_STORE_CONNECTIONS_PER_ADDRESS", base.model_store_connections_per_address
             ),
             model_source_allowed_cidrs=tuple(
                 c.strip() for c in env.get("MODEL_SOURCE_ALLOWED_CIDRS", "").split(",") if c.strip()
