@@ -1,4 +1,6 @@
-"""docs/architecture.md stays true: every event code and every controller setting is documented.
+"""The docs stay true: every event code and every controller setting is documented in
+docs/reference.md, every link of the README and docs/ resolves to a file of the repository, and
+every repository path docs/ cites exists.
 
 The lists are derived from the code (the catalog module, what ``Settings.from_env`` asks its
 environment for, and a scan of the controller's sources for environment reads), so adding an
@@ -16,7 +18,7 @@ from domain.catalog import CATALOG
 from infrastructure.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "architecture.md"
+DOC = ROOT / "docs" / "reference.md"
 #: The controller's packages (the agent has its own command-line options).
 CONTROLLER_PACKAGES = ("application", "infrastructure", "interfaces")
 
@@ -42,7 +44,7 @@ def section(title: str) -> str:
     """The text of the ``## title`` section of the document, up to the next ``## ``."""
     text = DOC.read_text(encoding="utf-8")
     match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match is not None, f"docs/architecture.md has no '## {title}' section"
+    assert match is not None, f"docs/reference.md has no '## {title}' section"
     return match.group(1)
 
 
@@ -153,3 +155,47 @@ def test_no_file_cites_the_retired_design_document() -> None:
         and RETIRED_DESIGN_DOC.search(path.read_bytes().decode("utf-8", errors="replace"))
     ]
     assert not citing, f"cite docs/architecture.md instead: {citing}"
+
+
+#: Markdown links: ``[text](target)``.
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+#: A backticked repository path: ``application/job_manager.py``, ``ops/systemd/`` (a symbol after
+#: ``:`` is dropped; ``module.symbol`` names a module's symbol). Only paths under a top-level
+#: folder of the repository count: ``tls/`` (under the state directory) is not one.
+CITED_PATH = re.compile(r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*-]+)+/?)(?::[^`]*)?`")
+#: Cited paths that are examples or live outside the repository on purpose (an install's files,
+#: what a build or a run writes): each is checked by name, not by existence.
+EXAMPLE_PATHS = frozenset[str]()
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_link_resolves_to_a_file_in_the_repository() -> None:
+    broken = []
+    for page in pages():
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or a heading of the same page
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.is_relative_to(ROOT) or not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, f"links to no file of the repository: {broken}"
+
+
+def test_every_cited_repository_path_exists() -> None:
+    top = {p.relative_to(ROOT).parts[0] for p in repository_files() if p.parent != ROOT}
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for cited in CITED_PATH.findall(page.read_text(encoding="utf-8")):
+            if cited.split("/", 1)[0] not in top or cited in EXAMPLE_PATHS:
+                continue
+            found = any(ROOT.glob(cited)) if "*" in cited else (ROOT / cited).exists()
+            module, _, symbol = cited.rpartition(".")
+            if not found and module and (ROOT / f"{module}.py").is_file():
+                # ``application/timeline.job_id_forms``: a module's symbol
+                found = symbol in (ROOT / f"{module}.py").read_text(encoding="utf-8")
+            if not found:
+                missing.append(f"{page.relative_to(ROOT)}: {cited}")
+    assert not missing, f"cited paths that do not exist: {missing}"
