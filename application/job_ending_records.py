@@ -1,0 +1,147 @@
+"""Recording a job's ending: its last tokens and its ending event are written, retried until
+the store takes them, and then its slots and RPC workers are freed for the next placement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from application.admission import AdmissionQueue
+from application.background import BackgroundTasks
+from application.controller import Controller
+from application.errors import ConcurrencyExhausted, NotFound
+from application.job_calls import in_thread
+from application.job_registry import JobSettings
+from application.ports import AgentGateway
+from application.scheduler import Scheduler
+from application.store_guard import is_outage
+from application.token_recorder import TokenChunkRecorder
+from application.worker_access import WorkerAccess
+from domain.errors import DomainError
+
+log = logging.getLogger(__name__)
+
+#: Backoff between attempts to record a job's ending while the store cannot take it (s).
+ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
+
+
+class EndingRecorder:
+    """Writes endings and frees what a job held; knows which jobs have an ending under way."""
+
+    def __init__(
+        self,
+        app: Controller,
+        scheduler: Scheduler,
+        gateway: AgentGateway,
+        recorder: TokenChunkRecorder,
+        queue: AdmissionQueue,
+        worker_access: WorkerAccess,
+        settings: JobSettings,
+    ) -> None:
+        self._app = app
+        self._scheduler = scheduler
+        self._gateway = gateway
+        self._recorder = recorder
+        self._queue = queue
+        self._worker_access = worker_access
+        self._settings = settings
+        #: Endings being recorded (retried until the store takes them), per job.
+        self._tasks = BackgroundTasks("recording a job's ending")
+        self._under_way: Counter[str] = Counter()
+
+    def under_way(self, job_id: str) -> bool:
+        """Whether an ending of the job is on its way (reconciliation leaves it alone)."""
+        return self._under_way[job_id] > 0
+
+    def expect(self, job_id: str) -> None:
+        """An ending of the job is on its way, to be recorded later (then :meth:`expected`)."""
+        self._under_way[job_id] += 1
+
+    def expected(self, job_id: str) -> None:
+        """The ending announced with :meth:`expect` is recorded (or given up)."""
+        self._under_way -= Counter({job_id: 1})
+
+    def ended(self, job_id: str) -> None:
+        """The job's ending (or release) is recorded: its slots are free for placement now."""
+        self.release_workers(job_id, "job ended")
+        self._scheduler.ledger.released(job_id)
+        self._queue.wake()
+
+    def release_workers(self, job_id: str, reason: str) -> None:
+        """The job no longer uses its RPC workers: each worker whose set of primaries that
+        changes hears the set left, so a former primary can no longer connect."""
+        for node_id, allowed in self._worker_access.release(job_id).items():
+            self._gateway.rpc_worker_peers(node_id, allowed, reason)
+
+    async def record(
+        self,
+        job_id: str,
+        end: Callable[..., Any],
+        *args: Any,
+        tell: Callable[[], None] = lambda: None,
+        wait: bool = True,
+    ) -> None:
+        """Records the job's last token chunk and its ending (``end(job_id, *args)``), then
+        frees its slots. The client hears the ending (``tell``) once it is written, or at
+        once when the store cannot take it now: the write is then retried with backoff until
+        the store takes it (an outage, or version conflicts lost to other writers: each
+        attempt reads the job afresh), so the job and its nodes never stay busy in the
+        store. Unless ``wait``, only the first attempt is waited for; the retries go on in
+        the background (the caller answers its client meanwhile). The ending goes on when
+        the caller is cancelled."""
+        self.release_workers(job_id, "job ended")
+        first_refused = asyncio.Event()
+        self.expect(job_id)
+        task = self._tasks.spawn(self._write(job_id, end, args, tell, first_refused))
+        if wait:
+            await asyncio.shield(task)
+            return
+        refused: asyncio.Future[Any] = asyncio.ensure_future(first_refused.wait())
+        try:
+            waiting: set[asyncio.Future[Any]] = {task, refused}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+
+    async def _write(
+        self,
+        job_id: str,
+        end: Callable[..., Any],
+        args: tuple[Any, ...],
+        tell: Callable[[], None],
+        refused: asyncio.Event,
+    ) -> None:
+        name = getattr(end, "__name__", "ending")
+        delay, told = ENDING_RETRY_FIRST, False
+        try:
+            while True:
+                try:
+                    await self._recorder.flush(job_id)
+                    await in_thread(end, job_id, *args)
+                except (DomainError, NotFound) as e:
+                    log.info("%s of job %s skipped: %s", name, job_id, e)
+                except Exception as e:
+                    if not (is_outage(e) or isinstance(e, ConcurrencyExhausted)):
+                        # Not the store's state but a fault: reconciliation tries again later
+                        # (end_stale_jobs), rather than this in a tight loop.
+                        log.exception("%s of job %s failed", name, job_id)
+                    else:
+                        if not told:
+                            log.warning(
+                                "job %s: recording its %s waits for the store (%r)", job_id, name, e
+                            )
+                            tell()
+                            told = True
+                            refused.set()
+                        await self._settings.sleep(delay)
+                        delay = min(ENDING_RETRY_MAX, delay * 2)
+                        continue
+                break
+            if not told:
+                tell()
+            self.ended(job_id)
+        finally:
+            self.expected(job_id)
