@@ -12,7 +12,6 @@ from uuid import UUID
 import msgspec
 from litestar import Controller as Routes
 from litestar import Request, Response, get, post
-from litestar.datastructures import State
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, Parameter, PathParameter
@@ -39,7 +38,7 @@ from interfaces.http_docs import (
     success,
 )
 from interfaces.http_errors import ApiError
-from interfaces.services import Services
+from interfaces.services import Provided, Services
 from proto import PROTOCOL_VERSION
 
 READ_YOUR_WRITES_TIMEOUT = 5.0
@@ -51,10 +50,6 @@ UUID_PATTERN = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9
 _UUID = re.compile(UUID_PATTERN)
 #: A node's id (a UUID); anything else names no node (404, without asking the store).
 NodeId = Annotated[str, PathParameter(format=OpenAPIFormat.UUID, description="The node's id")]
-
-
-def services(state: State) -> Services:
-    return state.services  # type: ignore[no-any-return]
 
 
 def node_view(svc: Services, row: dict[str, Any], now: float) -> dict[str, Any]:
@@ -167,8 +162,7 @@ class AdminRoutes(Routes):
         operation_class=ApiOperation,
         responses={**success(NodeViews, "Every node"), **errors(*ADMIN_KEY_ERRORS, 503)},
     )
-    async def list_nodes(self, state: State) -> dict[str, Any]:
-        svc = services(state)
+    async def list_nodes(self, svc: Provided[Services]) -> dict[str, Any]:
         rows = await asyncio.to_thread(svc.read_model.list_nodes)
         now = time.time()
         return {"object": "list", "data": [node_view(svc, r, now) for r in rows]}
@@ -184,10 +178,9 @@ class AdminRoutes(Routes):
     )
     async def access_refusals(
         self,
-        state: State,
+        svc: Provided[Services],
         limit: Annotated[int, Parameter(ge=1, le=500, description="How many")] = 50,
     ) -> dict[str, Any]:
-        svc = services(state)
         rows = await asyncio.to_thread(svc.read_model.list_refusals, limit=limit)
         return {"object": "list", "data": rows}
 
@@ -200,8 +193,7 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 503),
         },
     )
-    async def get_node(self, state: State, node_id: NodeId) -> dict[str, Any]:
-        svc = services(state)
+    async def get_node(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
         key = canonical_id(node_id, node_not_found(node_id))
         row = await asyncio.to_thread(svc.read_model.get_node, key)
         if row is None:
@@ -239,8 +231,8 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
         },
     )
-    async def drain(self, state: State, node_id: NodeId) -> dict[str, Any]:
-        return await self._steer(services(state), node_id, "drain", "admin-api")
+    async def drain(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
+        return await self._steer(svc, node_id, "drain", "admin-api")
 
     @post(
         "/nodes/{node_id:str}/resume",
@@ -252,8 +244,8 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
         },
     )
-    async def resume(self, state: State, node_id: NodeId) -> dict[str, Any]:
-        return await self._steer(services(state), node_id, "resume", "admin-api")
+    async def resume(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
+        return await self._steer(svc, node_id, "resume", "admin-api")
 
     @post(
         "/nodes/{node_id:str}/revoke",
@@ -266,9 +258,8 @@ class AdminRoutes(Routes):
         },
     )
     async def revoke(
-        self, state: State, node_id: NodeId, data: JSONBody[RevokeRequest | None] = None
+        self, svc: Provided[Services], node_id: NodeId, data: JSONBody[RevokeRequest | None] = None
     ) -> dict[str, Any]:
-        svc = services(state)
         key = canonical_id(node_id, node_not_found(node_id))
         if await asyncio.to_thread(svc.read_model.get_node, key) is None:
             raise node_not_found(node_id)
@@ -291,10 +282,10 @@ class AdminRoutes(Routes):
     )
     async def list_tokens(
         self,
-        state: State,
+        svc: Provided[Services],
         limit: Annotated[int, Parameter(ge=1, le=1000, description="How many")] = 100,
     ) -> dict[str, Any]:
-        rows = await asyncio.to_thread(services(state).read_model.list_tokens, limit)
+        rows = await asyncio.to_thread(svc.read_model.list_tokens, limit)
         return {"object": "list", "data": rows}
 
     @post(
@@ -307,8 +298,7 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown token"), (409, "Already revoked"), 503),
         },
     )
-    async def revoke_token(self, state: State, token_id: TokenId) -> dict[str, Any]:
-        svc = services(state)
+    async def revoke_token(self, svc: Provided[Services], token_id: TokenId) -> dict[str, Any]:
         if not _TOKEN_ID.fullmatch(token_id):
             raise token_not_found(token_id)
         try:
@@ -341,8 +331,8 @@ class AdminRoutes(Routes):
             **errors(*ADMIN_KEY_ERRORS),
         },
     )
-    async def feed_ticket(self, state: State) -> dict[str, Any]:
-        settings = services(state).settings
+    async def feed_ticket(self, svc: Provided[Services]) -> dict[str, Any]:
+        settings = svc.settings
         assert settings.admin_api_key  # the admin guard let the request in
         minted = issue_ticket(
             settings.admin_api_key, time.time(), session_seconds=settings.feed_session_seconds
@@ -368,9 +358,8 @@ class AdminRoutes(Routes):
         },
     )
     async def mint_token(
-        self, state: State, data: JSONBody[EnrollmentTokenRequest | None] = None
+        self, svc: Provided[Services], data: JSONBody[EnrollmentTokenRequest | None] = None
     ) -> dict[str, Any]:
-        svc = services(state)
         req = data or EnrollmentTokenRequest()
         if not svc.settings.node_enrollment_secret:
             raise ApiError(
@@ -416,8 +405,9 @@ class AdminRoutes(Routes):
         ),
     },
 )
-async def health(state: State, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    svc = services(state)
+async def health(
+    svc: Provided[Services], request: Request[Any, Any, Any]
+) -> Response[dict[str, Any]]:
 
     def store_position() -> int | None:
         if not svc.app.guard.up:

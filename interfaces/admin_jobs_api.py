@@ -13,7 +13,6 @@ from uuid import UUID
 
 from litestar import Controller as Routes
 from litestar import get
-from litestar.datastructures import State
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import PathParameter, QueryParameter
 
@@ -33,7 +32,7 @@ from interfaces.http_docs import (
     success,
 )
 from interfaces.http_errors import ApiError
-from interfaces.services import Services
+from interfaces.services import Provided, Services
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -51,10 +50,6 @@ MODEL_FILTER_PATTERN = f"^(?:{MODEL_NAME_PATTERN.removeprefix('^').removesuffix(
 NODE_FILTER_PATTERN = f"^(?:{UUID_PATTERN})?$"
 
 JobId = Annotated[str, PathParameter(format=OpenAPIFormat.UUID, description="The job's id")]
-
-
-def _services(state: State) -> Services:
-    return state.services  # type: ignore[no-any-return]
 
 
 def _ms_between(start: str | None, end: str | None) -> float | None:
@@ -140,7 +135,7 @@ class AdminJobRoutes(Routes):
     )
     async def list_jobs(
         self,
-        state: State,
+        svc: Provided[Services],
         job_state: Annotated[
             str | None,
             QueryParameter(
@@ -173,7 +168,6 @@ class AdminJobRoutes(Routes):
         node = None
         if node_id:
             node = canonical_id(node_id, _bad_filter("node_id", "node_id must be a node's id"))
-        svc = _services(state)
         rows = await asyncio.to_thread(
             svc.read_model.list_jobs,
             state=wanted,
@@ -199,9 +193,9 @@ class AdminJobRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown job"), 503),
         },
     )
-    async def get_job(self, state: State, job_id: JobId) -> dict[str, Any]:
+    async def get_job(self, svc: Provided[Services], job_id: JobId) -> dict[str, Any]:
         key = canonical_id(job_id, _not_found("job", job_id))
-        row = await asyncio.to_thread(_services(state).read_model.get_job, key)
+        row = await asyncio.to_thread(svc.read_model.get_job, key)
         if row is None:
             raise _not_found("job", job_id)
         return job_view(row, full=True)
@@ -223,8 +217,8 @@ class AdminJobRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown job"), 503),
         },
     )
-    async def job_events(self, state: State, job_id: JobId) -> dict[str, Any]:
-        return await self._timeline(_services(state), "job", job_id)
+    async def job_events(self, svc: Provided[Services], job_id: JobId) -> dict[str, Any]:
+        return await self._timeline(svc, "job", job_id)
 
     @get(
         "/nodes/{node_id:str}/events",
@@ -235,5 +229,5 @@ class AdminJobRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 503),
         },
     )
-    async def node_events(self, state: State, node_id: NodeId) -> dict[str, Any]:
-        return await self._timeline(_services(state), "node", node_id)
+    async def node_events(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
+        return await self._timeline(svc, "node", node_id)

@@ -43,6 +43,7 @@ from interfaces.controller_shutdown import (
     drain_controller,
     wait_for_stop,
 )
+from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import (
     MAX_CONCURRENT_RPCS,
     AgentConnections,
@@ -54,7 +55,7 @@ from interfaces.http_peer_log import PeerNamingProtocol
 from interfaces.http_peer_log import install as install_peer_naming
 from interfaces.model_store_server import start_store_server
 from interfaces.operations_api import cluster_collector, install_operations, metrics_history
-from interfaces.services import Services
+from interfaces.services import CoreServices, Services
 from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
 from proto import control_pb2 as pb
 from proto import control_pb2_grpc as pb_grpc
@@ -88,6 +89,11 @@ class RunningController:
     grpc_port: int
     http_port: int
     tasks: list[asyncio.Task[Any]]
+    #: The running parts that serve no HTTP route, and those its stop and drain end.
+    jobs: JobManager
+    feed: EventFeed
+    recorder: TokenChunkRecorder
+    servicer: ControlPlaneServicer
     #: Serves the controller's model store to nodes (None: not served).
     store_server: ModelFileServer | None = None
 
@@ -133,7 +139,8 @@ def controller_tls(settings: Settings) -> ServerTls | None:
     )
 
 
-def build_services(settings: Settings) -> tuple[Services, Storage]:
+def build_services(settings: Settings) -> tuple[CoreServices, Storage]:
+    """The parts that exist before anything runs: the store, live state, enrollment."""
     tls = controller_tls(settings)
     storage = storage_from_url(
         settings.database_url,
@@ -141,7 +148,7 @@ def build_services(settings: Settings) -> tuple[Services, Storage]:
         pool_size=settings.database_pool_size,
         record_content=settings.record_content,
     ).start()
-    services = Services(
+    services = CoreServices(
         settings=settings,
         app=storage.app,
         read_model=storage.read_model,
@@ -171,7 +178,7 @@ async def _deadlines_forever(jobs: JobManager) -> None:
             log.exception("enforcing job deadlines failed")
 
 
-async def _prepare_prompt_counts(services: Services) -> None:
+async def _prepare_prompt_counts(services: CoreServices) -> None:
     """Reads the tokenizers of the models the store holds, so no first request waits."""
     try:
         models = await asyncio.to_thread(services.read_model.list_models)
@@ -199,6 +206,12 @@ async def _sweep_forever(monitor: HealthMonitor, jobs: JobManager) -> None:
                     await jobs.node_gone(node_id)
         except Exception:
             log.exception("health sweep failed")
+
+
+#: Registers the servicer with a gRPC server (the generated function is untyped).
+add_servicer: Callable[[ControlPlaneServicer, grpc.aio.Server], None] = (
+    pb_grpc.add_ControlPlaneServicer_to_server
+)
 
 
 def ticket_signer(ca_key_pem: bytes | None) -> TicketSigner | None:
@@ -232,106 +245,104 @@ async def _reap_workers_forever(reaper: WorkerReaper) -> None:
 
 
 async def start_controller(settings: Settings) -> RunningController:
+    """Builds every part in dependency order, each given what it needs at construction,
+    then serves gRPC and HTTP."""
     open_api = open_api_check(settings)  # before anything is opened or bound
     if open_api is not None:
         log.warning(open_api)
-    services, storage = build_services(settings)
+    core, storage = build_services(settings)
     # Node credentials are checked from memory, kept current by the events (first listener:
     # a revocation is known there before any stream is closed for it).
-    services.follower.add_event_listener(services.enrollment.on_event)
+    core.follower.add_event_listener(core.enrollment.on_event)
     loop = asyncio.get_running_loop()
     # Store writes run in the default pool: as many threads as store connections (pool plus
     # overflow, and two for the rest), not the interpreter's default of cores + 4.
     loop.set_default_executor(
         ThreadPoolExecutor(settings.database_pool_size * 2 + 2, thread_name_prefix="store")
     )
-    services.connections.bind(loop)
-    servicer = ControlPlaneServicer(
-        app=services.app,
-        enrollment=services.enrollment,
-        live=services.live,
-        connections=services.connections,
-        heartbeat_interval=settings.heartbeat_interval,
-        allowed_cidrs=settings.allowed_peer_cidrs,
-        allow_nat=settings.enroll_allow_nat,
-        node_certificates=node_certificates(services.tls),
-    )
-    services.extras["servicer"] = servicer
-    metrics, feed = install_operations(services, loop)
+    core.connections.bind(loop)
+    metrics, feed = install_operations(core, loop)
     # The scheduler and the health sweep read every node often: from memory, not SQL.
-    node_views = NodeRowsReadModel(
-        services.read_model, NodeRows(services.read_model).attach(services.follower)
-    )
-    recorder = TokenChunkRecorder(services.app, settings.token_record_interval)
+    node_views = NodeRowsReadModel(core.read_model, NodeRows(core.read_model).attach(core.follower))
+    recorder = TokenChunkRecorder(core.app, settings.token_record_interval)
     recorder.start()
-    gateway = ProtoAgentGateway(services.connections)
+    gateway = ProtoAgentGateway(core.connections)
     scheduler = Scheduler(
         node_views,
-        services.live,
+        core.live,
         SchedulerConfig(settings.allowed_peer_cidrs),
-        catch_up=lambda: services.follower.wait(services.app.position(), timeout=5),
+        catch_up=lambda: core.follower.wait(core.app.position(), timeout=5),
     )
 
     def primary_if_held(model: dict[str, Any], nodes: frozenset[str]) -> str | None:
         placed = scheduler.place(model, connected=gateway.is_connected, pretend_holding=nodes)
         return placed.plan.primary.node_id if placed.plan is not None else None
 
-    revoked = [n["node_id"] for n in node_views.list_nodes() if n.get("revoked")]
-    servicer.revoked_nodes = lambda: [
-        n["node_id"] for n in node_views.list_nodes() if n.get("revoked")
-    ]
+    def revoked_nodes() -> list[str]:
+        return [n["node_id"] for n in node_views.list_nodes() if n.get("revoked")]
+
     try:
-        store_server = start_store_server(settings, services.tls, revoked)
+        store_server = start_store_server(settings, core.tls, revoked_nodes())
     except OSError as e:
         storage.close()
         raise OSError(
             f"cannot serve the model store on {settings.grpc_host}:{settings.model_store_port} "
             f"(MODEL_STORE_PORT; off turns it off): {e}"
         ) from e
-    transfers = TransferCoordinator(
-        services.app,
+    # Whatever may free capacity (a model added to a node, a claim proven, a job's end)
+    # wakes the queued requests: the admission queue, built before the job manager it feeds.
+    queue = AdmissionQueue(settings.queue_max)
+    # Nodes prove the model files they claim before they are planned as their primaries.
+    claims = ModelClaims(
+        core.app,
         node_views,
         gateway,
-        ticket_signer(services.tls.ca_key_pem if services.tls else None),
+        ControllerModelStore(settings.model_store_dir).read_ranges,
+        on_proven=queue.wake,
+    )
+    transfers = TransferCoordinator(
+        core.app,
+        node_views,
+        gateway,
+        ticket_signer(core.tls.ca_key_pem if core.tls else None),
+        on_model_added=queue.wake,
         primary_if_held=primary_if_held,
         store_port=store_server.port if store_server is not None else 0,
         source_cidrs=settings.model_source_allowed_cidrs,
     )
+    transfers.proving = claims.proving  # TransferCoordinator takes no `proving` argument yet
     jobs = JobManager(
-        services.app,
+        core.app,
         scheduler,
         gateway,
         recorder,
         worker_timeout=settings.rpc_worker_timeout,
         setup_timeout=settings.setup_timeout,
         metrics=metrics,
-        queue=AdmissionQueue(settings.queue_max),
+        queue=queue,
         queue_timeout=settings.queue_timeout,
         deadlines=settings.deadlines(),
         fetcher=transfers,
     )
-    services.extras["jobs"] = jobs
-    transfers.on_model_added = jobs.capacity_changed
-    services.extras["transfers"] = transfers
-    metrics.add_collector(cluster_collector(services, jobs, feed, servicer))
-    history = metrics_history(services, jobs, node_views.list_nodes)
-    services.extras["recorder"] = recorder
-    # Nodes prove the model files they claim before they are planned as their primaries.
-    claims = ModelClaims(
-        services.app,
-        node_views,
-        gateway,
-        ControllerModelStore(settings.model_store_dir).read_ranges,
-        on_proven=jobs.capacity_changed,
+    servicer = ControlPlaneServicer(
+        app=core.app,
+        enrollment=core.enrollment,
+        live=core.live,
+        connections=core.connections,
+        heartbeat_interval=settings.heartbeat_interval,
+        uplink=JobUplink(jobs, transfers, claims),
+        allowed_cidrs=settings.allowed_peer_cidrs,
+        allow_nat=settings.enroll_allow_nat,
+        node_certificates=node_certificates(core.tls),
+        revoked_nodes=revoked_nodes,
     )
-    transfers.proving = claims.proving
-    services.extras["claims"] = claims
-    services.follower.add_event_listener(claims.listener)
-    servicer.uplink = JobUplink(jobs, transfers, claims)
-    services.follower.add_event_listener(_revocations(services, jobs, loop, store_server))
-    services.app.owner = str(uuid.uuid4())
-    await asyncio.to_thread(services.live.renew_lease, services.app.owner, LEASE_TTL)
-    orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, services))
+    metrics.add_collector(cluster_collector(core, jobs, feed, servicer, metrics))
+    history = metrics_history(core, jobs, node_views.list_nodes, metrics)
+    core.follower.add_event_listener(claims.listener)
+    core.follower.add_event_listener(_revocations(core, jobs, loop, store_server))
+    core.app.owner = str(uuid.uuid4())
+    await asyncio.to_thread(core.live.renew_lease, core.app.owner, LEASE_TTL)
+    orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, core))
     if orphans:
         log.warning("failed %d job(s) whose controller is gone", orphans)
     grpc_server = grpc.aio.server(
@@ -343,10 +354,10 @@ async def start_controller(settings: Settings) -> RunningController:
             ("grpc.http2.bdp_probe", 0),
         ],
     )
-    pb_grpc.add_ControlPlaneServicer_to_server(servicer, grpc_server)  # type: ignore[no-untyped-call]
+    add_servicer(servicer, grpc_server)
     address = f"{settings.grpc_host}:{settings.grpc_port}"
-    if services.tls is not None:
-        credentials = grpc.ssl_server_credentials([(services.tls.key_pem, services.tls.chain_pem)])
+    if core.tls is not None:
+        credentials = grpc.ssl_server_credentials([(core.tls.key_pem, core.tls.chain_pem)])
         grpc_port = grpc_server.add_secure_port(address, credentials)
     else:
         log.warning(INSECURE_WARNING)
@@ -357,7 +368,16 @@ async def start_controller(settings: Settings) -> RunningController:
         storage.close()
         raise OSError(f"cannot bind the gRPC port {settings.grpc_host}:{settings.grpc_port}")
     await grpc_server.start()
-    services.extras["grpc_port"] = grpc_port  # the port bound (GRPC_PORT=0: a free one)
+    services = Services.running(
+        core,
+        jobs=jobs,
+        transfers=transfers,
+        claims=claims,
+        metrics=metrics,
+        feed=feed,
+        history=history,
+        grpc_port=grpc_port,  # the port bound (GRPC_PORT=0: a free one)
+    )
 
     http_app = create_app(services)
     https = https_files(settings, services.tls)
@@ -403,12 +423,23 @@ async def start_controller(settings: Settings) -> RunningController:
         await asyncio.sleep(0.02)
     http_port = http_server.servers[0].sockets[0].getsockname()[1]
     return RunningController(
-        services, storage, grpc_server, http_server, grpc_port, http_port, tasks, store_server
+        services,
+        storage,
+        grpc_server,
+        http_server,
+        grpc_port,
+        http_port,
+        tasks,
+        jobs=jobs,
+        feed=feed,
+        recorder=recorder,
+        servicer=servicer,
+        store_server=store_server,
     )
 
 
 def _revocations(
-    services: Services,
+    services: CoreServices,
     jobs: JobManager,
     loop: asyncio.AbstractEventLoop,
     store_server: ModelFileServer | None,
@@ -437,7 +468,7 @@ def _revocations(
     return listener
 
 
-def _orphaned_jobs(services: Services) -> list[str]:
+def _orphaned_jobs(services: CoreServices) -> list[str]:
     """Unfinished jobs whose controller is gone: not this one, and its lease has run out
     (or the job predates leases). Raises when the leases cannot be read (Redis down), so
     that no live controller's job is failed on a guess."""
@@ -452,7 +483,7 @@ def _orphaned_jobs(services: Services) -> list[str]:
     ]
 
 
-def _own_unfinished_jobs(services: Services) -> list[str]:
+def _own_unfinished_jobs(services: CoreServices) -> list[str]:
     """This controller's own unfinished jobs, as the store shows them (reconciliation ends
     those no run here holds any more: :meth:`JobManager.end_stale_jobs`)."""
     services.app.guard.check()  # store unreachable: nothing to decide now
@@ -465,7 +496,7 @@ def _own_unfinished_jobs(services: Services) -> list[str]:
     ]
 
 
-async def _lease_forever(services: Services, jobs: JobManager) -> None:
+async def _lease_forever(services: CoreServices, jobs: JobManager) -> None:
     """Keeps this controller's lease alive, fails the jobs of controllers that died (their
     lease ran out): their clients are gone and their node slots must come free; and ends this
     controller's own jobs whose ending was lost."""
@@ -502,16 +533,12 @@ STOP_TASKS_TIMEOUT = 10.0
 
 
 async def stop_controller(running: RunningController) -> None:
-    feed = running.services.extras.get("feed")
-    if feed is not None:
-        feed.close()  # open SSE streams end, or uvicorn would wait for them forever
+    running.feed.close()  # open SSE streams end, or uvicorn would wait for them forever
     running.http_server.should_exit = True
     await running.grpc_server.stop(grace=1.0)
     if running.store_server is not None:
         await asyncio.to_thread(running.store_server.stop)
-    recorder = running.services.extras.get("recorder")
-    if recorder is not None:
-        await recorder.stop()
+    await running.recorder.stop()
     for task in running.tasks:
         if task.get_name() != "http":
             task.cancel()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from application.job_manager import CONTROLLER_STOPPING, JobManager
+from application.job_manager import CONTROLLER_STOPPING
 
 if TYPE_CHECKING:
     from interfaces.controller_main import RunningController
@@ -102,12 +102,10 @@ async def drain_controller(
 ) -> None:
     """Stops taking requests and waits for the running jobs, at most ``timeout`` seconds (or
     until a second signal); ends those left. Logs what it waits for, and how it ended."""
-    jobs: JobManager = running.services.extras["jobs"]
+    jobs = running.jobs
     http = running.http_server
     http_task = running.tasks[0]
-    feed = running.services.extras.get("feed")
-    if feed is not None:
-        feed.close()  # the dashboards' live feeds: no job of theirs to wait for
+    running.feed.close()  # the dashboards' live feeds: no job of theirs to wait for
     started = time.monotonic()
     log.warning(
         "%s: stopping: no new requests; waiting for %d running job(s) on %d open HTTP "

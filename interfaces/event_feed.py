@@ -34,22 +34,23 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from litestar import Request, get
 from litestar.connection import ASGIConnection
-from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import QueryParameter
 from litestar.response import Stream
 
 from application.feed_tickets import session_end, ticket_valid
 from application.timeline import aggregate_kind, entry_of
-from interfaces.http_auth import bearer, check_admin_key
+from interfaces.http_auth import bearer, check_admin_key, services_of
 from interfaces.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
 from interfaces.http_errors import ApiError, not_running
-from interfaces.services import Services
+
+if TYPE_CHECKING:  # interfaces.services holds an EventFeed: the app resolves the name
+    from interfaces.services import Provided, Services
 
 KEEPALIVE_SECONDS = 15.0
 QUEUE_SIZE = 1000
@@ -279,11 +280,12 @@ def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
     headers; the key itself never goes in a URL)."""
     ticket = connection.query_params.get("ticket")
     if ticket is not None and bearer(connection) is None:
-        key = connection.app.state.services.settings.admin_api_key
+        svc = services_of(connection)
+        key = svc.settings.admin_api_key
         if key and ticket_valid(key, ticket, time.time()):
             return
         # Malformed tickets (not ASCII, too long) are refused like any wrong one.
-        connection.app.state.services.auth_failures[("admin", 401)] += 1
+        svc.auth_failures[("admin", 401)] += 1
         raise ApiError(
             401,
             "the feed ticket is invalid or expired: get a new one (POST /api/admin/feed-tickets)",
@@ -309,14 +311,6 @@ def feed_authorization(svc: Services, key: str | None, ticket: str | None) -> Au
     return by_key if key is not None else by_ticket
 
 
-def _feed(state: State) -> tuple[Services, EventFeed]:
-    svc: Services = state.services
-    feed = svc.extras.get("feed")
-    if not isinstance(feed, EventFeed):
-        raise not_running("the event feed is not running")
-    return svc, feed
-
-
 @get(
     "/api/admin/events/stream",
     guards=[feed_guard],
@@ -340,7 +334,8 @@ def _feed(state: State) -> tuple[Services, EventFeed]:
     responses=errors(400, *ADMIN_KEY_ERRORS, 503),
 )
 async def event_stream(
-    state: State,
+    svc: Provided[Services],
+    feed: Provided[EventFeed | None],
     request: Request[Any, Any, Any],
     ticket: Annotated[
         str | None,
@@ -351,7 +346,8 @@ async def event_stream(
         ),
     ] = None,
 ) -> Stream:
-    svc, feed = _feed(state)
+    if feed is None:
+        raise not_running("the event feed is not running")
     return Stream(
         sse_stream(feed, svc.follower.position, feed_authorization(svc, bearer(request), ticket)),
         media_type="text/event-stream",

@@ -296,6 +296,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         allowed_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS,
         allow_nat: bool = False,
         node_certificates: NodeCertificates | None = None,
+        revoked_nodes: Callable[[], list[str]] = list,
     ) -> None:
         self.allowed_cidrs = allowed_cidrs
         #: Issues each node its certificate (None: the controller cannot, and says so).
@@ -334,7 +335,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         #: How long a connecting caller has to send its Hello.
         self.hello_timeout = HELLO_TIMEOUT_SECONDS
         #: The nodes revoked so far (Welcome names them: file servers refuse them).
-        self.revoked_nodes: Callable[[], list[str]] = list
+        self.revoked_nodes = revoked_nodes
         #: Per node: why its agent said goodbye, until its stream's clean-up reads it.
         self._goodbyes: dict[str, str] = {}
         #: Per node: the write of its NODE_STOPPING, which its NODE_STOPPED must follow.

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from interfaces.http_errors import ApiError
+
+if TYPE_CHECKING:  # interfaces.services imports the feed, which these guards protect
+    from interfaces.services import Services
 
 
 def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
@@ -19,19 +22,22 @@ def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return value.strip()
 
 
-def _services(connection: ASGIConnection[Any, Any, Any, Any]) -> Any:
-    return connection.app.state.services
+def services_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Services:
+    """The app's services, for guards (which Litestar gives no dependencies):
+    :func:`interfaces.http_app.create_app` keeps them in the app's state."""
+    services: Services = connection.app.state.services
+    return services
 
 
 def _refused(connection: ASGIConnection[Any, Any, Any, Any], api: str, error: ApiError) -> ApiError:
     """``error``, counted in /metrics (``dacp_http_auth_failures_total``) first."""
-    _services(connection).auth_failures[(api, error.status)] += 1
+    services_of(connection).auth_failures[(api, error.status)] += 1
     return error
 
 
 def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str | None) -> None:
     """Raises the admin API's 403/401/403 errors unless ``given`` is the admin key."""
-    expected = _services(connection).settings.admin_api_key
+    expected = services_of(connection).settings.admin_api_key
     if not expected:
         raise ApiError(
             403,
@@ -63,7 +69,7 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
 
 
 def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    expected = _services(connection).settings.ai_api_key
+    expected = services_of(connection).settings.ai_api_key
     if not expected:
         return  # an open cluster: no AI_API_KEY configured
     given = bearer(connection)

@@ -8,10 +8,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from litestar import Controller as Routes
 from litestar import get, post
-from litestar.datastructures import State
 from litestar.params import JSONBody
 
 from application.close_names import suggestion
+from application.model_claims import ModelClaims
 from application.model_transfers import TransferCoordinator, TransferRefused
 from application.read_models import proven_holders
 from domain.model import (
@@ -27,7 +27,7 @@ from domain.model import (
 )
 from domain.model_claims import STORE
 from domain.states import NodeState
-from interfaces.admin_api import READ_YOUR_WRITES_TIMEOUT, services
+from interfaces.admin_api import READ_YOUR_WRITES_TIMEOUT
 from interfaces.http_auth import admin_guard
 from interfaces.http_docs import (
     ADMIN_KEY_ERRORS,
@@ -41,7 +41,7 @@ from interfaces.http_docs import (
 )
 from interfaces.http_errors import ApiError, not_running
 from interfaces.openai_fields import INVALID_COMBINATION
-from interfaces.services import Services
+from interfaces.services import Provided, Services
 from proto.model_sources import SourceRefused, check_url, parse_cidrs
 
 #: The error code of a model source on a refused address.
@@ -76,7 +76,7 @@ class ModelPull(msgspec.Struct):
 _HOLDING = frozenset(s.value for s in NodeState if s != NodeState.OFFLINE)
 
 
-async def _with_holders(svc: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _with_holders(svc: Services, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The model rows with the names of the nodes that proved they hold each file
     (``held_by``: neither revoked nor offline; a node's report alone is not enough)."""
     nodes = await asyncio.to_thread(svc.read_model.list_nodes)
@@ -125,12 +125,14 @@ async def _no_model(svc: Services, name: str) -> ApiError:
 
 
 async def _transfer_targets(
-    state: State, name: str, refs: list[str], param: str
+    svc: Services,
+    transfers: TransferCoordinator | None,
+    name: str,
+    refs: list[str],
+    param: str,
 ) -> tuple[TransferCoordinator, dict[str, Any], list[str]]:
     """The transfer coordinator, the model named ``name`` and the ids of the nodes ``refs``
     name (names or ids); 404 for an unknown one."""
-    svc = services(state)
-    transfers = svc.extras.get("transfers")
     if transfers is None:
         raise not_running("the transfer coordinator is not running")
     model = await asyncio.to_thread(svc.read_model.get_model, name)
@@ -163,7 +165,12 @@ class AdminModelRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, 503),
         },
     )
-    async def register(self, state: State, data: JSONBody[ModelRegistration]) -> dict[str, Any]:
+    async def register(
+        self,
+        svc: Provided[Services],
+        claims: Provided[ModelClaims | None],
+        data: JSONBody[ModelRegistration],
+    ) -> dict[str, Any]:
         if data.pooling and data.kind != EMBEDDING:
             raise ApiError(
                 400,
@@ -171,7 +178,6 @@ class AdminModelRoutes(Routes):
                 param="pooling",
                 code=INVALID_COMBINATION,
             )
-        svc = services(state)
         result = await asyncio.to_thread(
             svc.app.register_model,
             data.name,
@@ -184,7 +190,6 @@ class AdminModelRoutes(Routes):
         await asyncio.to_thread(svc.follower.wait, result.position, READ_YOUR_WRITES_TIMEOUT)
         row = await asyncio.to_thread(svc.read_model.get_model, data.name)
         assert row is not None
-        claims = svc.extras.get("claims")
         if claims is not None:  # the nodes that report the file prove it first (held_by)
             await claims.settled(row, READ_YOUR_WRITES_TIMEOUT)
             row = await asyncio.to_thread(svc.read_model.get_model, data.name)
@@ -200,8 +205,7 @@ class AdminModelRoutes(Routes):
             **errors(*ADMIN_KEY_ERRORS, 503),
         },
     )
-    async def list_models(self, state: State) -> dict[str, Any]:
-        svc = services(state)
+    async def list_models(self, svc: Provided[Services]) -> dict[str, Any]:
         rows = await asyncio.to_thread(svc.read_model.list_models)
         return {"object": "list", "data": await _with_holders(svc, rows)}
 
@@ -222,10 +226,17 @@ class AdminModelRoutes(Routes):
             ),
         },
     )
-    async def pull(self, state: State, data: JSONBody[ModelPull]) -> dict[str, Any]:
-        transfers, model, ids = await _transfer_targets(state, data.model, data.nodes, "nodes")
+    async def pull(
+        self,
+        svc: Provided[Services],
+        transfers: Provided[TransferCoordinator | None],
+        data: JSONBody[ModelPull],
+    ) -> dict[str, Any]:
+        coordinator, model, ids = await _transfer_targets(
+            svc, transfers, data.model, data.nodes, "nodes"
+        )
         try:
-            pulls = transfers.pull(model, ids)
+            pulls = coordinator.pull(model, ids)
         except TransferRefused as e:
             raise ApiError(409, str(e), code="no_source") from e
         return {
@@ -252,12 +263,17 @@ class AdminModelRoutes(Routes):
             ),
         },
     )
-    async def evict(self, state: State, data: JSONBody[ModelEviction]) -> dict[str, Any]:
-        transfers, model, (node_id,) = await _transfer_targets(
-            state, data.model, [data.node], "node"
+    async def evict(
+        self,
+        svc: Provided[Services],
+        transfers: Provided[TransferCoordinator | None],
+        data: JSONBody[ModelEviction],
+    ) -> dict[str, Any]:
+        coordinator, model, (node_id,) = await _transfer_targets(
+            svc, transfers, data.model, [data.node], "node"
         )
         try:
-            file_name = await transfers.evict(node_id, model)
+            file_name = await coordinator.evict(node_id, model)
         except TransferRefused as e:
             raise ApiError(409, str(e), code="model_in_use") from e
         return {"node_id": node_id, "model": data.model, "file_name": file_name}
@@ -282,8 +298,10 @@ class AdminModelRoutes(Routes):
             ),
         },
     )
-    async def add_source(self, state: State, data: JSONBody[ModelSource]) -> dict[str, Any]:
-        return await self._source(state, data, add=True)
+    async def add_source(
+        self, svc: Provided[Services], data: JSONBody[ModelSource]
+    ) -> dict[str, Any]:
+        return await self._source(svc, data, add=True)
 
     @post(
         "/sources/remove",
@@ -297,11 +315,12 @@ class AdminModelRoutes(Routes):
             ),
         },
     )
-    async def remove_source(self, state: State, data: JSONBody[ModelSource]) -> dict[str, Any]:
-        return await self._source(state, data, add=False)
+    async def remove_source(
+        self, svc: Provided[Services], data: JSONBody[ModelSource]
+    ) -> dict[str, Any]:
+        return await self._source(svc, data, add=False)
 
-    async def _source(self, state: State, data: ModelSource, *, add: bool) -> dict[str, Any]:
-        svc = services(state)
+    async def _source(self, svc: Services, data: ModelSource, *, add: bool) -> dict[str, Any]:
         model = await asyncio.to_thread(svc.read_model.get_model, data.model)
         if model is None:
             raise await _no_model(svc, data.model)

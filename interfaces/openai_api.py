@@ -18,7 +18,6 @@ from typing import Annotated, Any
 
 import orjson
 from litestar import Request, Response, get, post
-from litestar.datastructures import State
 from litestar.params import PathParameter
 from litestar.response import Stream
 
@@ -28,6 +27,7 @@ from application.context_guard import ContextLengthExceeded
 from application.deadlines import DEADLINE_CODES
 from application.job_manager import JobManager
 from application.job_run import JobRun, StreamItem
+from application.model_transfers import TransferCoordinator
 from application.read_models import proven_holders
 from application.store_guard import STORE_UNAVAILABLE
 from application.timeline import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX, answer_id
@@ -63,7 +63,7 @@ from interfaces.openai_responses import (
     stream_events,
 )
 from interfaces.openai_validation import parse_chat_request
-from interfaces.services import Services
+from interfaces.services import Provided, Services
 from proto import CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJECTED
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,10 @@ log = logging.getLogger(__name__)
 _background: set[asyncio.Task[Any]] = set()
 
 
-def _services(state: State) -> Services:
-    return state.services  # type: ignore[no-any-return]
-
-
-def _jobs(svc: Services) -> JobManager:
-    jobs = svc.extras.get("jobs")
+def _running(jobs: JobManager | None) -> JobManager:
     if jobs is None:
         raise not_running("the job manager is not running")
-    return jobs  # type: ignore[no-any-return]
+    return jobs
 
 
 def _spawn(coro: Any) -> None:
@@ -93,13 +88,12 @@ def _spawn(coro: Any) -> None:
 _SERVING = {NodeState.READY.value, NodeState.BUSY.value, NodeState.DEGRADED.value}
 
 
-async def _cards(svc: Services) -> list[ModelCard]:
+async def _cards(svc: Services, transfers: TransferCoordinator | None) -> list[ModelCard]:
     models, nodes = await asyncio.gather(
         asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
     )
     serving = [n for n in nodes if n["state"] in _SERVING and not n.get("drain_requested")]
     rows = {n["node_id"]: n for n in nodes}
-    transfers = svc.extras.get("transfers")
 
     def held(row: dict[str, Any]) -> bool:
         """A node in service proved it holds the file (a node's report alone is not)."""
@@ -134,8 +128,10 @@ async def _cards(svc: Services) -> list[ModelCard]:
     operation_class=ApiOperation,
     responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
 )
-async def list_models(state: State) -> dict[str, Any]:
-    return {"object": "list", "data": await _cards(_services(state))}
+async def list_models(
+    svc: Provided[Services], transfers: Provided[TransferCoordinator | None]
+) -> dict[str, Any]:
+    return {"object": "list", "data": await _cards(svc, transfers)}
 
 
 @get(
@@ -150,14 +146,15 @@ async def list_models(state: State) -> dict[str, Any]:
     },
 )
 async def get_model(
-    state: State,
+    svc: Provided[Services],
+    transfers: Provided[TransferCoordinator | None],
     model: Annotated[
         str,
         PathParameter(description=f"The model's name (`{MODEL_NAME_PATTERN}`; it may hold `/`)"),
     ],
 ) -> ModelCard:
     name = model.removeprefix("/")
-    for card in await _cards(_services(state)):
+    for card in await _cards(svc, transfers):
         if card["id"] == name:
             return card
     raise ApiError(
@@ -221,10 +218,12 @@ _CHAT_ERRORS = errors(
         **_CHAT_ERRORS,
     },
 )
-async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
+async def chat_completions(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
     submission = parse_chat_request(await _body(request))
     return await _generate(
-        state, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
+        svc, jobs, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
     )
 
 
@@ -240,10 +239,12 @@ async def chat_completions(state: State, request: Request[Any, Any, Any]) -> Res
         **_CHAT_ERRORS,
     },
 )
-async def completions(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
+async def completions(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
     submission = parse_completion_request(await _body(request))
     return await _generate(
-        state, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
+        svc, jobs, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
     )
 
 
@@ -256,18 +257,21 @@ async def completions(state: State, request: Request[Any, Any, Any]) -> Response
     operation_class=EmbeddingsOperation,
     responses={**success(Embeddings, "One vector per input, in order"), **_CHAT_ERRORS},
 )
-async def create_embeddings(state: State, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_embeddings(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
     submission, encoding = parse_embeddings_request(await _body(request))
-    started = await _started(_services(state), request, submission, EMBEDDING)
+    started = await _started(svc, jobs, request, submission, EMBEDDING)
     if isinstance(started, Response):
         return started
-    jobs, run, first = started
-    _, outcome = await _collected(jobs, run, first)
+    manager, run, first = started
+    _, outcome = await _collected(manager, run, first)
     return Response(embeddings(submission.model, outcome, encoding))
 
 
 async def _generate(
-    state: State,
+    svc: Services,
+    jobs: JobManager | None,
     request: Request[Any, Any, Any],
     submission: Submission,
     prefix: str,
@@ -275,10 +279,10 @@ async def _generate(
     answer_of: Callable[[Answer, Collected, JobOutcome], dict[str, Any]],
 ) -> Response[Any]:
     """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``."""
-    started = await _started(_services(state), request, submission, CHAT)
+    started = await _started(svc, jobs, request, submission, CHAT)
     if isinstance(started, Response):
         return started
-    jobs, run, first = started
+    manager, run, first = started
     answer = Answer(
         answer_id(prefix, run.job_id),
         int(time.time()),
@@ -288,8 +292,8 @@ async def _generate(
         top_logprobs=submission.params.get("top_logprobs"),
     )
     if submission.stream:
-        return _events(jobs, run, first, events(answer))
-    collected, outcome = await _collected(jobs, run, first, answer.top_logprobs)
+        return _events(manager, run, first, events(answer))
+    collected, outcome = await _collected(manager, run, first, answer.top_logprobs)
     return Response(answer_of(answer, collected, outcome))
 
 
@@ -327,7 +331,11 @@ async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
 
 
 async def _started(
-    svc: Services, request: Request[Any, Any, Any], submission: Submission, kind: str
+    svc: Services,
+    jobs: JobManager | None,
+    request: Request[Any, Any, Any],
+    submission: Submission,
+    kind: str,
 ) -> tuple[JobManager, JobRun, StreamItem] | Response[Any]:
     """The job, admitted and with its first stream item (or its failure raised); a 499
     response when the client left first."""
@@ -338,8 +346,8 @@ async def _started(
             await svc.context_guard.check(model, prompt)
         except ContextLengthExceeded as e:
             raise ApiError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED) from e
-    jobs = _jobs(svc)
-    admitted = asyncio.ensure_future(_admit(jobs, submission, model))
+    manager = _running(jobs)  # after the checks a request fails without a job manager
+    admitted = asyncio.ensure_future(_admit(manager, submission, model))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({admitted, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -367,7 +375,7 @@ async def _started(
         ) from e
     if first.kind == "error":  # nothing was sent yet: the failure keeps its real status
         raise job_error(first.error, first.error_code)
-    return jobs, run, first
+    return manager, run, first
 
 
 def _events(

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from litestar import Request, Response, get
-from litestar.datastructures import CacheControlHeader, State
+from litestar.datastructures import CacheControlHeader
 from litestar.params import Parameter
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
@@ -55,7 +55,7 @@ from interfaces.http_docs import (
     success,
 )
 from interfaces.http_errors import not_running
-from interfaces.services import Services
+from interfaces.services import CoreServices, Provided, Services
 
 STATIC_DIR = Path(__file__).with_name("static")
 #: Same origin only: the page talks to nothing but this controller.
@@ -71,7 +71,7 @@ DASHBOARD_HEADERS = {
 
 
 def install_operations(
-    services: Services, loop: asyncio.AbstractEventLoop
+    services: CoreServices, loop: asyncio.AbstractEventLoop
 ) -> tuple[PrometheusMetrics, EventFeed]:
     """Metrics and the live event feed, both fed by the projection follower."""
     metrics = PrometheusMetrics()
@@ -82,13 +82,15 @@ def install_operations(
     feed.bind(loop, after_position=now)
     services.follower.add_event_listener(metrics.on_event)
     services.follower.add_event_listener(feed.on_event)
-    services.extras["metrics"] = metrics
-    services.extras["feed"] = feed
     return metrics, feed
 
 
 def cluster_collector(
-    services: Services, jobs: JobManager, feed: EventFeed, servicer: ControlPlaneServicer
+    services: CoreServices,
+    jobs: JobManager,
+    feed: EventFeed,
+    servicer: ControlPlaneServicer,
+    metrics: PrometheusMetrics,
 ) -> ClusterCollector:
     """The public scrape-time gauges; registers the per-node ones (``/metrics/nodes``) too."""
     collector = ClusterCollector(
@@ -112,14 +114,15 @@ def cluster_collector(
             stream_overflows=lambda: services.connections.overflows,
         )
     )
-    metrics = services.extras.get("metrics")
-    if isinstance(metrics, PrometheusMetrics):
-        metrics.add_node_collector(NodeCollector(collector.sources, collector))
+    metrics.add_node_collector(NodeCollector(collector.sources, collector))
     return collector
 
 
 def metrics_history(
-    services: Services, jobs: JobManager, nodes: Callable[[], Sequence[Mapping[str, Any]]]
+    services: CoreServices,
+    jobs: JobManager,
+    nodes: Callable[[], Sequence[Mapping[str, Any]]],
+    metrics: PrometheusMetrics,
 ) -> MetricsHistory:
     """The dashboard's history, fed by the follower (tokens) and the Prometheus metrics (time
     to first token); :meth:`MetricsHistory.run` samples it."""
@@ -132,10 +135,7 @@ def metrics_history(
     )
     history.count_after(services.app.position())  # what is older is history, not news
     services.follower.add_event_listener(history.on_event)
-    metrics = services.extras.get("metrics")
-    if isinstance(metrics, PrometheusMetrics):
-        metrics.first_token_observers.append(history.observe_time_to_first_token)
-    services.extras["history"] = history
+    metrics.first_token_observers.append(history.observe_time_to_first_token)
     return history
 
 
@@ -180,15 +180,13 @@ def node_points(rows: Sequence[Mapping[str, Any]], live: Mapping[str, LiveNode])
     },
 )
 async def metrics_history_view(
-    state: State,
+    history: Provided[MetricsHistory | None],
     since: Annotated[
         float,
         Parameter(ge=0, description="Only the samples taken after this unix time (0: all)"),
     ] = 0.0,
 ) -> dict[str, Any]:
-    svc: Services = state.services
-    history = svc.extras.get("history")
-    if not isinstance(history, MetricsHistory):
+    if history is None:
         raise not_running("the metrics history is not kept on this controller")
     return {
         "object": "list",
@@ -222,10 +220,9 @@ def agent_controller_url(grpc_host: str, grpc_port: int, seen_as: str) -> str:
     operation_class=ApiOperation,
     responses={**success(AgentSetup, "The control channel"), **errors(*ADMIN_KEY_ERRORS)},
 )
-async def agent_setup(state: State, request: Request[Any, Any, Any]) -> dict[str, Any]:
-    svc: Services = state.services
+async def agent_setup(svc: Provided[Services], request: Request[Any, Any, Any]) -> dict[str, Any]:
     settings = svc.settings
-    port = int(svc.extras.get("grpc_port") or settings.grpc_port)
+    port = svc.grpc_port or settings.grpc_port
     return {
         "controller_url": agent_controller_url(
             settings.grpc_host, port, request.url.hostname or ""
@@ -245,12 +242,10 @@ async def agent_setup(state: State, request: Request[Any, Any, Any]) -> dict[str
     operation_class=ApiOperation,
     responses=errors(503),
 )
-async def metrics(state: State) -> Response[bytes]:
-    svc: Services = state.services
-    registry = svc.extras.get("metrics")
-    if not isinstance(registry, PrometheusMetrics):
+async def metrics(metrics: Provided[PrometheusMetrics | None]) -> Response[bytes]:
+    if metrics is None:
         raise not_running("metrics are not enabled on this controller")
-    body = await asyncio.to_thread(registry.exposition)
+    body = await asyncio.to_thread(metrics.exposition)
     return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 
 
@@ -264,12 +259,10 @@ async def metrics(state: State) -> Response[bytes]:
     operation_class=ApiOperation,
     responses=errors(*ADMIN_KEY_ERRORS, 503),
 )
-async def node_metrics(state: State) -> Response[bytes]:
-    svc: Services = state.services
-    registry = svc.extras.get("metrics")
-    if not isinstance(registry, PrometheusMetrics):
+async def node_metrics(metrics: Provided[PrometheusMetrics | None]) -> Response[bytes]:
+    if metrics is None:
         raise not_running("metrics are not enabled on this controller")
-    body = await asyncio.to_thread(registry.node_exposition)
+    body = await asyncio.to_thread(metrics.node_exposition)
     return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 
 
@@ -292,7 +285,7 @@ def operations_handlers() -> list[ControllerRouterHandler]:
     return [metrics, node_metrics, metrics_history_view, agent_setup, dashboard, static]
 
 
-def _store_position(services: Services) -> int:
+def _store_position(services: CoreServices) -> int:
     """The store's position; raises at once (a scrape error) while it is unreachable."""
     services.app.guard.check()
     return services.app.position()

@@ -1,24 +1,47 @@
-"""Everything the HTTP and gRPC interfaces need, wired once by the composition root."""
+"""Everything the HTTP and gRPC interfaces need, wired once by the composition root.
+
+:class:`CoreServices` is what exists before anything runs (the store, live state, settings);
+:class:`Services` adds the running parts, each built once by ``start_controller`` and passed
+in at construction. The HTTP app provides each field to the handlers that declare it
+(``jobs: Provided[JobManager | None]``, ``svc: Provided[Services]``:
+:func:`interfaces.http_app.dependencies`).
+A part is None only in an app built without it (tests, the schema): the routes that need
+it answer 503 "not running"."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeAlias, TypeVar
+
+from litestar.di import NamedDependency
+from litestar.params import SkipValidation
 
 from application.context_guard import ContextGuard
 from application.controller import Controller
 from application.enrollment import EnrollmentService
+from application.job_manager import JobManager
+from application.metrics_history import MetricsHistory
+from application.model_claims import ModelClaims
+from application.model_transfers import TransferCoordinator
 from application.ports import LiveState
+from infrastructure.metrics import PrometheusMetrics
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
+from interfaces.event_feed import EventFeed
 from interfaces.grpc_server import AgentConnections
+
+T = TypeVar("T")
+
+#: A handler parameter the HTTP app provides by its name (:func:`interfaces.http_app.
+#: dependencies`), passed as it is: the type is for mypy, never validated or converted.
+Provided: TypeAlias = NamedDependency[SkipValidation[T]]
 
 
 @dataclass
-class Services:
+class CoreServices:
     settings: Settings
     app: Controller
     read_model: ReadModelStore
@@ -32,4 +55,51 @@ class Services:
     tls: ServerTls | None = None
     #: Refused HTTP keys by (api, status): counted for /metrics, not recorded as events.
     auth_failures: Counter[tuple[str, int]] = field(default_factory=Counter)
-    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Services(CoreServices):
+    """The core and the running parts (None: not running in this app)."""
+
+    jobs: JobManager | None = None
+    transfers: TransferCoordinator | None = None
+    claims: ModelClaims | None = None
+    metrics: PrometheusMetrics | None = None
+    feed: EventFeed | None = None
+    history: MetricsHistory | None = None
+    #: The gRPC port bound (GRPC_PORT=0: a free one); None: GRPC_PORT as configured.
+    grpc_port: int | None = None
+
+    @classmethod
+    def running(
+        cls,
+        core: CoreServices,
+        *,
+        jobs: JobManager,
+        transfers: TransferCoordinator,
+        claims: ModelClaims,
+        metrics: PrometheusMetrics,
+        feed: EventFeed,
+        history: MetricsHistory,
+        grpc_port: int,
+    ) -> Services:
+        """The running controller's services: ``core`` with every part."""
+        return cls(
+            settings=core.settings,
+            app=core.app,
+            read_model=core.read_model,
+            follower=core.follower,
+            live=core.live,
+            connections=core.connections,
+            enrollment=core.enrollment,
+            context_guard=core.context_guard,
+            tls=core.tls,
+            auth_failures=core.auth_failures,
+            jobs=jobs,
+            transfers=transfers,
+            claims=claims,
+            metrics=metrics,
+            feed=feed,
+            history=history,
+            grpc_port=grpc_port,
+        )

@@ -388,7 +388,7 @@ async def test_the_live_feed_outlives_its_tickets_sessions(
     settings = controller_settings(pg_schema, tmp_path, feed_session_seconds=2.0)
     async with controller(settings) as ctl:
         base = f"http://127.0.0.1:{ctl.http_port}"
-        live_feed = ctl.services.extras["feed"]
+        live_feed = ctl.feed
         page = await browser.new_page(viewport={"width": 1440, "height": 960})
         problems: list[str] = []
         page.on("pageerror", lambda error: problems.append(f"page error: {error}"))

@@ -101,7 +101,7 @@ async def _outage_answers(ctl: RunningController) -> None:
     assert r.headers.get("retry-after"), r.headers
     assert r.json()["error"]["code"] == "store_unavailable", r.text
     assert took < FAST, f"took {took:.1f}s"
-    assert ctl.services.extras["jobs"].queue.depths() in ({}, {"m": 0})  # nothing queued
+    assert ctl.jobs.queue.depths() in ({}, {"m": 0})  # nothing queued
     async with _http(ctl) as client:
         started = time.monotonic()
         health = await client.get("/health")

@@ -186,7 +186,7 @@ async def test_a_stream_without_a_hello_is_ended(quiet_ctl: RunningController) -
     """The credential is judged once the Hello is in: a caller that never sends one is not
     left holding a stream."""
     ctl = quiet_ctl
-    servicer = ctl.services.extras["servicer"]
+    servicer = ctl.servicer
     servicer.hello_timeout = 0.3
     a = await enroll(target(ctl), token(), "a")
     never = asyncio.Event()
@@ -442,7 +442,7 @@ class FlakyLiveState:
 async def test_a_live_state_error_does_not_cost_the_node_its_stream(
     ctl: RunningController,
 ) -> None:
-    servicer = ctl.services.extras["servicer"]
+    servicer = ctl.servicer
     flaky = FlakyLiveState(servicer.live)
     servicer.live = flaky
     node_id, session = await connected_node(ctl)

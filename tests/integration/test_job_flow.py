@@ -434,7 +434,7 @@ async def test_a_primary_whose_stream_breaks_resumes_its_job_when_back(
         await old.send(pb.AgentMessage(setup_result=ok))
         await old.send(delta(job, 0, "a"))
         await old.send(delta(job, 1, " b"))
-        jobs = ctl.services.extras["jobs"]
+        jobs = ctl.jobs
         while jobs.runs[job].next_seq < 2:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)

@@ -187,7 +187,7 @@ async def test_feed_delivers_a_drain_as_it_happens(ctl: RunningController) -> No
         nxt = await stream.until(lambda e, d: e == "message")
         assert nxt["code"] == "NODE_DRAINED" and nxt["position"] > drained["position"]
     # the client went away: its queue goes with it
-    live_feed = ctl.services.extras["feed"]
+    live_feed = ctl.feed
     await wait_for(lambda: live_feed.subscriber_count == 0)
     await session.close()
 
@@ -195,7 +195,7 @@ async def test_feed_delivers_a_drain_as_it_happens(ctl: RunningController) -> No
 async def test_feed_accepts_a_ticket_and_keeps_idle_streams_alive(
     ctl: RunningController,
 ) -> None:
-    live_feed = ctl.services.extras["feed"]
+    live_feed = ctl.feed
     assert isinstance(live_feed, EventFeed)
     live_feed.keepalive_seconds = 0.2
     async with http(ctl) as client:

@@ -277,7 +277,7 @@ def planned(ctl: RunningController) -> ExecutionPlan | None:
     """The plan the planner would give model m now (None: none)."""
     model = ctl.services.read_model.get_model("m")
     assert model is not None
-    plan: ExecutionPlan | None = ctl.services.extras["jobs"].scheduler.place(model).plan
+    plan: ExecutionPlan | None = ctl.jobs.scheduler.place(model).plan
     return plan
 
 
