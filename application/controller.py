@@ -286,7 +286,7 @@ class Controller(Application[UUID]):
         """Offline or error: the node's executing jobs end with it, in the same transaction.
 
         Jobs still in setup are left to the job manager, which re-plans them without the
-        node (see docs/architecture.md, 'Node lost'); the node's claim on them is dropped
+        node (see docs/faults.md, 'Node lost'); the node's claim on them is dropped
         with the node's state.
         """
 

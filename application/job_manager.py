@@ -1,4 +1,4 @@
-"""The job manager: the three phases of a chat completion (see docs/architecture.md,
+"""The job manager: the three phases of a chat completion (see docs/request-flow.md,
 'Request flow'), behind one façade whose parts each hold one responsibility.
 
 *Setup and validation* (:class:`JobSetup`, application/job_setup.py): admit, plan,

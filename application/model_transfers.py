@@ -98,6 +98,7 @@ class TransferCoordinator:
         clock: Callable[[], float] = time.monotonic,
         store_port: int = 0,
         source_cidrs: tuple[str, ...] = (),
+        proving: Callable[[dict[str, Any]], bool] = lambda _model: False,
     ) -> None:
         self.app = app
         #: Networks a URL source may be on although agents refuse them by default
@@ -123,7 +124,7 @@ class TransferCoordinator:
         self.evictions: dict[tuple[str, str], asyncio.Future[tuple[bool, str, str]]] = {}
         #: Whether a node that reports the model's file is proving it holds it now (the
         #: model-claims sweep): jobs wait for the proof as they wait for a fetch.
-        self.proving: Callable[[dict[str, Any]], bool] = lambda _model: False
+        self.proving = proving
 
     def _rows(self) -> dict[str, dict[str, Any]]:
         return {n["node_id"]: n for n in self.nodes.list_nodes()}

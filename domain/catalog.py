@@ -1,6 +1,6 @@
 """The event catalog: catalog code → event class, for every aggregate.
 
-Each code is documented in docs/architecture.md, 'Event catalogue'.
+Each code is documented in docs/reference.md, 'Event catalogue'.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Administrator enrollment tokens (minted by ``POST /api/admin/enrollment-tokens``
-and ``dacp token create``; see docs/architecture.md, 'Enrollment').
+and ``dacp token create``; see docs/control-channel.md, 'Enrollment').
 
 A token is ``dacp1.<base64url(json claims)>.<base64url(hmac-sha256)>`` without padding. The
 HMAC key is ``NODE_ENROLLMENT_SECRET``; the MAC covers ``dacp1.<claims>`` so neither the version

@@ -1,4 +1,4 @@
-"""The Job aggregate: one chat completion through its three phases (docs/architecture.md,
+"""The Job aggregate: one chat completion through its three phases (docs/lifecycles.md,
 'Job lifecycle').
 
 submitted [→ queued] → planned → dispatched → setup validated → running → completed | failed |

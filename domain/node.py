@@ -1,5 +1,5 @@
 """The Node aggregate: one enrolled machine and its state machine (see
-docs/architecture.md, 'Node state machine').
+docs/lifecycles.md, 'Node state machine').
 
 Every command checks its guard first and raises :class:`IllegalTransition` without
 triggering an event when the node's state does not allow it. Event ``apply`` methods

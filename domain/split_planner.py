@@ -1,5 +1,5 @@
 """The split planner: which devices of which nodes run a model, and each one's share (see
-docs/architecture.md, 'Scheduling and split planning').
+docs/request-flow.md, '3. Scheduling').
 
 Given what a model needs and a snapshot of candidate nodes (:mod:`domain.placement`),
 :func:`plan_placement` chooses the primary (the node that runs ``llama-server`` and must hold

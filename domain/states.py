@@ -1,6 +1,6 @@
 """Node and job states as string enums, so they serialise as plain strings.
 
-See docs/architecture.md, 'Node state machine' and 'Job lifecycle'.
+See docs/lifecycles.md, 'Node state machine' and 'Job lifecycle'.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ first start.
 
 The controller and every ``dacp`` command find their settings the same way: the environment,
 then this one file (the environment wins, key by key). Its keys are the environment variables
-of the README's configuration table (``DATABASE_URL = "postgresql://…"``), plus ``DACP_URL``,
-the controller's HTTP address, which the CLI talks to. Nothing depends on the current
+of the configuration table in docs/reference.md (``DATABASE_URL = "postgresql://…"``), plus
+``DACP_URL``, the controller's HTTP address, which the CLI talks to. Nothing depends on the current
 directory.
 
 Where it is: ``DACP_CONFIG`` if set; else ``$XDG_CONFIG_HOME/dacp/config.toml`` (default
@@ -133,7 +133,7 @@ def render(values: Mapping[str, str], now: dt.datetime) -> str:
         f"# dacp's configuration, written by `dacp controller` at its first start "
         f"({now.strftime('%Y-%m-%dT%H:%M:%SZ')}).",
         "# The controller and every dacp command read it; the environment overrides any key.",
-        "# Keys are the environment variables of the README's configuration table.",
+        "# Keys are the environment variables of docs/reference.md's configuration table.",
         "# Keep it private (mode 0600): it holds the admin key and the enrollment secret.",
     ]
     lines += [f"{key} = {json.dumps(values[key])}" for key in values]

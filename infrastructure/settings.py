@@ -1,4 +1,4 @@
-"""Controller configuration from the environment (see docs/architecture.md, 'Configuration')."""
+"""Controller configuration from the environment (see docs/reference.md, 'Configuration')."""
 
 from __future__ import annotations
 

@@ -309,8 +309,8 @@ async def start_controller(settings: Settings) -> RunningController:
         primary_if_held=primary_if_held,
         store_port=store_server.port if store_server is not None else 0,
         source_cidrs=settings.model_source_allowed_cidrs,
+        proving=claims.proving,
     )
-    transfers.proving = claims.proving  # TransferCoordinator takes no `proving` argument yet
     jobs = JobManager(
         core.app,
         scheduler,

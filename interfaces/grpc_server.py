@@ -11,12 +11,12 @@ that breaks (a reset, a keepalive timeout) takes nothing: the node's jobs wait f
 reconnect, which its ``Welcome`` then resumes (the agent re-sends what was lost), until the
 health sweep finds it silent for ``OFFLINE_AFTER``.
 
-What one caller may cost is bounded (docs/architecture.md, "The Connect stream" and "Bad
-messages from an agent"): a caller without credentials is answered from memory, within
-HELLO_TIMEOUT_SECONDS, and only PENDING_PER_SOURCE of its streams (PENDING_TOTAL of all) are
-read at once; an enrolled node's outbox is bounded (a node that does not read is disconnected, not
-buffered), the strings it sends are cut before anything records or logs them, and its
-refused messages, resource reports and faults are rate-limited.
+What one caller may cost is bounded (docs/control-channel.md, "The Connect stream", and
+docs/faults.md, "Bad messages from an agent"): a caller without credentials is answered from
+memory, within HELLO_TIMEOUT_SECONDS, and only PENDING_PER_SOURCE of its streams (PENDING_TOTAL
+of all) are read at once; an enrolled node's outbox is bounded (a node that does not read is
+disconnected, not buffered), the strings it sends are cut before anything records or logs them,
+and its refused messages, resource reports and faults are rate-limited.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ agents on it, and measure what the controller costs beside direct ``llama-server
     python -m ops.gpu_check [--payload gpu-payload] [--backend cuda|cpu] [--params 1.0e9]
 
 Made for a fresh NVIDIA machine that reaches no package registry: the wheels, the llama.cpp
-sdist and the tokenizer travel in the payload folder (``python -m ops.gpu_payload``; the
-README's 'Checking on a GPU' has the device command). ``--backend cpu`` rehearses every step
-but the GPU on any machine (use a small model: ``--params 5e7``). Steps, each announced with
-the time since the start:
+sdist and the tokenizer travel in the payload folder (``python -m ops.gpu_payload``;
+docs/operations.md, 'Checking on a GPU', has the device command). ``--backend cpu`` rehearses
+every step but the GPU on any machine (use a small model: ``--params 5e7``). Steps, each
+announced with the time since the start:
 
 1. preflight: the payload is there, and this Python imports what the controller and the agents
    need (a missing package is named in one line before the build starts);
@@ -281,7 +281,7 @@ def preflight(payload: Path) -> None:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise CheckError(
             f"this Python ({sys.executable}) cannot run the project: {last} "
-            "(install the payload's wheels first: see the README's 'Checking on a GPU')"
+            "(install the payload's wheels first: see docs/operations.md, 'Checking on a GPU')"
         )
 
 

@@ -1,7 +1,7 @@
 """Property tests: random command sequences against the Node and Job aggregates.
 
 After every command, legal or refused, the aggregate equals the replay of its recorded
-events, and every state change it made is an edge of the allowed graph (docs/architecture.md,
+events, and every state change it made is an edge of the allowed graph (docs/lifecycles.md,
 'Node state machine' and 'Job lifecycle').
 """
 

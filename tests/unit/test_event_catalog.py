@@ -4,7 +4,7 @@ from domain.catalog import CATALOG, JOB_EVENTS, NODE_EVENTS, SEED_EVENTS, code_o
 from domain.job import Job
 from domain.node import Node
 
-#: Every code the catalogue in docs/architecture.md ('Event catalogue') documents. Stored events
+#: Every code the catalogue in docs/reference.md ('Event catalogue') documents. Stored events
 #: carry these classes, so none may disappear; tests/unit/test_architecture_doc.py checks that
 #: the document lists every code of the catalog.
 DOCUMENTED_CODES = {
