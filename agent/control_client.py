@@ -27,9 +27,10 @@ and cancels the jobs it leads that the controller gave up on. A refused
 enrollment token (:class:`EnrollmentRefused`) and a rejected stored identity
 (:class:`IdentityRejected`) are fatal: retrying cannot fix them.
 
-The session's other parts have their own modules: ``agent/job_traffic.py`` (job messages
-both ways, resuming jobs after a reconnect), ``agent/controller_channel.py`` (channel,
-retries, enrollment), ``agent/resources.py`` (what is reported), ``agent/control_handler.py``
+The session holds its parts as fields: :class:`JobTraffic` (``agent/job_traffic.py``: job
+messages both ways, resuming jobs after a reconnect) and :class:`ControllerChannel`
+(``agent/controller_channel.py``: channel, retries, enrollment); see also
+``agent/resources.py`` (what is reported), ``agent/control_handler.py``
 (the port to what runs jobs), ``agent/token_merge.py`` and ``agent/agent_config.py``.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
@@ -50,8 +51,6 @@ from agent import AGENT_VERSION
 from agent.agent_config import (
     DEFAULT_HEARTBEAT_INTERVAL,
     AgentConfig,
-    Backoff,
-    ControllerTarget,
     IdentityRejected,
     Jitter,
 )
@@ -66,7 +65,6 @@ from agent.controller_channel import (
     stub,
 )
 from agent.identity import NodeIdentity, identity_path, save_identity
-from agent.job_journal import JobJournal
 from agent.job_traffic import Connection, JobTraffic
 from agent.model_transfers import ModelTransfers
 from agent.resources import ResourceCollector, Resources, log_resources
@@ -93,7 +91,7 @@ class AgentState(enum.StrEnum):
     READY = "READY"
 
 
-class AgentSession(ControllerChannel, JobTraffic):
+class AgentSession:
     """One agent's relationship with the controller; see the module docstring.
 
     ``await run()`` returns after :meth:`stop` / :meth:`request_stop` and raises
@@ -111,7 +109,8 @@ class AgentSession(ControllerChannel, JobTraffic):
     ) -> None:
         self.config = config
         self.handler = handler
-        self._backoff = Backoff(config.backoff_initial, config.backoff_max, jitter)
+        #: The way to the controller: channel, retries, enrollment.
+        self.channel = ControllerChannel(config, jitter)
         self._collector = ResourceCollector(config, nvml_module)
         self._state = AgentState.UNINITIALIZED
         self.state_history: list[AgentState] = [AgentState.UNINITIALIZED]
@@ -119,13 +118,8 @@ class AgentSession(ControllerChannel, JobTraffic):
         self.identity: NodeIdentity | None = None
         self.controller_version = ""
         self.heartbeat_interval = config.heartbeat_interval or DEFAULT_HEARTBEAT_INTERVAL
-        self.connections = 0  # streams that reached READY
-        self.failed_attempts = 0
-        self._target: ControllerTarget | None = None
         self._resources: Resources | None = None
         self._reported: tuple[object, ...] | None = None
-        self._conn: Connection | None = None
-        self.journal = JobJournal()
         #: Ask the resource loop to look at the models now (a fetch added one).
         self._recheck = asyncio.Event()
         self.transfers = ModelTransfers(
@@ -139,8 +133,8 @@ class AgentSession(ControllerChannel, JobTraffic):
             node_name=config.node_name,
             fetch_limits=config.fetch_limits,
         )
-        self._channel: grpc.aio.Channel | None = None
-        self._dispatch_tasks: set[asyncio.Task[None]] = set()
+        #: Job messages both ways (the handler's calls, the journal, resuming jobs).
+        self.traffic = JobTraffic(handler, self.transfers, lambda: self.draining)
         self._main_task: asyncio.Task[Any] | None = None
         self._stop_requested = False
         self._closed = False
@@ -158,6 +152,15 @@ class AgentSession(ControllerChannel, JobTraffic):
     @property
     def state(self) -> AgentState:
         return self._state
+
+    @property
+    def connections(self) -> int:
+        """Streams that reached READY."""
+        return self.channel.connections
+
+    @property
+    def failed_attempts(self) -> int:
+        return self.channel.failed_attempts
 
     @property
     def node_id(self) -> str | None:
@@ -195,7 +198,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             self._resources = await self._collector.collect()
             log_resources(self._resources)
             self._set_state(AgentState.REGISTERING, "hardware and models discovered")
-            identity = await self._ensure_identity()
+            identity = await self._ensure_identity(self._resources)
             await self._connection_loop(identity)
         except asyncio.CancelledError:
             if not self._stop_requested:
@@ -245,7 +248,7 @@ class AgentSession(ControllerChannel, JobTraffic):
     def _send_stopping(self) -> None:
         """Tells the controller the agent drains (on the current stream, if any; a new
         stream's Welcome sends it again)."""
-        conn = self._conn
+        conn = self.traffic.conn
         if conn is None or not self.draining:
             return
         stopping = pb.Stopping(
@@ -268,19 +271,25 @@ class AgentSession(ControllerChannel, JobTraffic):
             return
         self._closed = True
         self.stop_signals.cancel()
-        tasks = list(self._dispatch_tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close(None)
+        await self.traffic.cancel()
+        await self.channel.close()
         try:
             await self.handler.close()
         except Exception:
             log.exception("handler.close() failed")
         await asyncio.to_thread(self.transfers.close)
         log.info("agent stopped")
+
+    async def _ensure_identity(self, resources: Resources) -> NodeIdentity:
+        """The stored identity, or a new one from enrolling (then the controller's version,
+        and its heartbeat interval unless the config sets one)."""
+        identity, enrolled = await self.channel.ensure_identity(resources)
+        self.identity = identity
+        if enrolled is not None:
+            if enrolled.heartbeat_interval_seconds > 0 and self.config.heartbeat_interval is None:
+                self.heartbeat_interval = enrolled.heartbeat_interval_seconds
+            self.controller_version = enrolled.controller_version
+        return identity
 
     # -- connect ------------------------------------------------------------------------
 
@@ -294,11 +303,11 @@ class AgentSession(ControllerChannel, JobTraffic):
             was_ready = self._state == AgentState.READY
             self._set_state(AgentState.REGISTERING, f"control stream lost: {failure.reason}")
             if was_ready:
-                self._backoff.reset()
-            await self._retry_pause("connect", failure)
+                self.channel.reset_backoff()
+            await self.channel.retry_pause("connect", failure)
 
     async def _connect_once(self, identity: NodeIdentity) -> None:
-        channel = self._open_channel()
+        channel = self.channel.open_channel()
         rpc_stub = stub(channel)
         metadata = (
             ("x-node-id", identity.node_id),
@@ -337,14 +346,14 @@ class AgentSession(ControllerChannel, JobTraffic):
                 ) from None
             raise rpc_failure(exc) from None
         finally:
-            self._conn = None
+            self.traffic.conn = None
             if self._stop_requested and len(tasks) == 4:  # writer, heartbeats, report, reader
                 await self._say_goodbye(conn, tasks[1:3])
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             call.cancel()
-            await self._close_channel(channel)
+            await self.channel.close_channel(channel)
 
     async def _await_welcome(self, conn: Connection, identity: NodeIdentity) -> pb.Welcome:
         try:
@@ -380,21 +389,20 @@ class AgentSession(ControllerChannel, JobTraffic):
         elif welcome.heartbeat_interval_seconds > 0:
             self.heartbeat_interval = welcome.heartbeat_interval_seconds
         self.controller_version = welcome.controller_version
-        self.connections += 1
-        self._backoff.reset()
-        assert self._target is not None
-        if identity.controller_url != self._target.url:
-            self.identity = identity.with_controller_url(self._target.url)
+        self.channel.connected()
+        target = self.channel.target
+        if identity.controller_url != target.url:
+            self.identity = identity.with_controller_url(target.url)
             save_identity(self.config.data_dir, self.identity)
-        self.transfers.controller_host = self._target.host
+        self.transfers.controller_host = target.host
         if identity.controller_ca_pem:
             self.transfers.welcomed(
                 welcome.node_certificate_pem, identity.controller_ca_pem, welcome.revoked_node_ids
             )
-        self._nodes_revoked(welcome.revoked_node_ids)
+        self.traffic.nodes_revoked(welcome.revoked_node_ids)
         # Before anything else goes out on the new stream: what the controller missed.
-        self._resume_jobs(conn, welcome)
-        self._conn = conn
+        self.traffic.resume_jobs(conn, welcome)
+        self.traffic.conn = conn
         self._send_stopping()  # still draining: the node takes no new job over this stream
         # The last known resources go out at once; _resource_loop re-checks them right away
         # (hashing a model copied in while disconnected must not delay the heartbeats).
@@ -402,7 +410,7 @@ class AgentSession(ControllerChannel, JobTraffic):
         self._queue_report(conn, self._resources)
         self._set_state(
             AgentState.READY,
-            f"connected to controller {self._target.url} "
+            f"connected to controller {target.url} "
             f"(version {welcome.controller_version or '?'}) as node {identity.node_id}, "
             f"heartbeat every {self.heartbeat_interval:g}s",
         )
@@ -455,7 +463,7 @@ class AgentSession(ControllerChannel, JobTraffic):
             received = await conn.call.read()
             if received is _EOF:
                 raise await _call_ended(conn.call)
-            self._dispatch(cast(pb.ControllerMessage, received))
+            self.traffic.dispatch(cast(pb.ControllerMessage, received))
 
     async def _heartbeat_loop(self, conn: Connection) -> None:
         while True:

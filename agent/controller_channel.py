@@ -21,6 +21,7 @@ from agent.agent_config import (
     ConfigError,
     ControllerTarget,
     EnrollmentRefused,
+    Jitter,
     MissingEnrollmentToken,
     parse_controller_url,
 )
@@ -83,20 +84,37 @@ def rpc_failure(exc: grpc.aio.AioRpcError) -> ConnectionLost:
 
 
 class ControllerChannel:
-    """The channel half of :class:`agent.control_client.AgentSession`: the controller's address,
+    """How :class:`agent.control_client.AgentSession` reaches the controller: its address,
     the gRPC channel, retries with backoff, and enrollment (or the stored identity)."""
 
-    config: AgentConfig
-    identity: NodeIdentity | None
-    controller_version: str
-    heartbeat_interval: float
-    failed_attempts: int
-    connections: int  # streams that reached READY
-    _backoff: Backoff
-    _target: ControllerTarget | None
-    _channel: grpc.aio.Channel | None
-    _resources: Resources | None
-    _pinned: PinnedCa | None = None
+    def __init__(self, config: AgentConfig, jitter: Jitter | None = None) -> None:
+        self.config = config
+        self._backoff = Backoff(config.backoff_initial, config.backoff_max, jitter)
+        self._target: ControllerTarget | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._pinned: PinnedCa | None = None
+        self.failed_attempts = 0
+        self.connections = 0  # streams that reached READY
+
+    @property
+    def target(self) -> ControllerTarget:
+        """The controller's address (known once :meth:`ensure_identity` returned)."""
+        assert self._target is not None
+        return self._target
+
+    def connected(self) -> None:
+        """A stream reached READY: the backoff starts over."""
+        self.connections += 1
+        self._backoff.reset()
+
+    def reset_backoff(self) -> None:
+        self._backoff.reset()
+
+    async def close(self) -> None:
+        """Closes the channel open now, if any."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(None)
 
     # -- channel ------------------------------------------------------------------------
 
@@ -106,7 +124,7 @@ class ControllerChannel:
             raise ConfigError("no controller URL: pass --controller-url or set DACP_CONTROLLER_URL")
         return parse_controller_url(url, insecure=self.config.insecure)
 
-    def _open_channel(self) -> grpc.aio.Channel:
+    def open_channel(self) -> grpc.aio.Channel:
         target = self._target
         assert target is not None
         options: list[tuple[str, int | str]] = [
@@ -142,12 +160,12 @@ class ControllerChannel:
         self._channel = channel
         return channel
 
-    async def _close_channel(self, channel: grpc.aio.Channel) -> None:
+    async def close_channel(self, channel: grpc.aio.Channel) -> None:
         if self._channel is channel:
             self._channel = None
         await channel.close(None)
 
-    async def _retry_pause(self, what: str, error: ConnectionLost) -> None:
+    async def retry_pause(self, what: str, error: ConnectionLost) -> None:
         """One line per failed attempt (with the troubleshooting hint), then back off. An
         address that answers HTTP is not the control channel, and waiting will not make it
         one: :class:`ControllerIsHttp`, at once. (Asked only until a stream was open: an
@@ -193,7 +211,11 @@ class ControllerChannel:
 
     # -- enrollment ---------------------------------------------------------------------
 
-    async def _ensure_identity(self) -> NodeIdentity:
+    async def ensure_identity(
+        self, resources: Resources
+    ) -> tuple[NodeIdentity, pb.EnrollResponse | None]:
+        """The node's identity: the stored one (its pin verified), else a new one from
+        enrolling with the token (then also the controller's answer)."""
         stored = load_identity(self.config.data_dir)
         self._target = self._resolve_target(stored)
         if stored is not None and stored.controller_ca_pem and self._target.secure:
@@ -213,17 +235,14 @@ class ControllerChannel:
                     stored.controller_url,
                     self._target.url,
                 )
-            self.identity = stored
-            return stored
+            return stored, None
         if not self.config.enrollment_token:
             raise MissingEnrollmentToken(
                 f"no enrollment token and no stored identity in {self.config.data_dir}; "
                 "pass --enrollment-token or set DACP_ENROLLMENT_TOKEN"
             )
         await self._pin_controller_ca(self.config.enrollment_token)
-        identity = await self._enroll(self.config.enrollment_token)
-        self.identity = identity
-        return identity
+        return await self._enroll(self.config.enrollment_token, resources)
 
     async def _verify_stored_pin(self, stored: NodeIdentity) -> NodeIdentity:
         """The stored pin, with a server name the controller is verified under. A name saved
@@ -253,7 +272,7 @@ class ControllerChannel:
                 )
             except (OSError, ControllerNotVerified) as exc:
                 unreachable = not isinstance(exc, ControllerNotVerified)
-                await self._retry_pause(
+                await self.retry_pause(
                     "TLS handshake", ConnectionLost(str(exc), unreachable=unreachable)
                 )
                 continue
@@ -280,7 +299,7 @@ class ControllerChannel:
                     fetch_pinned_ca, target.host, target.port, fingerprint, self.config.rpc_timeout
                 )
             except (OSError, ssl.SSLError) as exc:
-                await self._retry_pause("TLS handshake", ConnectionLost(str(exc), unreachable=True))
+                await self.retry_pause("TLS handshake", ConnectionLost(str(exc), unreachable=True))
                 continue
             log.info(
                 "pinned the controller's CA (sha256 %s…), verifying it as %r",
@@ -289,16 +308,20 @@ class ControllerChannel:
             )
             return
 
-    async def _enroll(self, token: str) -> NodeIdentity:
-        assert self._target is not None and self._resources is not None
+    async def _enroll(
+        self, token: str, resources: Resources
+    ) -> tuple[NodeIdentity, pb.EnrollResponse]:
+        """Enrolls with ``token``: the node's new identity (stored), and the controller's
+        answer (its version, the heartbeat interval it asks for)."""
+        assert self._target is not None
         request = pb.EnrollRequest(
             enrollment_token=token,
             node_name=self.config.node_name,
             agent_version=AGENT_VERSION,
-            inventory=self._resources.inventory.to_proto(),
+            inventory=resources.inventory.to_proto(),
         )
         while True:
-            channel = self._open_channel()
+            channel = self.open_channel()
             try:
                 rpc_stub = stub(channel)
                 log.info("enrolling as %r with %s", self.config.node_name, self._target.url)
@@ -312,8 +335,8 @@ class ControllerChannel:
                     raise EnrollmentRefused(exc.code(), exc.details() or "") from None
                 failure = rpc_failure(exc)
             finally:
-                await self._close_channel(channel)
-            await self._retry_pause("enroll", failure)
+                await self.close_channel(channel)
+            await self.retry_pause("enroll", failure)
         if not response.node_id or not response.node_credential:
             raise AgentError("controller answered Enroll without a node id or credential")
         pinned = self._pinned
@@ -327,8 +350,5 @@ class ControllerChannel:
         )
         path = save_identity(self.config.data_dir, identity)
         self._backoff.reset()
-        if response.heartbeat_interval_seconds > 0 and self.config.heartbeat_interval is None:
-            self.heartbeat_interval = response.heartbeat_interval_seconds
-        self.controller_version = response.controller_version
         log.info("enrolled as node %s; identity stored in %s", identity.node_id, path)
-        return identity
+        return identity, response

@@ -1,6 +1,7 @@
-"""The job half of :class:`agent.control_client.AgentSession`: controller messages handed to
-the :class:`ControlHandler` (each in a task of its own), job messages sent up (journalled
-first, see :mod:`agent.job_journal`), and the jobs resumed after a reconnect.
+"""The job traffic of :class:`agent.control_client.AgentSession` (:class:`JobTraffic`):
+controller messages handed to the :class:`ControlHandler` (each in a task of its own), job
+messages sent up (journalled first, see :mod:`agent.job_journal`), and the jobs resumed after
+a reconnect.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,18 +42,33 @@ class Connection:
 
 
 class JobTraffic:
-    handler: ControlHandler
-    journal: JobJournal
-    transfers: ModelTransfers
-    _conn: Connection | None
-    _dispatch_tasks: set[asyncio.Task[None]]
+    """Job messages both ways between the controller's stream and ``handler`` (model
+    transfers go to ``transfers``). ``draining`` says whether the agent drains: new work is
+    refused meanwhile, running jobs go on."""
 
-    @property
-    def draining(self) -> bool:
-        """The agent is stopping (its drain): new work is refused, running jobs go on."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        handler: ControlHandler,
+        transfers: ModelTransfers,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.handler = handler
+        self.transfers = transfers
+        self._draining = draining
+        self.journal = JobJournal()
+        #: The stream job messages go out on (None while disconnected).
+        self.conn: Connection | None = None
+        #: The handler calls running now (cancelled when the session stops).
+        self.tasks: set[asyncio.Task[None]] = set()
 
-    def _resume_jobs(self, conn: Connection, welcome: pb.Welcome) -> None:
+    async def cancel(self) -> None:
+        """Cancels the handler calls still running, and waits for them to end."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def resume_jobs(self, conn: Connection, welcome: pb.Welcome) -> None:
         """Re-sends what the controller lacks of the jobs it still waits for; cancels the
         jobs this node leads that it no longer waits for; reports the ones this node has
         never heard of (the agent restarted meanwhile)."""
@@ -81,31 +97,31 @@ class JobTraffic:
             cancel = pb.ControllerMessage(
                 cancel_job=pb.CancelJob(job_id=job_id, reason="the controller gave it up")
             )
-            self._dispatch(cancel)
+            self.dispatch(cancel)
 
     async def send(self, message: pb.AgentMessage) -> None:
         """The ``send`` given to the handler: queue ``message`` on the current stream. Never
         blocks or raises; the write loop sends the queue in order (see
         :func:`merge_token_chunks`). Token chunks and results are journalled first, so a
-        reconnect can re-send them (see :meth:`_resume_jobs`)."""
+        reconnect can re-send them (see :meth:`resume_jobs`)."""
         kind = message.WhichOneof("payload")
         if kind == "token_chunk":
             self.journal.record_chunk(message.token_chunk)
         elif kind == "job_result":
             self.journal.record_result(message.job_result)
-        conn = self._conn
+        conn = self.conn
         if conn is None:
             if kind not in ("token_chunk", "job_result"):
                 log.warning("not connected to the controller; dropping %s", kind)
             return
         conn.queue.put_nowait(message)
 
-    def _dispatch(self, message: pb.ControllerMessage) -> None:
+    def dispatch(self, message: pb.ControllerMessage) -> None:
         kind = message.WhichOneof("payload")
         handler = self.handler
         send = self.send
         coro: Coroutine[Any, Any, None]
-        if self.draining and kind in ("execution_plan", "start_rpc_worker"):
+        if self._draining() and kind in ("execution_plan", "start_rpc_worker"):
             coro = self._refuse_while_draining(message)
         elif kind == "execution_plan":
             coro = handler.on_plan(message.execution_plan, send)
@@ -120,7 +136,7 @@ class JobTraffic:
         elif kind == "prove_model":
             coro = prove(self.transfers.store, message.prove_model, send)
         elif kind == "nodes_revoked":
-            self._nodes_revoked(message.nodes_revoked.node_ids)
+            self.nodes_revoked(message.nodes_revoked.node_ids)
             return
         elif kind == "rpc_worker_peers":
             if not isinstance(handler, RpcPeerHandler):
@@ -150,8 +166,8 @@ class JobTraffic:
             log.warning("ignoring an unknown controller message (newer controller?)")
             return
         task = asyncio.create_task(self._run_handler(kind, message, coro))
-        self._dispatch_tasks.add(task)
-        task.add_done_callback(self._dispatch_tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _refuse_while_draining(self, message: pb.ControllerMessage) -> None:
         """New work that was on its way when the agent began to drain: the controller plans
@@ -167,7 +183,7 @@ class JobTraffic:
             failed = pb.RpcWorkerStatus.FAILED
             await self.send(worker_status(start.job_id, failed, start.host, start.port, error))
 
-    def _nodes_revoked(self, node_ids: Sequence[str]) -> None:
+    def nodes_revoked(self, node_ids: Sequence[str]) -> None:
         """Revoked nodes: refused by the model file server and the RPC worker at once."""
         if not node_ids:
             return
@@ -175,8 +191,8 @@ class JobTraffic:
         handler = self.handler
         if isinstance(handler, RpcPeerHandler):
             task = asyncio.create_task(self._revoke_rpc_peers(handler, list(node_ids)))
-            self._dispatch_tasks.add(task)
-            task.add_done_callback(self._dispatch_tasks.discard)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def _revoke_rpc_peers(self, handler: RpcPeerHandler, node_ids: list[str]) -> None:
         try:

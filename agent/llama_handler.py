@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ from agent.managed_child import ProcessExit
 from agent.out_of_memory import Blame, PlanDevices, oom_message, out_of_memory, plan_devices
 from agent.plan_model import PlanModels
 from agent.rpc_guard import RpcGuard
-from agent.rpc_host import RpcWorkerHost, WorkerGate
+from agent.rpc_host import RpcWorkerHost
 from agent.rpc_peers import probe_peers, warm_links
 from agent.rpc_worker import RpcWorker
 from agent.runtime import RuntimeManager
@@ -120,7 +119,7 @@ class _Job:
     devices: PlanDevices | None = None
 
 
-class LlamaHandler(RpcWorkerHost):
+class LlamaHandler:
     """Runs the controller's jobs on this node's llama.cpp processes; see the module doc."""
 
     def __init__(
@@ -147,25 +146,27 @@ class LlamaHandler(RpcWorkerHost):
         self.data_dir = Path(data_dir)
         self.log_dir = Path(log_dir)
         self.slots = slots
-        self.rpc_port = rpc_port
-        self.rpc_threads = rpc_threads
         self.server_threads = server_threads
-        self.allow_public_rpc = allow_public_rpc
-        self.allowed_peer_cidrs = tuple(allowed_peer_cidrs)
         self.probe_timeout = probe_timeout
         self.busy_timeout = busy_timeout
         self.runtime = RuntimeManager(
             binaries, self.log_dir, on_exit=self._on_child_exit, start_timeout=start_timeout
         )
         self._jobs: dict[str, _Job] = {}
-        #: Who may reach this node's RPC worker (:mod:`agent.rpc_host`).
-        self._guard: WorkerGate | None = None
-        self._worker_lock = threading.Lock()
-        self._revoked_peers: set[str] = set()
+        #: This node's RPC worker and who may reach it (:mod:`agent.rpc_host`).
+        self.rpc_host = RpcWorkerHost(
+            self.runtime,
+            self.data_dir,
+            rpc_port=rpc_port,
+            rpc_threads=rpc_threads,
+            allow_public_rpc=allow_public_rpc,
+            allowed_peer_cidrs=tuple(allowed_peer_cidrs),
+            attach=self._attach,
+            closing=lambda: self._closed,
+        )
         # Jobs holding the llama-server (from setup until their generation ends) and its spec.
         self._server_users = 0
         self._server_spec: ServerSpec | None = None
-        self._workers_starting = 0  # a worker dying while it starts is reported by its status
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send: Send | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -230,13 +231,30 @@ class LlamaHandler(RpcWorkerHost):
         await asyncio.gather(*tasks, return_exceptions=True)
         for background in list(self._background):
             background.cancel()
-        if self._guard is not None:
-            await self._guard.close()
-            self._guard = None
+        await self.rpc_host.close()
         await asyncio.to_thread(self.runtime.close)
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+    # -- the RPC worker (agent/rpc_host.py) ------------------------------------------------
+
+    async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
+        await self.rpc_host.on_start_rpc_worker(msg, send)
+
+    async def on_rpc_worker_peers(self, msg: pb.RpcWorkerPeers, send: Send) -> None:
+        await self.rpc_host.on_rpc_worker_peers(msg, send)
+
+    async def on_nodes_revoked(self, node_ids: Sequence[str]) -> None:
+        await self.rpc_host.on_nodes_revoked(node_ids)
+
+    async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
+        await self.rpc_host.on_stop_rpc_worker(msg, send)
+
+    @property
+    def rpc_worker(self) -> RpcWorker | None:
+        """The running ``ggml-rpc-server``, if any."""
+        return self.rpc_host.rpc_worker
 
     # -- primary: setup ------------------------------------------------------------------
 
@@ -484,9 +502,9 @@ class LlamaHandler(RpcWorkerHost):
             return
         if info.role == LlamaServer.role and self._server_users > 0:
             return  # the job using it reports the crash in its JobResult
-        if info.role == RpcWorker.role and self._workers_starting > 0:
+        if info.role == RpcWorker.role and self.rpc_host.starting:
             return  # RpcWorkerStatus FAILED reports it
-        guard = self._guard
+        guard = self.rpc_host.guard
         copying = isinstance(guard, RpcGuard) and info.role == RpcWorker.role
         behind = f" (behind {guard.endpoint})" if copying and guard is not None else ""
         message = f"{info.error()}{behind} (log: {info.log_path})"

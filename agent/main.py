@@ -51,8 +51,7 @@ from agent.handler_factory import build_handler
 from agent.identity import IdentityFileError, load_identity
 from agent.llama_binaries import add_binaries_arguments
 from agent.llama_server import log_health_polls_at_debug
-from infrastructure import event_loop
-from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
+from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL, event_loop
 
 PROG = "node-agent"
 EXIT_OK = 0

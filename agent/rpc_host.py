@@ -1,5 +1,5 @@
-"""The RPC-worker half of :class:`agent.llama_handler.LlamaHandler`: this node's single
-``ggml-rpc-server`` and what lets only the primaries the controller names reach it.
+"""This node's single ``ggml-rpc-server`` and what lets only the primaries the controller names
+reach it (:class:`RpcWorkerHost`, held by :class:`agent.llama_handler.LlamaHandler`).
 
 Two gates, one guarantee (no byte from anyone else reaches the worker's RPC code):
 
@@ -77,19 +77,47 @@ def named_peers(
 
 
 class RpcWorkerHost:
-    runtime: RuntimeManager
-    data_dir: Path
-    rpc_port: int
-    rpc_threads: int | None
-    allow_public_rpc: bool
-    allowed_peer_cidrs: tuple[str, ...]
-    _closed: bool
-    _workers_starting: int
-    _guard: WorkerGate | None
-    _worker_lock: threading.Lock
-    _attach: Callable[[Send], None]
-    #: Nodes revoked (their addresses are left out of every set the controller names).
-    _revoked_peers: set[str]
+    """The RPC worker and its gate: started, re-gated, cut off and stopped on the controller's
+    word. ``attach`` is told the upstream ``send`` of every message (the handler's crash
+    reports use it); ``closing`` says whether the agent stops (a new worker is refused)."""
+
+    def __init__(
+        self,
+        runtime: RuntimeManager,
+        data_dir: Path,
+        *,
+        rpc_port: int,
+        rpc_threads: int | None,
+        allow_public_rpc: bool,
+        allowed_peer_cidrs: tuple[str, ...],
+        attach: Callable[[Send], None],
+        closing: Callable[[], bool],
+    ) -> None:
+        self.runtime = runtime
+        self.data_dir = data_dir
+        self.rpc_port = rpc_port
+        self.rpc_threads = rpc_threads
+        self.allow_public_rpc = allow_public_rpc
+        self.allowed_peer_cidrs = allowed_peer_cidrs
+        self._attach = attach
+        self._closing = closing
+        #: Who may reach the worker (None while none runs).
+        self.guard: WorkerGate | None = None
+        self._worker_lock = threading.Lock()
+        #: Nodes revoked (their addresses are left out of every set the controller names).
+        self._revoked_peers: set[str] = set()
+        self._workers_starting = 0  # a worker dying while it starts is reported by its status
+
+    @property
+    def starting(self) -> bool:
+        """Whether a worker is being started (or restarted): its status reports a death."""
+        return self._workers_starting > 0
+
+    async def close(self) -> None:
+        """Closes the gate (the runtime stops the worker itself)."""
+        if self.guard is not None:
+            await self.guard.close()
+            self.guard = None
 
     async def on_start_rpc_worker(self, msg: pb.StartRpcWorker, send: Send) -> None:
         """Starts (or reuses) the RPC worker on ``msg.host:msg.port``, letting in exactly
@@ -99,7 +127,7 @@ class RpcWorkerHost:
         peers = self._unrevoked(named_peers(msg.peers, msg.allowed_peers))
         devices = tuple(msg.devices)
         try:
-            if self._closed:
+            if self._closing():
                 raise LlamaRuntimeError("agent is stopping")
             bind = validate_rpc_bind_host(msg.host, allow_public=self.allow_public_rpc)
             self._workers_starting += 1
@@ -138,7 +166,7 @@ class RpcWorkerHost:
         """A job using the worker ended: exactly ``msg.peers`` may connect from now on (open
         connections stay: a warm llama-server keeps its link)."""
         self._attach(send)
-        guard = self._guard
+        guard = self.guard
         if guard is None:
             log.debug("RPC worker peers (%s): no worker runs", msg.reason or "-")
             return
@@ -157,7 +185,7 @@ class RpcWorkerHost:
         if not revoked:
             return
         self._revoked_peers |= revoked
-        guard = self._guard
+        guard = self.guard
         if guard is None:
             return
         removed = guard.revoke(revoked)
@@ -235,7 +263,7 @@ class RpcWorkerHost:
     ) -> WorkerGate:
         """The gate on ``bind:port`` with a live worker exposing ``devices`` (a new pair
         replaces an old one on another address; a worker with other devices is restarted)."""
-        guard = self._guard
+        guard = self.guard
         if guard is not None and (guard.host, guard.port) != (bind, port):
             log.info("replacing RPC worker %s with %s:%s", guard.endpoint, bind, port)
             await self._stop_guarded_worker()
@@ -246,7 +274,7 @@ class RpcWorkerHost:
                 peers = self.data_dir / "rpc" / f"allowed-peers-{port}"
                 guard = PeerFilter(bind, port, library, peers, self.allowed_peer_cidrs)
             await asyncio.to_thread(self._ensure_rpc_worker, bind, port, guard, devices)
-            self._guard = guard
+            self.guard = guard
             return guard
         if not isinstance(guard, RpcGuard):
             log.warning(
@@ -259,11 +287,11 @@ class RpcWorkerHost:
         if not isinstance(guard, RpcGuard):
             guard = RpcGuard(bind, port, (LOOPBACK, backend), cidrs=self.allowed_peer_cidrs)
             await guard.start()
-            self._guard = guard
+            self.guard = guard
         return guard
 
     async def _stop_guarded_worker(self) -> list[tuple[str, int]]:
-        guard, self._guard = self._guard, None
+        guard, self.guard = self.guard, None
         if guard is not None:
             await guard.close()
         stopped = await asyncio.to_thread(self._stop_rpc_workers)
@@ -272,7 +300,7 @@ class RpcWorkerHost:
     @property
     def rpc_worker(self) -> RpcWorker | None:
         """The running ``ggml-rpc-server``, if any."""
-        guard = self._guard
+        guard = self.guard
         if guard is None:
             return None
         host, port = guard.backend if isinstance(guard, RpcGuard) else (guard.host, guard.port)

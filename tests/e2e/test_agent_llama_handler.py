@@ -202,7 +202,7 @@ async def test_two_node_split_plan_reuses_the_warm_server(make_handler: HandlerF
         await start_worker(other, sent_other, job, port_b)
         worker = other.rpc_worker  # on 127.0.0.1:port_b itself, its accept filter loaded
         assert worker is not None and worker.port == port_b
-        assert isinstance(other._guard, PeerFilter)
+        assert isinstance(other.rpc_host.guard, PeerFilter)
         worker_pids.append(worker.pid)
 
         await primary.on_plan(make_plan(job, peers=peers, split=[0.5, 0.5]), sent_primary)

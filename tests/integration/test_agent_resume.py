@@ -130,7 +130,7 @@ async def test_jobs_the_controller_gave_up_are_cancelled_and_unknown_ones_report
         again = fake.streams[1]
         await eventually(lambda: received(again, "never-ran-here") == [JOB_LOST])
         assert received(again, "given-up") == []  # nothing re-sent: it was given up
-        assert session.journal.jobs() == []
+        assert session.traffic.journal.jobs() == []
     await server.stop(None)
 
 

@@ -114,7 +114,7 @@ async def _scenario(
         ]
         worker = handler.rpc_worker
         assert worker is not None
-        return answers, type(handler._guard), worker.log_text()
+        return answers, type(handler.rpc_host.guard), worker.log_text()
     finally:
         await handler.close()
 

@@ -73,19 +73,19 @@ async def test_delta_sender_sends_each_piece_at_once_numbered_from_zero() -> Non
 
 
 async def test_pieces_queued_behind_a_pending_write_go_out_as_one_chunk(tmp_path: Path) -> None:
-    """DeltaSender -> AgentSession.send -> the session's write loop, as in production."""
+    """DeltaSender -> JobTraffic.send -> the session's write loop, as in production."""
     session = AgentSession(AgentConfig(data_dir=tmp_path, node_name="n"), NullHandler())
     call = GatedCall()
     conn = Connection(call)  # type: ignore[arg-type]
-    session._conn = conn
+    session.traffic.conn = conn
     writer = asyncio.create_task(session._write_loop(conn))
     try:
-        sender = DeltaSender("j", session.send)
+        sender = DeltaSender("j", session.traffic.send)
         await sender.push("a")
         await asyncio.wait_for(call.writing.wait(), 5)  # "a" is being written (and blocks)
         for text in "bcd":
             await sender.push(text)
-        await session.send(pb.AgentMessage(job_result=pb.JobResult(job_id="j", ok=True)))
+        await session.traffic.send(pb.AgentMessage(job_result=pb.JobResult(job_id="j", ok=True)))
         call.gate.set()
         while len(call.written) < 3:
             await asyncio.sleep(0)

@@ -124,9 +124,9 @@ async def handler(tmp_path: Path, guard: RpcGuard) -> AsyncIterator[LlamaHandler
         log_dir=tmp_path / "logs",
         allowed_peer_cidrs=LOOPBACK,
     )
-    h._guard = guard  # the worker's gate, as on_start_rpc_worker leaves it
+    h.rpc_host.guard = guard  # the worker's gate, as on_start_rpc_worker leaves it
     yield h
-    h._guard = None
+    h.rpc_host.guard = None
     await h.close()
 
 
@@ -182,9 +182,9 @@ class Recording(LlamaHandler):
 async def test_the_session_hands_revocations_and_peer_sets_to_the_handler(tmp_path: Path) -> None:
     handler = Recording(tmp_path)
     session = AgentSession(AgentConfig(data_dir=tmp_path, node_name="n"), handler)
-    session._dispatch(pb.ControllerMessage(nodes_revoked=pb.NodesRevoked(node_ids=["x"])))
+    session.traffic.dispatch(pb.ControllerMessage(nodes_revoked=pb.NodesRevoked(node_ids=["x"])))
     peers = pb.RpcWorkerPeers(peers=[pb.RpcPeerAccess(node_id="p", address="10.0.0.2")])
-    session._dispatch(pb.ControllerMessage(rpc_worker_peers=peers))
+    session.traffic.dispatch(pb.ControllerMessage(rpc_worker_peers=peers))
 
     async def both() -> None:
         while len(handler.revoked) + len(handler.peer_sets) < 2:

@@ -49,7 +49,7 @@ async def started(
     config = AgentConfig(data_dir=tmp_path, node_name="n1", drain_timeout=drain_timeout)
     session = AgentSession(config, handler)
     conn = Connection(call=FakeCall())  # type: ignore[arg-type]
-    session._conn = conn
+    session.traffic.conn = conn
     return session, handler, conn
 
 
@@ -81,10 +81,10 @@ async def test_the_first_signal_drains_refuses_new_work_and_stops_once_the_jobs_
     assert stopping.stopping.drain_timeout_seconds == 60.0
     # A plan on its way when the drain began is refused: the controller plans it elsewhere.
     plan = pb.ExecutionPlan(job_id="j2", role=pb.ExecutionPlan.PRIMARY)
-    session._dispatch(pb.ControllerMessage(execution_plan=plan))
+    session.traffic.dispatch(pb.ControllerMessage(execution_plan=plan))
     worker = pb.StartRpcWorker(job_id="j3", host="127.0.0.1", port=50052)
-    session._dispatch(pb.ControllerMessage(start_rpc_worker=worker))
-    await asyncio.gather(*session._dispatch_tasks)
+    session.traffic.dispatch(pb.ControllerMessage(start_rpc_worker=worker))
+    await asyncio.gather(*session.traffic.tasks)
     refused, failed = queued(conn)
     assert (refused.setup_result.job_id, refused.setup_result.ok) == ("j2", False)
     assert refused.setup_result.error_code == AGENT_STOPPING
