@@ -26,9 +26,9 @@ from application.enrollment import (
     EnrollmentNotConfigured,
     EnrollmentService,
 )
-from infrastructure import event_loop
 from infrastructure.settings import Settings, SettingsError
 from interfaces.cli_target import CliEnv, CliError, load_cli_env, store_flag, take_used
+from proto import event_loop
 
 if TYPE_CHECKING:
     from application.controller import Controller
