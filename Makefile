@@ -14,11 +14,12 @@ venv:
 	@$(BOOTSTRAP) test --only venv
 
 proto: venv
-	$(PY) -m proto.generate
+	$(PY) -m wire.generate
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py proto/keepalive.py
+	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench common wire/generate.py wire/keepalive.py wire/grpc_verbosity.py
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -40,8 +41,9 @@ browser:
 test:
 	@$(BOOTSTRAP) test
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench proto/generate.py proto/__init__.py proto/keepalive.py
+	$(VENV)/bin/ruff format --check domain application infrastructure interfaces agent ops tests bench common wire/generate.py wire/keepalive.py wire/grpc_verbosity.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest
 
 unit: venv

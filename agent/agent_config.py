@@ -16,14 +16,14 @@ from urllib.parse import urlsplit
 import grpc
 import grpc.aio
 
-from agent.fetch_limits import FetchLimits
-from proto import (
+from agent.models.fetch_limits import FetchLimits
+from common.contract import (
     DEFAULT_ALLOWED_PEER_CIDRS,
     MEMORY_LIMIT_LABEL,
     SLOTS_LABEL,
     TRANSFER_PORT_LABEL,
-    keepalive,
 )
+from wire import keepalive
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class AgentConfig:
     slots: int = DEFAULT_SLOTS
     llama_bin_dir: Path | None = None
     #: ``--llama-backend``: a backend name, or "" / "auto" for $LLAMA_BACKEND, else this
-    #: machine's (agent/llama_backend.py); with ``llama_bin_dir``, that build's backend.
+    #: machine's (agent/runtime/llama_backend.py); with ``llama_bin_dir``, that build's backend.
     llama_backend: str = ""
     heartbeat_interval: float | None = None  # None: the controller's (Welcome/EnrollResponse)
     #: How long the first stop signal lets running jobs finish (0: the agent stops at once).
@@ -207,7 +207,7 @@ class AgentConfig:
     backoff_max: float = 30.0
     resource_check_interval: float = 30.0
     rpc_timeout: float = 15.0  # Enroll deadline and how long to wait for Welcome
-    # gRPC keepalive on the control channel (proto/keepalive.py): a dead link is noticed.
+    # gRPC keepalive on the control channel (wire/keepalive.py): a dead link is noticed.
     keepalive_interval: float = keepalive.DEFAULT_INTERVAL
     keepalive_timeout: float = keepalive.DEFAULT_TIMEOUT
 

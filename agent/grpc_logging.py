@@ -1,5 +1,5 @@
 """gRPC core prints nothing of its own in the agent unless asked for (``--grpc-debug``, or the
-operator's ``GRPC_VERBOSITY``/``GRPC_TRACE``): see ``proto/grpc_verbosity.py``. Import this
+operator's ``GRPC_VERBOSITY``/``GRPC_TRACE``): see ``wire/grpc_verbosity.py``. Import this
 before anything imports ``grpc``, which reads the variable once; the flag is read from the
 command line here because the arguments are parsed after the imports
 (:func:`add_grpc_debug_argument` declares it to ``agent.main``'s parser).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from proto.grpc_verbosity import AGENT_VERBOSITY, GRPC_DEBUG_FLAG, set_grpc_verbosity
+from wire.grpc_verbosity import AGENT_VERBOSITY, GRPC_DEBUG_FLAG, set_grpc_verbosity
 
 set_grpc_verbosity(AGENT_VERBOSITY, debug=GRPC_DEBUG_FLAG in sys.argv[1:])
 

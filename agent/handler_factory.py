@@ -1,9 +1,9 @@
 """Builds the ControlHandler the agent hands downlink messages to.
 
 With ``config.llama_runtime`` (the CLI's default; ``--no-runtime`` turns it off) this is the
-llama.cpp :class:`agent.llama_handler.LlamaHandler`, and missing binaries are a fatal
+llama.cpp :class:`agent.runtime.llama_handler.LlamaHandler`, and missing binaries are a fatal
 configuration error (:class:`RuntimeUnavailable`, printed as one line, exit code 2). Without
-it the agent runs :class:`agent.control_client.NullHandler`, which refuses every plan.
+it the agent runs :class:`agent.control.control_client.NullHandler`, which refuses every plan.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -11,11 +11,11 @@ Agent code: imports only the standard library, third-party packages and ``proto`
 from __future__ import annotations
 
 from agent.agent_config import AgentConfig, ConfigError
-from agent.control_handler import ControlHandler, NullHandler
-from agent.llama_backend import BackendError
-from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_handler import LlamaHandler
-from agent.runtime_errors import RuntimeMissingError
+from agent.control.control_handler import ControlHandler, NullHandler
+from agent.runtime.llama_backend import BackendError
+from agent.runtime.llama_binaries import RuntimeBinaries, find_binaries
+from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.runtime_errors import RuntimeMissingError
 
 
 class RuntimeUnavailable(ConfigError):

@@ -27,7 +27,6 @@ from typing import NoReturn
 
 import agent.grpc_fork  # noqa: F401  # before anything imports grpc
 from agent import AGENT_VERSION, grpc_logging  # grpc_logging: before anything imports grpc
-from agent.advertise_address import default_advertise_address
 from agent.agent_config import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_RPC_PORT,
@@ -43,15 +42,17 @@ from agent.agent_config import (
     parse_controller_url,
 )
 from agent.agent_stop import install_signal_handlers as stop_on_signals
-from agent.control_client import AgentSession
-from agent.control_handler import ControlHandler
-from agent.controller_tls import checked_token
-from agent.fetch_limits import add_fetch_arguments, fetch_limits_from_args
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import ControlHandler
+from agent.control.controller_tls import checked_token
 from agent.handler_factory import build_handler
-from agent.identity import IdentityFileError, load_identity
-from agent.llama_binaries import add_binaries_arguments
-from agent.llama_server import log_health_polls_at_debug
-from proto import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL, event_loop
+from agent.models.fetch_limits import add_fetch_arguments, fetch_limits_from_args
+from agent.node.advertise_address import default_advertise_address
+from agent.node.identity import IdentityFileError, load_identity
+from agent.runtime.llama_binaries import add_binaries_arguments
+from agent.runtime.llama_server import log_health_polls_at_debug
+from common import event_loop
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
 
 PROG = "node-agent"
 EXIT_OK = 0

@@ -1,6 +1,6 @@
 """What agents tell the job manager about jobs: one typed message per kind.
 
-The gRPC bridge (``interfaces/agent_bridge.py``) turns each protobuf uplink message into one of
+The gRPC bridge (``interfaces/grpc/agent_bridge.py``) turns each protobuf uplink message into one of
 these, and :meth:`application.job_manager.JobManager.handle` takes the union, matching every
 kind exactly once (``assert_never``: a kind added here and not handled there is a type error).
 """

@@ -20,7 +20,7 @@ from domain.context_window import fits, slot_context
 
 class ContextLengthExceeded(ApplicationError):
     """The prompt does not fit: the HTTP interface answers OpenAI's 400
-    ``context_length_exceeded`` (``proto.CONTEXT_LENGTH_EXCEEDED``)."""
+    ``context_length_exceeded`` (``common.contract.CONTEXT_LENGTH_EXCEEDED``)."""
 
     def __init__(self, context: int, tokens: int, prompt: Prompt) -> None:
         self.context = context

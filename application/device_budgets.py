@@ -3,7 +3,7 @@
 llama.cpp reports free memory per device, but what a device can really take for a model also
 depends on what else runs there (another process's allocations, the driver's own reserve, a
 fragmented heap, an ``RLIMIT_AS`` on an RPC worker). When a participant runs out of memory
-(:data:`proto.OUT_OF_MEMORY`), the controller lowers that device's budget to a fraction of
+(:data:`common.contract.OUT_OF_MEMORY`), the controller lowers that device's budget to a fraction of
 what the failed plan gave it, for :data:`DEFAULT_BUDGET_SECONDS`, and plans again: the next
 plan gives that device less (or leaves it out) instead of failing the same way. Another
 out-of-memory on the same device lowers it further; the budget lapses when its time is up

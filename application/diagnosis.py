@@ -15,7 +15,7 @@ from typing import Any
 
 from application.job_manager import CONTROLLER_STOPPING
 from application.timeline import short, size_text, source_text, transfer_progress_text
-from proto import OUT_OF_MEMORY as OUT_OF_MEMORY_CODE
+from common.contract import OUT_OF_MEMORY as OUT_OF_MEMORY_CODE
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from application.job_run import JobRun, StreamItem, out_of_memory_in
 from application.ports import Metrics
 from application.scheduler import Scheduler
 from application.token_recorder import TokenChunkRecorder
-from proto import CLIENT_ERROR_CODES, OUT_OF_MEMORY
+from common.contract import CLIENT_ERROR_CODES, OUT_OF_MEMORY
 
 log = logging.getLogger(__name__)
 

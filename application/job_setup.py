@@ -43,11 +43,11 @@ from application.scheduler import Scheduler
 from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
 from application.worker_access import WorkerAccess, rpc_worker_nodes, worker_devices
+from common.contract import OUT_OF_MEMORY
 from domain.errors import DomainError, SlotTaken
 from domain.model import EMBEDDING
 from domain.placement import ExecutionPlan
 from domain.runtimes import runtime_of
-from proto import OUT_OF_MEMORY
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from application.controller import Controller
 from application.errors import NotFound
 from application.ports import AgentGateway
 from application.read_models import ReadModel, model_facts, proven_holders
+from common.contract import TRANSFER_PORT_LABEL
+from common.transfer_ticket import CONTROLLER_SOURCE_ID
 from domain.errors import DomainError
 from domain.states import NodeState
-from proto import TRANSFER_PORT_LABEL
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID
 
 log = logging.getLogger(__name__)
 

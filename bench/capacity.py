@@ -136,7 +136,7 @@ class Controller:
         self.ca_file = var_dir / "tls" / "ca.pem"
         self.log = (var_dir / "controller.log").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "interfaces.cli", "controller", "--log-level", "warning"],
+            [sys.executable, "-m", "interfaces.cli.main", "controller", "--log-level", "warning"],
             env=self.env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -170,7 +170,7 @@ class Controller:
 
     def token(self) -> str:
         return subprocess.run(
-            [sys.executable, "-m", "interfaces.cli", "token", "create", "--multi-use"],
+            [sys.executable, "-m", "interfaces.cli.main", "token", "create", "--multi-use"],
             env=self.env,
             check=True,
             capture_output=True,

@@ -11,7 +11,7 @@ Paths (all serve the cached SmolLM2-135M GGUF, all are streamed with the same Op
   ``--tensor-split`` (and context, layers, threads) the ``b2`` primary was started with, read
   from its log: the like-for-like direct baseline for ``b2``;
 * ``cg`` -- ``c`` with each ``ggml-rpc-server`` gated as an agent gates it (the accept filter of
-  ``agent/rpc_filter.py``, letting in 127.0.0.1 only): ``cg/c`` is the gate's own cost.
+  ``agent/runtime/rpc_filter.py``, letting in 127.0.0.1 only): ``cg/c`` is the gate's own cost.
 
 ``a`` likewise mirrors the settings of the ``b1`` agent's ``llama-server``. Each path gets one
 warm-up request (not counted; its time to first token includes any model load), then the
@@ -50,7 +50,7 @@ import psutil
 from openai import OpenAI, OpenAIError
 from openai.types.chat import ChatCompletionMessageParam
 
-from agent import (
+from agent.runtime import (
     llama_binaries,
     llama_server,
     managed_child,
@@ -58,9 +58,9 @@ from agent import (
     runtime_errors,
     server_spec,
 )
-from agent.endpoints import free_loopback_port
-from agent.llama_backend import choose_backend
-from agent.rpc_filter import PeerFilter
+from agent.runtime.endpoints import free_loopback_port
+from agent.runtime.llama_backend import choose_backend
+from agent.runtime.rpc_filter import PeerFilter
 from bench import stats
 from ops import paths
 from ops.local_cluster import (
@@ -285,8 +285,8 @@ _SPEC_FLAGS = {
 def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
     """The :class:`ServerSettings` of a logged ``llama-server`` command line.
 
-    Flags :class:`agent.server_spec.ServerSpec` writes itself are dropped; flags it does not know
-    are kept, in order, as ``extra_args``.
+    Flags :class:`agent.runtime.server_spec.ServerSpec` writes itself are dropped; flags it does
+    not know are kept, in order, as ``extra_args``.
     """
     values: dict[str, str] = {}
     extra: list[str] = []

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import psutil
 
-from proto import event_loop
+from common import event_loop
 
 METHOD = "/floor.Floor/Connect"
 PAYLOAD = b"x" * 120  # about a TokenChunk of one short delta

@@ -1,8 +1,8 @@
 """Model transfer throughput over loopback, side by side with plain ``curl`` in one run.
 
-Node A serves a file (``proto/model_file_server.py``: TLS with the node certificates the
+Node A serves a file (``common/model_file_server.py``: TLS with the node certificates the
 controller's CA issues, a transfer ticket, client certificates); node B fetches it with the
-agent's fetcher (``agent/model_fetch.py``: TLS, sha256 of every byte, written to disk, fsync,
+agent's fetcher (``agent/models/model_fetch.py``: TLS, sha256 of every byte, written to disk, fsync,
 rename), and ``curl`` downloads the same file from the same server with the same
 certificate, key and ticket (TLS, written to disk, no hashing). ``curl`` does not fsync, so a
 second figure adds an fsync of its file to its time: the same durability the fetcher gives
@@ -31,11 +31,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.model_fetch import Source, fetch
-from agent.node_tls import NodeTls
+from agent.models.model_fetch import Source, fetch
+from agent.node.node_tls import NodeTls
+from common.model_file_server import ModelFileServer
+from common.transfer_ticket import MODELS_PATH, Ticket, node_tls_name, sign_ticket
 from infrastructure.tls import issue_node_cert, load_or_create
-from proto.model_file_server import ModelFileServer
-from proto.transfer_ticket import MODELS_PATH, Ticket, node_tls_name, sign_ticket
 
 
 def _identity(root: Path, ca_pem: bytes, ca_key: bytes, node_id: str) -> NodeTls:

@@ -20,11 +20,11 @@ from application.controller import Controller
 from application.read_models import ReadModel, project_node
 from application.scheduler import Scheduler, SchedulerConfig
 from bench import stats
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.model_claims import STORE, facts_of
 from domain.placement import ExecutionPlan, PlanNode
 from domain.runtimes import runtime_of
 from infrastructure.live_state import InProcessLiveState
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "5e" * 32
 LOCAL: dict[str, Any] = {

@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 import orjson
 
-from proto import CONTROLLER_TLS_NAME, MEMORY_LIMIT_LABEL, SLOTS_LABEL
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
+from common.contract import CONTROLLER_TLS_NAME, MEMORY_LIMIT_LABEL, SLOTS_LABEL
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 AGENTS_PER_CHANNEL = 50
 MIB = 1 << 20

@@ -4,7 +4,7 @@ and ``dacp token create``; see docs/control-channel.md, 'Enrollment').
 A token is ``dacp1.<base64url(json claims)>.<base64url(hmac-sha256)>`` without padding. The
 HMAC key is ``NODE_ENROLLMENT_SECRET``; the MAC covers ``dacp1.<claims>`` so neither the version
 nor the claims can be changed without the secret. The form itself (prefix, parts, claims) is
-``proto/enrollment_token_form.py``'s, which the agent checks too before it sends a token.
+``common/enrollment_token_form.py``'s, which the agent checks too before it sends a token.
 
 Pure: the caller passes the secret, the random token id and the current time. Single use needs
 state, so it is only exposed (``TokenClaims.single_use`` and ``token_id``); the application
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from domain.times import iso_time
-from proto.enrollment_token_form import (
+from common.enrollment_token_form import (
     CA_KEY,
     FINGERPRINT,
     MAX_TOKEN_LENGTH,
@@ -32,6 +31,7 @@ from proto.enrollment_token_form import (
     parse_claims,
     split_token,
 )
+from domain.times import iso_time
 
 #: Part of this module's interface (tests and callers import them from here).
 __all__ = [

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
+from common.contract import DEVICE_CPU as _DEVICE_CPU
+from common.contract import DEVICE_GPU as _DEVICE_GPU
+from common.contract import HOST_DEVICE as _HOST_DEVICE
 from domain.states import NodeState
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
-from proto import DEVICE_CPU as _DEVICE_CPU
-from proto import DEVICE_GPU as _DEVICE_GPU
-from proto import HOST_DEVICE as _HOST_DEVICE
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

@@ -16,13 +16,14 @@ from application.deadlines import (
 from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
 from application.metrics_history import DEFAULT_HISTORY_INTERVAL
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
-from proto import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES, keepalive
-from proto.model_file_server import (
+from common.contract import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES
+from common.model_file_server import (
     DEFAULT_CONNECTIONS_PER_ADDRESS,
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_WORKERS,
 )
-from proto.model_sources import parse_cidrs
+from common.model_sources import parse_cidrs
+from wire import keepalive
 
 #: The controller's model store port (an agent's own file server defaults to 50053).
 DEFAULT_MODEL_STORE_PORT = 50054
@@ -211,7 +212,7 @@ class Settings:
     #: Connections open at once to the store from one address.
     model_store_connections_per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
     #: Networks a model's http(s) source may be on although they are refused by default
-    #: (loopback, link-local, metadata: proto/model_sources.py); agents get them in FetchModel.
+    #: (loopback, link-local, metadata: common/model_sources.py); agents get them in FetchModel.
     model_source_allowed_cidrs: tuple[str, ...] = ()
 
     @property

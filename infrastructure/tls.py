@@ -34,8 +34,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from proto import CONTROLLER_TLS_NAME
-from proto.transfer_ticket import node_tls_name
+from common.contract import CONTROLLER_TLS_NAME
+from common.transfer_ticket import node_tls_name
 
 log = logging.getLogger(__name__)
 

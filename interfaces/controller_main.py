@@ -27,6 +27,9 @@ from application.model_transfers import TicketSigner, TransferCoordinator
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from application.worker_reaper import WorkerReaper
+from common.contract import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES
+from common.model_file_server import ModelFileServer
+from common.transfer_ticket import TICKET_TTL_SECONDS, Ticket, sign_ticket
 from domain.node import Node
 from domain.states import UNFINISHED_JOB_STATES
 from infrastructure.live_state import live_state_for
@@ -36,31 +39,33 @@ from infrastructure.prompt_counter import GgufPromptCounter
 from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
-from interfaces.agent_bridge import JobUplink, ProtoAgentGateway
 from interfaces.controller_shutdown import (
     SignalFreeServer,
     StopSignals,
     drain_controller,
     wait_for_stop,
 )
-from interfaces.event_feed import EventFeed
-from interfaces.grpc_server import (
+from interfaces.grpc.agent_bridge import JobUplink, ProtoAgentGateway
+from interfaces.grpc.grpc_server import (
     MAX_CONCURRENT_RPCS,
     AgentConnections,
     ControlPlaneServicer,
     NodeCertificates,
 )
-from interfaces.http_app import create_app
-from interfaces.http_peer_log import PeerNamingProtocol
-from interfaces.http_peer_log import install as install_peer_naming
+from interfaces.http.admin.event_feed import EventFeed
+from interfaces.http.admin.operations_api import (
+    cluster_collector,
+    install_operations,
+    metrics_history,
+)
+from interfaces.http.http_app import create_app
+from interfaces.http.http_peer_log import PeerNamingProtocol
+from interfaces.http.http_peer_log import install as install_peer_naming
 from interfaces.model_store_server import start_store_server
-from interfaces.operations_api import cluster_collector, install_operations, metrics_history
 from interfaces.services import CoreServices, Services
-from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, keepalive
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
-from proto.model_file_server import ModelFileServer
-from proto.transfer_ticket import TICKET_TTL_SECONDS, Ticket, sign_ticket
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
+from wire import keepalive
 
 log = logging.getLogger(__name__)
 

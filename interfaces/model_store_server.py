@@ -1,5 +1,5 @@
 """The controller's model store, served to nodes: the same HTTPS file server nodes run
-(:mod:`proto.model_file_server`), with the controller's own certificate (named
+(:mod:`common.model_file_server`), with the controller's own certificate (named
 ``dacp-controller``, what fetchers verify it under), on ``MODEL_STORE_PORT`` of the gRPC host.
 A fetch needs a ticket the controller signed for that node and model and the node's
 certificate; revoked nodes are refused whatever they hold.
@@ -14,10 +14,10 @@ import logging
 import ssl
 from collections.abc import Iterable
 
+from common.model_file_server import ModelFileServer, ServerLimits
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
-from proto.model_file_server import ModelFileServer, ServerLimits
 
 log = logging.getLogger(__name__)
 

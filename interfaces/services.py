@@ -4,7 +4,7 @@
 :class:`Services` adds the running parts, each built once by ``start_controller`` and passed
 in at construction. The HTTP app provides each field to the handlers that declare it
 (``jobs: Provided[JobManager | None]``, ``svc: Provided[Services]``:
-:func:`interfaces.http_app.dependencies`).
+:func:`interfaces.http.http_app.dependencies`).
 A part is None only in an app built without it (tests, the schema): the routes that need
 it answer 503 "not running"."""
 
@@ -30,12 +30,12 @@ from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
-from interfaces.event_feed import EventFeed
-from interfaces.grpc_server import AgentConnections
+from interfaces.grpc.grpc_server import AgentConnections
+from interfaces.http.admin.event_feed import EventFeed
 
 T = TypeVar("T")
 
-#: A handler parameter the HTTP app provides by its name (:func:`interfaces.http_app.
+#: A handler parameter the HTTP app provides by its name (:func:`interfaces.http.http_app.
 #: dependencies`), passed as it is: the type is for mypy, never validated or converted.
 Provided: TypeAlias = NamedDependency[SkipValidation[T]]
 

@@ -1,10 +1,12 @@
-"""The CMake flags that give a llama.cpp build its backend (``agent/llama_backend.py`` chooses it).
+"""The CMake flags that give a llama.cpp build its backend (``agent/runtime/llama_backend.py``
+chooses it).
 
 - ``cpu``: none (the build's common flags, ``ops.build_llama.CMAKE_FLAGS``, are a CPU build);
 - ``cuda``: ``-DGGML_CUDA=ON``, the CUDA architectures and the ``nvcc`` found
-  (:func:`agent.llama_backend.find_nvcc`). The architectures come from ``$CUDA_ARCHITECTURES``
-  (``90``, ``"86;89"``, ``8.9``), else from the local GPUs' compute capability (NVML, else
-  ``nvidia-smi``); a machine with neither is a one-line error saying to set it;
+  (:func:`agent.runtime.llama_backend.find_nvcc`). The architectures come from
+  ``$CUDA_ARCHITECTURES`` (``90``, ``"86;89"``, ``8.9``), else from the local GPUs' compute
+  capability (NVML, else ``nvidia-smi``); a machine with neither is a one-line error saying to set
+  it;
 - ``vulkan``: ``-DGGML_VULKAN=ON``;
 - ``metal``: ``-DGGML_METAL=ON`` with the shader library embedded in the binaries.
 
@@ -25,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.llama_backend import (
+from agent.runtime.llama_backend import (
     BACKENDS,
     CPU,
     CUDA,

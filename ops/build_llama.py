@@ -3,9 +3,9 @@
 into ``${DACP_CACHE_DIR:-~/.cache/dacp}/llama.cpp/<v>[-<backend>]/bin``.
 
 Run as ``python -m ops.build_llama [--backend B]``. The backend is ``--backend``, else
-``$LLAMA_BACKEND``, else what this machine has (``agent/llama_backend.py``); the run says which
-and why before it builds. A GPU backend's build also has ``llama-bench``. A stamp file (version,
-backend, CMake flags, targets) next to each backend's binaries makes a second run a no-op.
+``$LLAMA_BACKEND``, else what this machine has (``agent/runtime/llama_backend.py``); the run says
+which and why before it builds. A GPU backend's build also has ``llama-bench``. A stamp file
+(version, backend, CMake flags, targets) next to each backend's binaries makes a second run a no-op.
 ``--configure-only`` runs CMake's configure step in a temporary folder and stops there.
 The build is static (``BUILD_SHARED_LIBS=OFF``) so the binaries run from the cache without
 ``LD_LIBRARY_PATH``; ``GGML_NATIVE`` is off because a native build segfaulted here in the AMX
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.llama_backend import AUTO, BACKENDS, CPU, CUDA, METAL, VULKAN, choose_backend
-from agent.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, filter_supported
+from agent.runtime.llama_backend import AUTO, BACKENDS, CPU, CUDA, METAL, VULKAN, choose_backend
+from agent.runtime.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, filter_supported
 from ops import paths, vulkan_headers
 from ops.backend_flags import backend_cmake_flags
 from ops.paths import FetchError
@@ -376,7 +376,7 @@ def _smoke_test(bin_dir: Path) -> None:
 
 
 def ensure_accept_filter(bin_dir: Path) -> Path | None:
-    """Compiles the RPC accept filter (``agent/rpc_filter.py``) into ``bin_dir`` unless the
+    """Compiles the RPC accept filter (``agent/runtime/rpc_filter.py``) into ``bin_dir`` unless the
     one there was built from the current source; None where it cannot be built (the agent then
     uses its copying guard)."""
     digest = hashlib.sha256(ACCEPT_FILTER_SOURCE.read_bytes()).hexdigest()

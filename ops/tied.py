@@ -5,8 +5,8 @@
 Sets ``PR_SET_PDEATHSIG`` = SIGTERM for itself, exits at once if ``PARENT_PID`` is no longer its
 parent, then ``exec``s ``COMMAND``: the setting survives ``exec``, so the command receives
 SIGTERM when its parent dies, even by SIGKILL. The local cluster starts its controller and agents
-this way (see ``agent/child_process.py`` for why not with a ``preexec_fn``). Elsewhere than Linux
-it only ``exec``s the command.
+this way (see ``agent/runtime/child_process.py`` for why not with a ``preexec_fn``). Elsewhere than
+Linux it only ``exec``s the command.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from agent.child_process import set_parent_death_signal
+from agent.runtime.child_process import set_parent_death_signal
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
+from common.gguf_metadata import read_gguf_metadata
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
-from proto.gguf_metadata import read_gguf_metadata
 
 MIB = 1 << 20
 CHAT_MODEL = MODEL_NAME

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.endpoints import free_loopback_port
-from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_handler import LlamaHandler
-from agent.rpc_filter import PeerFilter
+from agent.runtime.endpoints import free_loopback_port
+from agent.runtime.llama_binaries import RuntimeBinaries, find_binaries
+from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.rpc_filter import PeerFilter
 from ops.paths import MODEL_SHA256, ensure_llama, ensure_model
-from proto import control_pb2 as pb
 from tests.integration.fake_control_plane import GOOD_TOKEN
+from wire import control_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

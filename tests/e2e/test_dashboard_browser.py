@@ -22,12 +22,12 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from application.commands import FetchRequest, TransferReport, TransferSource
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
 from tests.conftest import controller_settings
 from tests.integration.control_client import control_target, inventory
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
 from tests.integration.test_job_flow import ADMIN, AI, SHA, register
+from wire import control_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

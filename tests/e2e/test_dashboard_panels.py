@@ -28,9 +28,8 @@ from playwright.async_api import Browser, ConsoleMessage, Page, expect
 
 from agent.main import build_parser
 from bench.synthetic_agents import proof_of
+from common.contract import SLOTS_LABEL
 from interfaces.controller_main import RunningController, controller
-from proto import SLOTS_LABEL
-from proto import control_pb2 as pb
 from tests.conftest import controller_settings
 from tests.e2e.test_dashboard_browser import ARTIFACTS, WAIT_MS, sign_in
 from tests.e2e.test_dashboard_browser import browser as browser  # the fixture
@@ -38,6 +37,7 @@ from tests.integration.control_client import control_target, inventory
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
 from tests.integration.test_job_flow import AI, SHA, register
+from wire import control_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -133,7 +133,7 @@ def test_signal_leaves_no_process_behind(
     family = _descendants(proc.pid)
     seen.extend(family)
     commands = " | ".join(_names(family))
-    assert "interfaces.cli controller" in commands
+    assert "interfaces.cli.main controller" in commands
     assert commands.count("agent.main") == 2
     assert "llama-server" in commands, commands
     assert commands.count("ggml-rpc-server") == 2, commands

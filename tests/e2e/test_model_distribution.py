@@ -129,7 +129,7 @@ def test_a_pulled_model_is_fetched_verified_and_served(cluster: LocalCluster) ->
         [
             sys.executable,
             "-m",
-            "interfaces.cli",
+            "interfaces.cli.main",
             "models",
             "evict",
             MODEL_NAME,

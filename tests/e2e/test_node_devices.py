@@ -18,20 +18,20 @@ import httpx
 import pytest
 from playwright.async_api import async_playwright, expect
 
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler
 from agent.handler_factory import resolve_binaries
-from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_devices import (
+from agent.runtime.llama_binaries import RuntimeBinaries, find_binaries
+from agent.runtime.llama_devices import (
     list_devices,
     probe,
     read_rpc_banner,
     read_version,
     stamped_version,
 )
+from common.contract import DEVICE_CPU, HOST_DEVICE
 from interfaces.controller_main import RunningController, controller
 from ops import paths
-from proto import DEVICE_CPU, HOST_DEVICE
 from tests.conftest import controller_settings
 from tests.e2e.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, sign_in
 from tests.integration.test_agent_with_controller import agent_config, mint

@@ -23,11 +23,11 @@ import openai
 import pytest
 
 from application.controller import Controller
+from common.contract import HOST_DEVICE, OUT_OF_MEMORY
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
-from proto import HOST_DEVICE, OUT_OF_MEMORY
 from tests.conftest import TEST_DATABASE_URL, _drop_schema
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.endpoints import free_loopback_port
+from agent.runtime.endpoints import free_loopback_port
 from application.commands import ChatPrompt
 from application.context_guard import ContextGuard, ContextLengthExceeded
 from infrastructure.model_store import ControllerModelStore

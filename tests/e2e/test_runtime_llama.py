@@ -22,13 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.endpoints import free_loopback_port
-from agent.llama_binaries import RuntimeBinaries, find_binaries
-from agent.llama_server import ChatDelta, ChatRequest, LlamaServer
-from agent.managed_child import ProcessExit
-from agent.rpc_worker import RpcWorker
-from agent.runtime import RuntimeManager
-from agent.runtime_errors import (
+from agent.runtime.endpoints import free_loopback_port
+from agent.runtime.llama_binaries import RuntimeBinaries, find_binaries
+from agent.runtime.llama_server import ChatDelta, ChatRequest, LlamaServer
+from agent.runtime.managed_child import ProcessExit
+from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.runtime import RuntimeManager
+from agent.runtime.runtime_errors import (
     GenerationError,
     LlamaRuntimeError,
     PortInUseError,
@@ -36,7 +36,7 @@ from agent.runtime_errors import (
     RuntimeMissingError,
     UnsafeBindError,
 )
-from agent.server_spec import ServerSpec
+from agent.runtime.server_spec import ServerSpec
 from ops.paths import ensure_llama, ensure_model
 
 # A cold cache builds llama.cpp inside the first test's setup (~5 min on 2 cores).
@@ -294,8 +294,8 @@ def test_children_die_with_a_killed_agent(binaries: RuntimeBinaries, tmp_path: P
     script = textwrap.dedent(
         f"""
         import json, threading, time
-        from agent.llama_binaries import find_binaries
-        from agent.runtime import RuntimeManager
+        from agent.runtime.llama_binaries import find_binaries
+        from agent.runtime.runtime import RuntimeManager
 
         mgr = RuntimeManager(find_binaries({str(binaries.bin_dir)!r}), {str(tmp_path)!r})
         workers = []

@@ -101,7 +101,9 @@ def test_the_wheel_holds_every_file_of_its_packages(wheel: Path) -> None:
     }
     names = set(zipfile.ZipFile(wheel).namelist())
     assert sorted(expected - names) == []
-    assert "interfaces/static/dashboard.html" in names  # the check above saw the packages
+    assert (
+        "interfaces/http/admin/static/dashboard.html" in names
+    )  # the check above saw the packages
 
 
 def test_installed_commands_answer(installed: Path, tmp_path: Path) -> None:
@@ -121,7 +123,8 @@ def test_installed_commands_answer(installed: Path, tmp_path: Path) -> None:
         [
             str(installed / "python"),
             "-c",
-            "import agent.rpc_filter as f, interfaces.operations_api as o, ops, proto.control_pb2;"
+            "import agent.runtime.rpc_filter as f, interfaces.http.admin.operations_api as o, ops,"
+            " wire.control_pb2;"
             "print(o.STATIC_DIR); print(f.ACCEPT_FILTER_SOURCE.is_file()); print(ops.__file__)",
         ],
         env,

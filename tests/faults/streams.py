@@ -15,11 +15,11 @@ import httpx
 import orjson
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession
-from agent.control_handler import ControlHandler, NullHandler, Send
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import ControlHandler, NullHandler, Send
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController
-from proto import control_pb2 as pb
+from wire import control_pb2 as pb
 
 AI = {"Authorization": "Bearer test-ai-key"}
 

@@ -1,7 +1,7 @@
 """An agent's link to the controller cut or black-holed: the agent notices and reconnects
 without enrolling again, and the controller notices too, so it neither keeps a dead stream
 nor waits for TCP's retransmissions (minutes). A black hole is noticed only through gRPC
-keepalive, which both ends now run (``proto/keepalive.py``; 1 s here, 20 s by default).
+keepalive, which both ends now run (``wire/keepalive.py``; 1 s here, 20 s by default).
 A link down for 3 s in the middle of a stream costs the client nothing: the job completes
 with exactly its text, as the agent re-sends what the controller missed.
 
@@ -20,8 +20,8 @@ from uuid import UUID
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings

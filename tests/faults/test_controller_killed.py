@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
+from agent.control.control_client import AgentSession, AgentState
 from application.controller import Controller
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
@@ -66,7 +66,7 @@ class ControllerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "interfaces.cli", "controller"],
+                [sys.executable, "-m", "interfaces.cli.main", "controller"],
                 env=self.env,
                 cwd=REPO,
                 stdout=out,

@@ -33,9 +33,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from interfaces.admin_api import INVALID_NODE_NAME
-from interfaces.models_api import SOURCE_REFUSED
-from interfaces.openai_fields import INVALID_COMBINATION
+from interfaces.http.admin.admin_api import INVALID_NODE_NAME
+from interfaces.http.admin.models_api import SOURCE_REFUSED
+from interfaces.http.openai.openai_fields import INVALID_COMBINATION
 
 AI_KEY = "test-ai-key"
 ADMIN_KEY = "test-admin-key"
@@ -84,9 +84,9 @@ def valid_data_accepted(
     """Schemathesis' ``positive_data_acceptance``, except for a 400 ``invalid_combination``:
     two fields that each match the schema but disagree in a way JSON Schema cannot say (a
     ``tool_choice`` naming a function not among ``tools``, ``top_logprobs`` without
-    ``logprobs``; see :mod:`interfaces.openai_docs`), and a 400 ``source_refused``: a model
-    source URL whose host is not a host, or resolves to an address sources may not be on
-    (:mod:`proto.model_sources`), which no pattern can say; and a 400 ``invalid_node_name``:
+    ``logprobs``; see :mod:`interfaces.http.openai.openai_docs`), and a 400 ``source_refused``: a
+    model source URL whose host is not a host, or resolves to an address sources may not be on
+    (:mod:`common.model_sources`), which no pattern can say; and a 400 ``invalid_node_name``:
     a token's node name with a character no node name may hold (letters and digits of any
     script, ``.``, ``_``, ``-``: :func:`domain.bounded_text.node_name_problem`)."""
     if response.status_code == 400:

@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
+from common.contract import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, CONTROLLER_TLS_NAME
 from interfaces.controller_main import RunningController
-from proto import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, CONTROLLER_TLS_NAME
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True)

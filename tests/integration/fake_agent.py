@@ -11,9 +11,9 @@ import asyncio
 from typing import Any
 
 from bench.synthetic_agents import proof_of
-from proto import SLOTS_LABEL
-from proto import control_pb2 as pb
+from common.contract import SLOTS_LABEL
 from tests.integration.control_client import RawSession, Target, as_target, enroll, inventory
+from wire import control_pb2 as pb
 
 
 class FakeAgent:
@@ -53,7 +53,7 @@ class FakeAgent:
         inv.labels["dacp.memory_limit_bytes"] = str(self.memory)
         inv.labels[SLOTS_LABEL] = str(self.slots)
 
-        from proto import control_pb2_grpc as pb_grpc
+        from wire import control_pb2_grpc as pb_grpc
 
         if self.enrolled is not None:
             node_id, credential = self.enrolled

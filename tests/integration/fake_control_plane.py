@@ -20,11 +20,11 @@ import grpc.aio
 from agent.agent_config import (
     AgentConfig,
 )
-from agent.control_client import AgentSession
-from agent.control_handler import Send
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import Send
 from domain.enrollment_token import mint_token
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 #: Well-formed tokens (the agent checks a token's form before it sends it anywhere), signed
 #: with a secret of the fake's own; it takes the first and refuses the second.

@@ -20,9 +20,9 @@ from infrastructure.model_store import ControllerModelStore
 from infrastructure.prompt_counter import GgufPromptCounter
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage
-from interfaces.admin_jobs_api import AdminJobRoutes
-from interfaces.grpc_server import AgentConnections
-from interfaces.http_app import create_app
+from interfaces.grpc.grpc_server import AgentConnections
+from interfaces.http.admin.admin_jobs_api import AdminJobRoutes
+from interfaces.http.http_app import create_app
 from interfaces.services import Services
 from tests.integration.incident import Incident, script_incident
 

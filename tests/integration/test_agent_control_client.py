@@ -1,4 +1,4 @@
-"""agent.control_client against a real ``grpc.aio`` server on 127.0.0.1.
+"""agent.control.control_client against a real ``grpc.aio`` server on 127.0.0.1.
 
 The server runs :class:`FakeControlPlane`, a test double of the controller's servicer (the
 real one lives in ``interfaces/``): it records every request, checks the stream metadata,
@@ -32,14 +32,12 @@ from agent.agent_config import (
     IdentityRejected,
     parse_controller_url,
 )
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import ControlHandler, NullHandler
-from agent.controller_channel import CONNECTION_HINT
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import ControlHandler, NullHandler
+from agent.control.controller_channel import CONNECTION_HINT
 from agent.handler_factory import build_handler
-from agent.identity import NodeIdentity, identity_path, load_identity, save_identity
-from proto import SLOTS_LABEL, TRANSFER_PORT_LABEL
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
+from agent.node.identity import NodeIdentity, identity_path, load_identity, save_identity
+from common.contract import SLOTS_LABEL, TRANSFER_PORT_LABEL
 from tests.integration.fake_control_plane import (
     CLOSE,
     GOOD_TOKEN,
@@ -54,6 +52,8 @@ from tests.integration.fake_control_plane import (
     running,
     start_server,
 )
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,10 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler, Send
-from agent.job_messages import JOB_LOST
-from proto import control_pb2 as pb
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler, Send
+from agent.runtime.job_messages import JOB_LOST
 from tests.integration.fake_control_plane import (
     FakeControlPlane,
     FakeStream,
@@ -22,6 +21,7 @@ from tests.integration.fake_control_plane import (
     running,
     start_server,
 )
+from wire import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,10 +9,10 @@ from typing import Any
 from uuid import UUID
 
 from interfaces.controller_main import RunningController
-from proto import control_pb2 as pb
 from tests.integration.control_client import RawSession
 from tests.integration.test_control_plane import codes, connected_node, target, wait_for
 from tests.integration.test_job_flow import AI, ctl, http, register, slow_primary, synced
+from wire import control_pb2 as pb
 
 __all__ = ["ctl"]  # the fixture
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler, Send
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler, Send
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.llama_backend import find_nvcc
+from agent.runtime.llama_backend import find_nvcc
 from ops.backend_flags import NO_NVCC, cuda_toolkit_problem, toolkit_root
 
 ROOT = Path(__file__).resolve().parents[2]

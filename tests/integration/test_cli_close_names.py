@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infrastructure.storage import Storage
-from interfaces import cli
+from interfaces.cli import main as cli
 from tests.integration.incident import Incident, database_url, script_incident
 
 

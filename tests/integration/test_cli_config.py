@@ -53,7 +53,7 @@ def shell(home: Path) -> dict[str, str]:
 def dacp(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [sys.executable, "-m", "interfaces.cli", *argv],
+        [sys.executable, "-m", "interfaces.cli.main", *argv],
         env={**env, "PYTHONPATH": str(REPO)},
         cwd=cwd,
         capture_output=True,
@@ -67,7 +67,7 @@ def controller(env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess
     cwd.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "interfaces.cli", "controller"],
+            [sys.executable, "-m", "interfaces.cli.main", "controller"],
             env={**env, "PYTHONPATH": str(REPO)},
             cwd=cwd,
             stdout=out,

@@ -16,8 +16,6 @@ import pytest
 from domain.catalog import code_of
 from domain.enrollment_token import mint_token
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
 from tests.conftest import controller_settings
 from tests.integration.control_client import (
     ControlTarget,
@@ -27,6 +25,8 @@ from tests.integration.control_client import (
     inventory,
 )
 from tests.plans import one_node_plan
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 SECRET = "test-enrollment-secret"
 ADMIN = {"Authorization": "Bearer test-admin-key"}
@@ -274,8 +274,8 @@ async def test_a_broken_stream_leaves_the_node_to_the_heartbeat_thresholds(
 async def test_resource_report_recorded_once_per_meaningful_change(
     ctl: RunningController,
 ) -> None:
-    from proto import control_pb2 as pb
     from tests.integration.control_client import inventory
+    from wire import control_pb2 as pb
 
     node_id, session = await connected_node(ctl)
     model = pb.LocalModel(file_name="m.gguf", size_bytes=100, sha256="ab" * 32, layers=30)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from interfaces.controller_main import RunningController, controller
-from interfaces.operations_api import agent_controller_url
+from interfaces.http.admin.operations_api import agent_controller_url
 from tests.conftest import controller_settings
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent

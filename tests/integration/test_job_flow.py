@@ -17,11 +17,11 @@ from application.commands import Enrollment
 from application.enrollment import credential_sha256
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
 from tests.conftest import controller_settings
 from tests.integration.control_client import RawSession, control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
+from wire import control_pb2 as pb
 
 SHA = "ab" * 32
 AI = {"Authorization": "Bearer test-ai-key"}
@@ -185,7 +185,7 @@ async def test_unresponsive_worker_is_replanned_away(ctl: RunningController) -> 
 
 
 async def test_setup_failure_everywhere_gives_503(ctl: RunningController) -> None:
-    from proto import control_pb2 as pb
+    from wire import control_pb2 as pb
 
     (a,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
     a.fail_setup = pb.SetupResult(ok=False, error="sha256 differs", error_code="SHA256_MISMATCH")
@@ -299,7 +299,7 @@ async def test_peer_outside_allowed_cidrs_is_excluded_and_recorded(
 async def test_tokens_from_a_node_that_does_not_lead_the_job_are_ignored(
     ctl: RunningController,
 ) -> None:
-    from proto import control_pb2 as pb
+    from wire import control_pb2 as pb
 
     a, b = await agents(
         ctl,

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from interfaces.controller_main import RunningController, controller
-from interfaces.event_feed import EventFeed
+from interfaces.http.admin.event_feed import EventFeed
 from tests.conftest import controller_settings
 from tests.integration.test_control_plane import connected_node, wait_for
 from tests.integration.test_job_flow import ADMIN, AI, SHA, agents, http, register

@@ -21,7 +21,7 @@ from application.diagnosis import (
 from application.timeline import job_timeline, parse_time, timeline
 from application.version import CONTROLLER_VERSION
 from infrastructure.storage import Storage
-from interfaces import cli
+from interfaces.cli import main as cli
 from tests.integration.incident import Incident, database_url, script_incident
 
 REPO = Path(__file__).resolve().parents[2]
@@ -299,7 +299,7 @@ def test_python_dash_m_entry_point(storage: Storage, incident: Incident) -> None
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "interfaces.cli", *argv],
+            [sys.executable, "-m", "interfaces.cli.main", *argv],
             cwd=REPO,
             env=env,
             capture_output=True,

@@ -38,10 +38,10 @@ def test_build_hooks_print_no_warning(source_copy: Path, tmp_path: Path, hook: s
         wheel = next(tmp_path.glob("*.whl"))
         names = set(zipfile.ZipFile(wheel).namelist())
         for expected in (
-            "interfaces/static/dashboard.html",
-            "interfaces/static/dashboard.js",
-            "interfaces/static/dashboard.css",
-            "proto/control.proto",
+            "interfaces/http/admin/static/dashboard.html",
+            "interfaces/http/admin/static/dashboard.js",
+            "interfaces/http/admin/static/dashboard.css",
+            "wire/control.proto",
             "domain/py.typed",
         ):
             assert expected in names

@@ -39,7 +39,7 @@ async def dacp(schema: str, *argv: str, **env: str) -> subprocess.CompletedProce
     environment = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={schema}", **env}
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "interfaces.cli", *argv],
+        [sys.executable, "-m", "interfaces.cli.main", *argv],
         env=environment,
         cwd=REPO,
         capture_output=True,
@@ -79,7 +79,7 @@ def controller_in(
     log_path = var.parent / f"controller-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            namespace.command(sys.executable, "-m", "interfaces.cli", "controller", *cli_args),
+            namespace.command(sys.executable, "-m", "interfaces.cli.main", "controller", *cli_args),
             env=env,
             cwd=REPO,
             stdout=log,

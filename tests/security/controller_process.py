@@ -13,8 +13,8 @@ import httpx
 import psutil
 
 from application.enrollment import enrollment_key, mint_enrollment_token
+from common.contract import CONTROLLER_TLS_NAME
 from infrastructure.tls import fingerprint_of
-from proto import CONTROLLER_TLS_NAME
 from tests.integration.control_client import ControlTarget
 from tests.integration.fake_agent import FakeAgent
 from tests.security.conftest import AI_KEY, ENROLLMENT_SECRET
@@ -30,7 +30,10 @@ def controller_process(env: dict[str, str]) -> psutil.Process:
     """The controller ``controller_in`` started (this process's child serving ``env``'s port)."""
     for child in psutil.Process().children(recursive=True):
         try:
-            if "interfaces.cli" in child.cmdline() and child.environ().get("PORT") == env["PORT"]:
+            if (
+                "interfaces.cli.main" in child.cmdline()
+                and child.environ().get("PORT") == env["PORT"]
+            ):
                 return child
         except psutil.Error:
             continue

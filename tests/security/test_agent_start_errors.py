@@ -27,21 +27,21 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession
-from agent.control_handler import NullHandler
-from agent.controller_probe import http_status_line
-from agent.identity import NodeIdentity, save_identity
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import NullHandler
+from agent.control.controller_probe import http_status_line
+from agent.node.identity import NodeIdentity, save_identity
 from application.enrollment import enrollment_key, mint_enrollment_token
+from common.contract import CONTROLLER_TLS_NAME
 from infrastructure.tls import load_or_create
 from interfaces.controller_main import RunningController
-from interfaces.http_peer_log import UVICORN_ERROR_LOGGER
-from proto import CONTROLLER_TLS_NAME
-from proto.grpc_verbosity import OPERATOR_VARIABLES
+from interfaces.http.http_peer_log import UVICORN_ERROR_LOGGER
 from tests.integration.control_client import control_target, enroll
 from tests.integration.fake_control_plane import FakeControlPlane, free_port, start_server
 from tests.security.conftest import ENROLLMENT_SECRET, controller_in
 from tests.security.controller_process import token as namespace_token
 from tests.security.netns import Namespace
+from wire.grpc_verbosity import OPERATOR_VARIABLES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -303,7 +303,7 @@ def failed_handshake(address: str) -> None:
 
 async def _first_retry(config: AgentConfig, caplog: pytest.LogCaptureFixture) -> str:
     """The first retried attempt's line of an agent session run with ``config``."""
-    caplog.set_level(logging.WARNING, logger="agent.controller_channel")
+    caplog.set_level(logging.WARNING, logger="agent.control.controller_channel")
     session = AgentSession(config, NullHandler())
     task = asyncio.create_task(session.run())
     try:

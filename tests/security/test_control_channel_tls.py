@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler
-from agent.controller_tls import TlsPinMismatch, token_ca_fingerprint
-from agent.identity import load_identity
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler
+from agent.control.controller_tls import TlsPinMismatch, token_ca_fingerprint
+from agent.node.identity import load_identity
 from application.enrollment import enrollment_key, mint_enrollment_token
 from domain.catalog import code_of
 from infrastructure.tls import fingerprint_of, load_or_create

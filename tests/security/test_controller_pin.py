@@ -1,8 +1,8 @@
 """The controller pin, attacked by an enrolled node: node certificates come from the
 controller's CA and are valid server certificates, so a node can stand up a TLS server that
 shows a certificate chaining to the pinned CA. The agent must verify the controller under the
-controller's own identity (``proto.CONTROLLER_TLS_NAME``, or the host of the URL it was given
-for an operator's certificate), never under a name read from the certificate it is shown: the
+controller's own identity (``common.contract.CONTROLLER_TLS_NAME``, or the host of the URL it was
+given for an operator's certificate), never under a name read from the certificate it is shown: the
 impostor then never sees an enrollment token or a node credential.
 
 Every test runs a real controller (in this process, TLS with the CA it makes) and, as the
@@ -32,18 +32,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler
-from agent.controller_channel import CONNECTION_HINT
-from agent.identity import NodeIdentity, load_identity, save_identity
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler
+from agent.control.controller_channel import CONNECTION_HINT
+from agent.node.identity import NodeIdentity, load_identity, save_identity
+from common.contract import CONTROLLER_TLS_NAME
+from common.transfer_ticket import node_tls_name
 from interfaces.controller_main import RunningController, controller
-from proto import CONTROLLER_TLS_NAME
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
-from proto.transfer_ticket import node_tls_name
 from tests.conftest import controller_settings
 from tests.integration.control_client import RawSession, control_target, enroll
 from tests.integration.fake_control_plane import FakeControlPlane
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(90)
 

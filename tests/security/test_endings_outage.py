@@ -24,13 +24,13 @@ import httpx
 import pytest
 
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
+from wire import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 

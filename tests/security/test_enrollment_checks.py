@@ -15,10 +15,10 @@ import pytest
 
 from application.controller import Controller
 from application.enrollment import enrollment_key, mint_enrollment_token
+from common.contract import CONTROLLER_TLS_NAME
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
 from infrastructure.tls import fingerprint_of
-from proto import CONTROLLER_TLS_NAME
 from tests.integration.control_client import ControlTarget, enroll
 from tests.security.conftest import ENROLLMENT_SECRET, controller_in
 from tests.security.netns import Namespace

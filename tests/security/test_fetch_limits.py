@@ -23,22 +23,22 @@ from uuid import UUID
 import httpx
 import pytest
 
-from agent.control_client import AgentState
-from agent.control_handler import NullHandler
-from agent.fetch_limits import FetchLimits
-from agent.model_transfers import ModelTransfers
-from agent.node_tls import NodeTls
+from agent.control.control_client import AgentState
+from agent.control.control_handler import NullHandler
+from agent.models.fetch_limits import FetchLimits
+from agent.models.model_transfers import ModelTransfers
+from agent.node.node_tls import NodeTls
+from common.model_file_server import ModelFileServer
+from common.transfer_ticket import Ticket, sign_ticket
 from domain.node import Node
 from infrastructure.tls import issue_node_cert, load_or_create
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
-from proto.model_file_server import ModelFileServer
-from proto.transfer_ticket import Ticket, sign_ticket
 from tests.conftest import controller_settings
 from tests.faults.streams import agent_holding_model
 from tests.faults.waiting import until
 from tests.transfer.http_sources import SERVE, SLOW, TRICKLE, WRONG_SIZE, http_source
 from tests.unit.test_agent_model_store import write_tiny_gguf
+from wire import control_pb2 as pb
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 DATA = os.urandom(2 << 20)
@@ -182,7 +182,7 @@ async def test_lying_and_slow_peers_are_given_up_for_the_next(
                 sources=sources,
             )
             started = time.monotonic()
-            with caplog.at_level(logging.WARNING, logger="agent.model_transfers"):
+            with caplog.at_level(logging.WARNING, logger="agent.models.model_transfers"):
                 await asyncio.wait_for(transfers.on_fetch(request, send), 30)
             took = time.monotonic() - started
         states = [m.model_transfer.state for m in sent]

@@ -1,6 +1,6 @@
 """Model file servers under a connection flood (issue 21, finding 6): the controller's model store
 (``MODEL_STORE_PORT``) of a real controller process, the same server every agent runs on its
-``--transfer-port`` (proto/model_file_server.py).
+``--transfer-port`` (common/model_file_server.py).
 
 Hundreds of idle TCP connections from many addresses, and some that stall half-way through the
 TLS handshake, cost the server no thread each: its thread count stays bounded, they are closed
@@ -30,12 +30,12 @@ import httpx
 import psutil
 import pytest
 
-from agent.model_fetch import Source, fetch
-from agent.node_tls import NodeTls
+from agent.models.model_fetch import Source, fetch
+from agent.node.node_tls import NodeTls
+from common.model_file_server import ModelFileServer, ServerLimits
+from common.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket, source_tls_name
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.tls import issue_node_cert, load_or_create
-from proto.model_file_server import ModelFileServer, ServerLimits
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket, source_tls_name
 from tests.faults.services import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
     log_path = tmp_path / "controller.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "interfaces.cli", "controller"],
+            [sys.executable, "-m", "interfaces.cli.main", "controller"],
             env=env,
             cwd=REPO,
             stdout=log,

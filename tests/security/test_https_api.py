@@ -35,7 +35,7 @@ def test_beyond_loopback_the_api_is_https_with_the_controllers_ca(
         httpx.get(f"{url}/health", timeout=3)
     # `dacp ca export` prints the very CA the server's certificate chains to.
     exported = subprocess.run(
-        [sys.executable, "-m", "interfaces.cli", "ca", "export"],
+        [sys.executable, "-m", "interfaces.cli.main", "ca", "export"],
         env=env,
         cwd=REPO,
         capture_output=True,

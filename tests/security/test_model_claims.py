@@ -25,20 +25,20 @@ import httpx
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
+from agent.control.control_client import AgentSession, AgentState
+from common.contract import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
+from common.gguf_metadata import read_gguf_metadata
 from domain.catalog import code_of
 from domain.model import model_id
 from domain.placement import ExecutionPlan, ModelNeeds, required_bytes
 from infrastructure.model_store import ControllerModelStore
 from interfaces.controller_main import RunningController
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
-from proto.gguf_metadata import read_gguf_metadata
 from tests.faults.streams import SlowWords, stream_completion
 from tests.faults.waiting import until
 from tests.integration.control_client import RawSession, control_target
 from tests.unit.test_agent_model_store import write_tiny_gguf
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

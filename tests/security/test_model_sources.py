@@ -20,8 +20,8 @@ from uuid import UUID
 import httpx
 import pytest
 
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import NullHandler
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import NullHandler
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.streams import agent_holding_model

@@ -18,8 +18,6 @@ import pytest
 
 from application.controller import Controller
 from infrastructure.persistence import persistence_env
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
 from tests.faults.waiting import until
 from tests.integration.control_client import enroll, inventory
 from tests.security.conftest import controller_in
@@ -37,6 +35,8 @@ from tests.security.controller_process import (
     token,
 )
 from tests.security.netns import Namespace
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from agent.agent_config import IdentityRejected
-from agent.control_client import AgentState
+from agent.control.control_client import AgentState
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController
 from tests.faults.streams import SlowWords, agent_holding_model, serves_model, stream_completion

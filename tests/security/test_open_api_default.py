@@ -48,7 +48,7 @@ def test_beyond_loopback_without_a_key_the_controller_refuses_to_start(
         "DACP_VAR_DIR": str(var),
     }
     proc = subprocess.Popen(
-        namespace.command(sys.executable, "-m", "interfaces.cli", "controller"),
+        namespace.command(sys.executable, "-m", "interfaces.cli.main", "controller"),
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -23,18 +23,18 @@ import httpx
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession, AgentState
-from agent.control_handler import Send
-from agent.llama_binaries import find_binaries
-from agent.llama_handler import LlamaHandler
+from agent.control.control_client import AgentSession, AgentState
+from agent.control.control_handler import Send
+from agent.runtime.llama_binaries import find_binaries
+from agent.runtime.llama_handler import LlamaHandler
 from interfaces.controller_main import RunningController, controller
-from proto import control_pb2 as pb
 from tests.conftest import controller_settings
 from tests.faults.services import free_port
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target, enroll
 from tests.security.netns import Namespace
 from tests.security.test_rpc_guard import HELLO_ANSWER_BYTES, _hello_from
+from wire import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 

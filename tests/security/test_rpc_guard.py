@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from agent.llama_binaries import find_binaries
-from agent.llama_handler import LlamaHandler
-from agent.rpc_filter import PeerFilter, peer_allowed
-from agent.rpc_guard import RpcGuard
-from agent.rpc_worker import RpcWorker
-from agent.runtime_errors import RuntimeStartError
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
-from proto import control_pb2 as pb
+from agent.runtime.llama_binaries import find_binaries
+from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.rpc_filter import PeerFilter, peer_allowed
+from agent.runtime.rpc_guard import RpcGuard
+from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.runtime_errors import RuntimeStartError
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.faults.services import free_port
 from tests.security.netns import Namespace
+from wire import control_pb2 as pb
 
 #: From inside a namespace: the RPC protocol's HELLO (command 14, 24 bytes of capabilities);
 #: prints the size of the worker's answer (28), or 0 when the connection is closed on it.

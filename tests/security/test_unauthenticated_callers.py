@@ -24,9 +24,7 @@ import pytest
 
 from application.enrollment import STORE_READS
 from interfaces.controller_main import RunningController
-from interfaces.grpc_server import HELLO_TIMEOUT_SECONDS, PENDING_PER_SOURCE
-from proto import control_pb2 as pb
-from proto import control_pb2_grpc as pb_grpc
+from interfaces.grpc.grpc_server import HELLO_TIMEOUT_SECONDS, PENDING_PER_SOURCE
 from tests.integration.control_client import ControlTarget, control_target, enroll
 from tests.integration.fake_agent import FakeAgent
 from tests.security.conftest import controller_in
@@ -42,6 +40,8 @@ from tests.security.controller_process import (
     target,
 )
 from tests.security.netns import Namespace
+from wire import control_pb2 as pb
+from wire import control_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 

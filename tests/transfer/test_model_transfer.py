@@ -1,5 +1,5 @@
-"""Model files between nodes: node A serves a file it holds (proto/model_file_server.py), node B
-fetches it (agent/model_fetch.py), both with certificates the controller's CA issued them,
+"""Model files between nodes: node A serves a file it holds (common/model_file_server.py), node B
+fetches it (agent/models/model_fetch.py), both with certificates the controller's CA issued them,
 B with a ticket the controller signed. Real TLS over loopback, real files; a full disk is a
 real tmpfs the test mounts."""
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, partial_path
-from agent.node_tls import NodeTls
+from agent.models.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, partial_path
+from agent.node.node_tls import NodeTls
+from common.model_file_server import ModelFileServer
+from common.model_sources import parse_cidrs
+from common.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
 from infrastructure.tls import issue_node_cert, issue_server_cert, load_or_create
-from proto.model_file_server import ModelFileServer
-from proto.model_sources import parse_cidrs
-from proto.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
 from tests.transfer.http_sources import SERVE, http_source
 
 SIZE = 24 << 20

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.model_fetch import DiskLimit, Source, TransferError, fetch, partial_path
-from agent.model_transfers import ModelTransfers
-from proto import control_pb2 as pb
+from agent.models.model_fetch import DiskLimit, Source, TransferError, fetch, partial_path
+from agent.models.model_transfers import ModelTransfers
 from tests.transfer import test_model_transfer as base
 from tests.transfer.test_model_transfer import LOOPBACK, SIZE, Pair
+from wire import control_pb2 as pb
 
 #: The fixtures of the other transfer tests: node A serving a model, an http(s) source of it.
 pair = base.pair

@@ -1,7 +1,7 @@
 """The controller's own model store, served to nodes (interfaces/model_store_server.py): a node
 fetches a stored file with its certificate and a ticket, verified against the controller's
 certificate under ``dacp-controller``; a node revoked since its ticket was signed is refused,
-by the store and by a peer node's file server (agent/model_transfers.py), whatever it holds.
+by the store and by a peer node's file server (agent/models/model_transfers.py), whatever it holds.
 Real TLS over loopback, real files."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from agent.model_fetch import Source, TransferError, fetch, partial_path
-from agent.model_transfers import ModelTransfers
-from agent.node_tls import NodeTls
+from agent.models.model_fetch import Source, TransferError, fetch, partial_path
+from agent.models.model_transfers import ModelTransfers
+from agent.node.node_tls import NodeTls
+from common.model_file_server import ModelFileServer
+from common.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls, issue_node_cert, load_or_create
 from interfaces.model_store_server import start_store_server
-from proto import control_pb2 as pb
-from proto.model_file_server import ModelFileServer
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID, Ticket, sign_ticket
 from tests.integration.fake_control_plane import free_port
+from wire import control_pb2 as pb
 
 SIZE = 6 << 20
 
@@ -192,4 +192,4 @@ def test_a_source_without_the_file_lets_the_fetch_try_the_next(
     context = store.node_tls.client_context(store.tls.ca_pem.decode())
     with pytest.raises(TransferError, match="404") as refused:
         fetch(store.source(ticket), missing, SIZE, dest, context)
-    assert refused.value.retry  # agent/model_transfers.py goes on to the next source
+    assert refused.value.retry  # agent/models/model_transfers.py goes on to the next source

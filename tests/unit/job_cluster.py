@@ -18,10 +18,10 @@ from application.controller import Controller
 from application.job_manager import JobManager
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.catalog import code_of
 from domain.model_claims import STORE, ByteRange, Samples, facts_of
 from infrastructure.live_state import InProcessLiveState
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.fakes import FakeAgentGateway, FakeReadModel
 
 GIB = 1 << 30

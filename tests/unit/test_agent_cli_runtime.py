@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig, ConfigError, parse_byte_size
-from agent.control_handler import NullHandler
+from agent.control.control_handler import NullHandler
 from agent.handler_factory import RuntimeUnavailable, build_handler, resolve_binaries
-from agent.llama_handler import LlamaHandler
 from agent.main import build_parser, config_from_args
-from proto import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
+from agent.runtime.llama_handler import LlamaHandler
+from common.contract import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
 def test_the_default_advertised_address_is_the_one_the_controller_sees() -> None:
     """The controller checks at enrollment that the advertised address is the connection's
     source: by default the agent advertises the address of its route to the controller."""
-    from agent.advertise_address import default_advertise_address
+    from agent.node.advertise_address import default_advertise_address
 
     assert default_advertise_address("127.0.0.1:50051") == "127.0.0.1"
     assert default_advertise_address("grpcs://127.0.0.1:50051") == "127.0.0.1"

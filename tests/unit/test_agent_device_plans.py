@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.llama_binaries import RuntimeBinaries
-from agent.out_of_memory import (
+from agent.runtime.llama_binaries import RuntimeBinaries
+from agent.runtime.out_of_memory import (
     Blame,
     MemoryFailure,
     PlanDevices,
@@ -18,11 +18,11 @@ from agent.out_of_memory import (
     plan_devices,
     worker_out_of_memory,
 )
-from agent.rpc_worker import RpcWorker
-from agent.runtime_errors import GenerationError, RuntimeCrashedError, RuntimeStartError
-from agent.server_spec import server_spec_for
-from proto import HOST_DEVICE
-from proto import control_pb2 as pb
+from agent.runtime.rpc_worker import RpcWorker
+from agent.runtime.runtime_errors import GenerationError, RuntimeCrashedError, RuntimeStartError
+from agent.runtime.server_spec import server_spec_for
+from common.contract import HOST_DEVICE
+from wire import control_pb2 as pb
 
 # What llama.cpp 11434 printed here: a llama-server whose RPC worker (under `ulimit -v`) could
 # not allocate its share, and that worker's own output.

@@ -1,4 +1,4 @@
-"""agent.discovery: the real no-GPU path of this machine, and the GPU path via a fake NVML."""
+"""agent.node.discovery: the real no-GPU path of this machine, and the GPU path via a fake NVML."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent import discovery
 from agent.agent_config import AgentConfig
-from agent.discovery import (
+from agent.handler_factory import resolve_binaries
+from agent.node import discovery
+from agent.node.discovery import (
     GpuInfo,
     GpuTelemetry,
     Telemetry,
@@ -21,12 +22,11 @@ from agent.discovery import (
     parse_cpuinfo_model,
     sample_telemetry,
 )
-from agent.handler_factory import resolve_binaries
-from agent.llama_devices import MIB, ListedDevice, LlamaProbe, LlamaRuntime
-from agent.node_devices import DeviceInfo, DeviceSample, node_devices
-from agent.resources import ResourceCollector, Resources
-from proto import DEVICE_CPU, DEVICE_GPU, HOST_DEVICE
-from proto import control_pb2 as pb
+from agent.node.node_devices import DeviceInfo, DeviceSample, node_devices
+from agent.node.resources import ResourceCollector, Resources
+from agent.runtime.llama_devices import MIB, ListedDevice, LlamaProbe, LlamaRuntime
+from common.contract import DEVICE_CPU, DEVICE_GPU, HOST_DEVICE
+from wire import control_pb2 as pb
 
 GIB = 1024**3
 

@@ -1,5 +1,5 @@
 """The agent's llama-server ``/health`` polls (several a second while a model loads) are
-logged at DEBUG, not at INFO like httpx's other request lines (agent/llama_server.py)."""
+logged at DEBUG, not at INFO like httpx's other request lines (agent/runtime/llama_server.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from agent.llama_server import HEALTH_PATH, HTTPX_LOGGER, log_health_polls_at_debug
+from agent.runtime.llama_server import HEALTH_PATH, HTTPX_LOGGER, log_health_polls_at_debug
 
 
 def _answer(request: httpx.Request) -> httpx.Response:

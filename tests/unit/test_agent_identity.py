@@ -1,4 +1,4 @@
-"""agent.identity: the persisted node identity (identity.json)."""
+"""agent.node.identity: the persisted node identity (identity.json)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.identity import (
+from agent.node.identity import (
     IDENTITY_FILE_NAME,
     IdentityFileError,
     NodeIdentity,
@@ -137,7 +137,7 @@ def test_delete(tmp_path: Path) -> None:
 def test_world_readable_file_is_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = save_identity(tmp_path, sample_identity())
     os.chmod(path, 0o644)
-    caplog.set_level(logging.WARNING, logger="agent.identity")
+    caplog.set_level(logging.WARNING, logger="agent.node.identity")
     assert load_identity(tmp_path) is not None
     if os.name == "posix":
         assert "chmod 600" in caplog.text

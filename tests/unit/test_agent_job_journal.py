@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.job_journal import JobJournal
-from proto import control_pb2 as pb
+from agent.control.job_journal import JobJournal
+from wire import control_pb2 as pb
 
 
 def chunk(job: str, *seqs: int) -> pb.TokenChunk:

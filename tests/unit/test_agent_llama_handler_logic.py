@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession
-from agent.control_handler import NullHandler
-from agent.job_messages import (
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import NullHandler
+from agent.control.job_traffic import Connection
+from agent.runtime.job_messages import (
     INVALID_PLAN,
     MODEL_NOT_FOUND,
     SHA256_MISMATCH,
@@ -25,10 +26,9 @@ from agent.job_messages import (
     generation_stats,
     parse_messages,
 )
-from agent.job_traffic import Connection
-from agent.llama_binaries import RuntimeBinaries
-from agent.llama_handler import LlamaHandler
-from proto import control_pb2 as pb
+from agent.runtime.llama_binaries import RuntimeBinaries
+from agent.runtime.llama_handler import LlamaHandler
+from wire import control_pb2 as pb
 
 
 class Collect:

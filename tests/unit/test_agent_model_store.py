@@ -1,4 +1,4 @@
-"""agent.model_store against the real SmolLM2-135M GGUF and small GGUF files written here."""
+"""agent.models.model_store against the real SmolLM2-135M GGUF and small GGUF files written here."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import gguf
 import numpy as np
 import pytest
 
-from agent import model_store
-from agent.model_store import (
+from agent.models import model_store
+from agent.models.model_store import (
     CACHE_FILE_NAME,
     LocalModel,
     ModelStore,
     sha256_file,
     verify_sha256,
 )
+from common.gguf_metadata import GgufMetadata, kv_bytes_per_token, read_gguf_metadata
 from ops.paths import ensure_model
-from proto import control_pb2 as pb
-from proto.gguf_metadata import GgufMetadata, kv_bytes_per_token, read_gguf_metadata
+from wire import control_pb2 as pb
 
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig
-from agent.control_client import AgentSession
-from agent.llama_binaries import RuntimeBinaries
-from agent.llama_handler import LlamaHandler
-from agent.rpc_filter import PeerSet
-from agent.rpc_guard import RpcGuard
-from agent.rpc_host import named_peers
-from proto import control_pb2 as pb
+from agent.control.control_client import AgentSession
+from agent.runtime.llama_binaries import RuntimeBinaries
+from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.rpc_filter import PeerSet
+from agent.runtime.rpc_guard import RpcGuard
+from agent.runtime.rpc_host import named_peers
+from wire import control_pb2 as pb
 
 LOOPBACK = ("127.0.0.0/8",)
 

@@ -15,12 +15,12 @@ import pytest
 
 from agent import agent_stop
 from agent.agent_config import DEFAULT_DRAIN_TIMEOUT, AgentConfig
-from agent.control_client import AgentSession
-from agent.control_handler import NullHandler
-from agent.job_messages import AGENT_STOPPING
-from agent.job_traffic import Connection
+from agent.control.control_client import AgentSession
+from agent.control.control_handler import NullHandler
+from agent.control.job_traffic import Connection
 from agent.main import build_parser, config_from_args
-from proto import control_pb2 as pb
+from agent.runtime.job_messages import AGENT_STOPPING
+from wire import control_pb2 as pb
 
 
 class FakeJobsHandler(NullHandler):

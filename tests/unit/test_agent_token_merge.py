@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.token_merge import MAX_MERGED_DELTAS, MAX_MERGED_TEXT, merge_token_chunks
-from proto import control_pb2 as pb
+from agent.control.token_merge import MAX_MERGED_DELTAS, MAX_MERGED_TEXT, merge_token_chunks
+from wire import control_pb2 as pb
 
 
 def chunk(job_id: str, *texts: str, seq: int = 0) -> pb.AgentMessage:

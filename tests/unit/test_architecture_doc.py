@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -199,3 +200,15 @@ def test_every_cited_repository_path_exists() -> None:
             if not found:
                 missing.append(f"{page.relative_to(ROOT)}: {cited}")
     assert not missing, f"cited paths that do not exist: {missing}"
+
+
+def _contracts() -> list[str]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        config = tomllib.load(f)
+    return [c["name"] for c in config["tool"]["importlinter"]["contracts"]]
+
+
+def test_the_architecture_page_states_exactly_the_import_contracts() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    stated = [s.rstrip(".") for s in re.findall(r"^\d+\. \*(.+?)\*", page, flags=re.MULTILINE)]
+    assert stated == _contracts(), "docs/architecture.md 'The contracts' and pyproject.toml differ"

@@ -11,7 +11,12 @@ import pytest
 from application.agent_messages import AgentJobResult, JobFinished
 from application.diagnosis import diagnose
 from application.version import CONTROLLER_VERSION
-from proto import CLIENT_ERROR_CODES, CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJECTED
+from common.contract import (
+    CLIENT_ERROR_CODES,
+    CONTEXT_LENGTH_EXCEEDED,
+    OUT_OF_MEMORY,
+    REQUEST_REJECTED,
+)
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
 

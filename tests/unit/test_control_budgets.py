@@ -24,15 +24,15 @@ from application.rejections import AUDIT_INTERVAL, PendingGate, RateBudget, Reje
 from domain.bounded_text import ID_MAX, NODE_NAME_MAX, TEXT_MAX, bounded, node_name_problem
 from domain.node import Node
 from infrastructure.live_state import InProcessLiveState
-from interfaces.grpc_convert import MAX_REPORTED_MODELS, clamp_strings, local_models_to_list
-from interfaces.grpc_server import (
+from interfaces.grpc.grpc_convert import MAX_REPORTED_MODELS, clamp_strings, local_models_to_list
+from interfaces.grpc.grpc_server import (
     FAULT_BURST,
     REJECTION_BURST,
     AgentConnections,
     ControlPlaneServicer,
     Outbox,
 )
-from proto import control_pb2 as pb
+from wire import control_pb2 as pb
 
 # ------------------------------------------------------------------ bounded text
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from proto import PROTOCOL_VERSION
-from proto import control_pb2 as pb
+from common.contract import PROTOCOL_VERSION
+from wire import control_pb2 as pb
 
 
 def test_service_methods_and_streaming() -> None:

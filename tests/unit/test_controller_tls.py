@@ -12,10 +12,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from agent.controller_tls import controller_names, trusted_server_name
+from agent.control.controller_tls import controller_names, trusted_server_name
+from common.contract import CONTROLLER_TLS_NAME
+from common.transfer_ticket import node_tls_name
 from infrastructure.tls import TlsError, issue_node_cert, load_or_create, node_cert_name
-from proto import CONTROLLER_TLS_NAME
-from proto.transfer_ticket import node_tls_name
 
 NODE = str(uuid.uuid4())
 

@@ -20,8 +20,8 @@ from application.agent_messages import (
 )
 from application.commands import Delta
 from application.job_run import StreamItem
+from common.contract import OUT_OF_MEMORY
 from domain.placement import HOST_DEVICE, TIER_CPU, TIER_ONE_DEVICE
-from proto import OUT_OF_MEMORY
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
 MIB = 1 << 20

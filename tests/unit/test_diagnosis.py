@@ -139,7 +139,7 @@ def test_a_job_the_controller_ended_as_it_stopped_names_shutdown_timeout() -> No
 
 
 def test_a_device_out_of_memory_by_its_code_alone_is_the_seeds_memory_row() -> None:
-    # The agent's code (proto.OUT_OF_MEMORY), whatever the reason's words.
+    # The agent's code (common.contract.OUT_OF_MEMORY), whatever the reason's words.
     failed = job("execution", "device CUDA1 of node gpu-2: cudaMalloc failed", "out_of_memory")
     hint = classify_job_failure(failed)
     assert hint == OUT_OF_MEMORY

@@ -1,14 +1,14 @@
 """The enrollment token's form as the agent checks it before connecting
-(proto/enrollment_token_form.py): a token cut short or garbled is named as such, and its
+(common/enrollment_token_form.py): a token cut short or garbled is named as such, and its
 claims read without the secret."""
 
 from __future__ import annotations
 
 import pytest
 
+from common.enrollment_token_form import MAC_BYTES, TokenFormError, read_token
 from domain.enrollment_token import mint_token
 from domain.times import iso_time
-from proto.enrollment_token_form import MAC_BYTES, TokenFormError, read_token
 
 SECRET = b"test-secret-not-for-production-0123456789"
 CA = "ab" * 32

@@ -23,7 +23,7 @@ from infrastructure.metrics import (
     PrometheusMetrics,
 )
 from infrastructure.settings import Settings
-from interfaces.event_feed import (
+from interfaces.http.admin.event_feed import (
     EventFeed,
     FeedClosed,
     Gap,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from proto import event_loop
+from common import event_loop
 
 
 def test_run_uses_uvloop_and_a_short_switch_interval() -> None:

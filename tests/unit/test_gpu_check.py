@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.llama_backend import CPU, CUDA
+from agent.runtime.llama_backend import CPU, CUDA
 from domain.placement import (
     DEFAULT_DEVICE_RESERVE_BYTES,
     GIB,

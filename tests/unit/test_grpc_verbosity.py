@@ -1,10 +1,10 @@
-"""gRPC core's own stderr lines are off unless asked for (proto/grpc_verbosity.py)."""
+"""gRPC core's own stderr lines are off unless asked for (wire/grpc_verbosity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from proto.grpc_verbosity import (
+from wire.grpc_verbosity import (
     AGENT_VERBOSITY,
     CONTROLLER_VERBOSITY,
     DEBUG_VERBOSITY,

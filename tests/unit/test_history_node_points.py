@@ -7,7 +7,7 @@ from typing import Any
 
 from application.metrics_history import DevicePoint, NodePoint
 from application.ports import LiveNode
-from interfaces.operations_api import node_points
+from interfaces.http.admin.operations_api import node_points
 
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""How store errors become HTTP answers (``interfaces.http_errors``)."""
+"""How store errors become HTTP answers (``interfaces.http.http_errors``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from litestar import Litestar, get
 from litestar.testing import TestClient
 
 from application.store_guard import StoreUnavailable
-from interfaces.http_errors import EXCEPTION_HANDLERS
+from interfaces.http.http_errors import EXCEPTION_HANDLERS
 
 
 def answer_to(error: Exception) -> Any:

@@ -1,6 +1,6 @@
-"""Which llama.cpp backend a machine builds and runs (agent/llama_backend.py), the CMake flags
-each backend adds (ops/backend_flags.py), each backend's own build cache (ops/paths.py,
-ops/build_llama.py) and which build the agent finds (agent/llama_binaries.py). Machines are
+"""Which llama.cpp backend a machine builds and runs (agent/runtime/llama_backend.py), the CMake
+flags each backend adds (ops/backend_flags.py), each backend's own build cache (ops/paths.py,
+ops/build_llama.py) and which build the agent finds (agent/runtime/llama_binaries.py). Machines are
 fakes injected into the detection; no GPU is needed."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agent import llama_backend
-from agent.llama_backend import (
+from agent.runtime import llama_backend
+from agent.runtime.llama_backend import (
     AUTO,
     BACKENDS,
     CPU,
@@ -31,8 +31,8 @@ from agent.llama_backend import (
     nvidia_gpu_count,
     vulkan_gpu_present,
 )
-from agent.llama_binaries import default_bin_dir, find_binaries
-from agent.runtime_errors import RuntimeMissingError
+from agent.runtime.llama_binaries import default_bin_dir, find_binaries
+from agent.runtime.runtime_errors import RuntimeMissingError
 from ops import backend_flags, build_llama, paths, vulkan_headers
 from ops.paths import FetchError
 

@@ -1,5 +1,5 @@
-"""agent.llama_devices: llama.cpp's own answers about a build, parsed from outputs captured from
-real binaries (the CPU build of this repository, llama.cpp's printf formats for the others),
+"""agent.runtime.llama_devices: llama.cpp's own answers about a build, parsed from outputs captured
+from real binaries (the CPU build of this repository, llama.cpp's printf formats for the others),
 and the runners' failures (exit codes, hangs, missing files) turned into empty answers.
 
 The real binaries themselves are run in tests/e2e/test_node_devices.py."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.llama_binaries import BUILD_STAMP_NAME, RuntimeBinaries
-from agent.llama_devices import (
+from agent.runtime.llama_binaries import BUILD_STAMP_NAME, RuntimeBinaries
+from agent.runtime.llama_devices import (
     MIB,
     ListedDevice,
     LlamaProbe,

@@ -16,9 +16,9 @@ from application.agent_messages import (
 )
 from application.commands import Delta
 from application.rejections import RejectionAudit
-from interfaces.agent_bridge import job_message
-from proto import control_pb2 as pb
+from interfaces.grpc.agent_bridge import job_message
 from tests.unit.job_cluster import GUARD, Cluster, submission
+from wire import control_pb2 as pb
 
 
 def chunk(job_id: str, *seqs: int) -> pb.AgentMessage:

@@ -1,7 +1,7 @@
 """A node's model claims (issue 21, finding 3): the pure rules (domain/model_claims.py), the
 facts on the model and the proofs on the node, what the scheduler believes, the claims sweep
 (application/model_claims.py) on an in-memory store with a fake gateway and a controlled
-clock, and the agent's answer (agent/model_proof.py) from a real file."""
+clock, and the agent's answer (agent/models/model_proof.py) from a real file."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from uuid import UUID
 
 import pytest
 
-from agent.model_proof import answer as agent_answer
-from agent.model_store import ModelStore
+from agent.models.model_proof import answer as agent_answer
+from agent.models.model_store import ModelStore
 from application.commands import Enrollment
 from application.controller import Controller
 from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.read_models import eligibility_of, model_facts, proves
 from application.scheduler import Scheduler, SchedulerConfig, usable_memory
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.catalog import code_of
 from domain.errors import InvalidCommand
 from domain.model import RegisteredModel, model_id
@@ -43,10 +44,9 @@ from domain.model_claims import (
 from domain.placement import MAX_NODE_MEMORY_BYTES, MAX_SLOTS
 from infrastructure.live_state import InProcessLiveState
 from infrastructure.model_store import ControllerModelStore
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
-from proto import control_pb2 as pb
 from tests.unit.domain_builders import new_node
 from tests.unit.fakes import FakeReadModel
+from wire import control_pb2 as pb
 
 GIB = 1 << 30
 #: The model file: 40 KiB of pseudo-random bytes (ten ranges' worth).
@@ -559,8 +559,8 @@ def test_the_agent_answers_from_the_file_its_hash_cache_knows(tmp_path: Path) ->
 
 
 def _entry(stat: Any) -> Any:
-    from agent.model_store import _CacheEntry
-    from proto.gguf_metadata import GgufMetadata
+    from agent.models.model_store import _CacheEntry
+    from common.gguf_metadata import GgufMetadata
 
     return _CacheEntry.describing(stat, SHA, GgufMetadata("llama", 0, 4, 2048, 512))
 

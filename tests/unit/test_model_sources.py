@@ -1,4 +1,4 @@
-"""Which addresses a model source may be on (proto/model_sources.py), the settings that widen
+"""Which addresses a model source may be on (common/model_sources.py), the settings that widen
 it and bound the file servers, and the agent's fetch limits (its flags, their arithmetic)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.fetch_limits import MIN_READ, FetchLimits
 from agent.main import build_parser, config_from_args
-from agent.model_fetch import CHUNK
+from agent.models.fetch_limits import MIN_READ, FetchLimits
+from agent.models.model_fetch import CHUNK
+from common.model_sources import SourceRefused, check_url, parse_cidrs, refusal, resolve
 from infrastructure.settings import Settings, SettingsError
-from proto.model_sources import SourceRefused, check_url, parse_cidrs, refusal, resolve
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,10 @@ import pytest
 
 from application.commands import TransferReport
 from application.model_transfers import TransferCoordinator, TransferRefused
+from common.contract import TRANSFER_PORT_LABEL
 from domain.catalog import code_of
 from domain.errors import InvalidCommand
 from domain.model import validate_source
-from proto import TRANSFER_PORT_LABEL
 from tests.unit.job_cluster import MODEL, Cluster
 
 

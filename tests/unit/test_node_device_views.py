@@ -7,20 +7,20 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from agent.discovery import Inventory, Telemetry
-from agent.node_devices import DeviceInfo, DeviceSample
+from agent.node.discovery import Inventory, Telemetry
+from agent.node.node_devices import DeviceInfo, DeviceSample
 from application.ports import LiveNode
 from application.scheduler import node_devices
+from common.contract import DEVICE_CPU, DEVICE_GPU, HOST_DEVICE
 from domain.bounded_text import ID_MAX, bounded
-from interfaces.admin_api import node_view
-from interfaces.grpc_convert import (
+from interfaces.grpc.grpc_convert import (
     MAX_DEVICES,
     clamp_strings,
     heartbeat_to_dict,
     resources_from_report,
 )
-from proto import DEVICE_CPU, DEVICE_GPU, HOST_DEVICE
-from proto import control_pb2 as pb
+from interfaces.http.admin.admin_api import node_view
+from wire import control_pb2 as pb
 
 GIB = 1 << 30
 H100 = DeviceInfo("CUDA0", "NVIDIA H100 80GB HBM3", DEVICE_GPU, 79 * GIB, 78 * GIB, "GPU-aa", 0)

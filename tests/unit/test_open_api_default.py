@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infrastructure.settings import Settings, SettingsError
-from interfaces.cli import build_parser
+from interfaces.cli.main import build_parser
 from interfaces.controller_main import open_api_check
 
 

@@ -15,20 +15,20 @@ import pytest
 from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_params
 
-from agent import llama_server
-from agent.llama_server import ChatDelta, ChatRequest
+from agent.runtime import llama_server
+from agent.runtime.llama_server import ChatDelta, ChatRequest
 from application.commands import Delta, JobOutcome
-from interfaces import openai_tools
-from interfaces.http_errors import ApiError
-from interfaces.openai_docs import CHAT_REQUEST, COMPLETION_REQUEST, EMBEDDINGS_REQUEST
-from interfaces.openai_fields import INVALID_COMBINATION
-from interfaces.openai_legacy import (
+from interfaces.http.http_errors import ApiError
+from interfaces.http.openai import openai_tools
+from interfaces.http.openai.openai_docs import CHAT_REQUEST, COMPLETION_REQUEST, EMBEDDINGS_REQUEST
+from interfaces.http.openai.openai_fields import INVALID_COMBINATION
+from interfaces.http.openai.openai_legacy import (
     COMPLETION_FIELDS,
     EMBEDDING_FIELDS,
     parse_completion_request,
     parse_embeddings_request,
 )
-from interfaces.openai_responses import (
+from interfaces.http.openai.openai_responses import (
     Answer,
     ChatStream,
     Collected,
@@ -36,7 +36,7 @@ from interfaces.openai_responses import (
     completion,
     embeddings,
 )
-from interfaces.openai_validation import CHAT_FIELDS, CHAT_REFUSED, parse_chat_request
+from interfaces.http.openai.openai_validation import CHAT_FIELDS, CHAT_REFUSED, parse_chat_request
 
 WEATHER = {
     "type": "function",

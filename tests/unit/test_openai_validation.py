@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from interfaces.http_errors import ApiError
-from interfaces.openai_validation import SEED_MAX, SEED_MIN, parse_chat_request
+from interfaces.http.http_errors import ApiError
+from interfaces.http.openai.openai_validation import SEED_MAX, SEED_MIN, parse_chat_request
 
 
 def body(**fields: Any) -> dict[str, Any]:

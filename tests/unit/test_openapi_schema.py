@@ -10,7 +10,7 @@ from litestar.routes import HTTPRoute
 from litestar.testing import TestClient
 
 from domain.model import MODEL_NAME_PATTERN
-from interfaces.http_app import create_app
+from interfaces.http.http_app import create_app
 
 PUBLIC = {"/health", "/metrics"}
 EXPECTED = {

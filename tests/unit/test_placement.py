@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.placement import (
     GIB,
     INSUFFICIENT_MEMORY,
@@ -29,7 +30,6 @@ from domain.placement import (
     required_bytes,
 )
 from domain.split_planner import plan_placement, split_units
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
 
 SHA = "ab" * 32
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.job_messages import MODEL_NOT_FOUND, SHA256_MISMATCH, SetupFailure
-from agent.plan_model import PlanModels
+from agent.runtime.job_messages import MODEL_NOT_FOUND, SHA256_MISMATCH, SetupFailure
+from agent.runtime.plan_model import PlanModels
 from tests.unit.test_agent_model_store import write_tiny_gguf
 
 

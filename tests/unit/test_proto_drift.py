@@ -1,4 +1,4 @@
-"""The committed generated modules must match a fresh `python -m proto.generate`."""
+"""The committed generated modules must match a fresh `python -m wire.generate`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import proto
-from proto import generate as gen
+import wire
+from common import contract
+from wire import generate as gen
 
-PROTO_DIR = Path(proto.__file__).resolve().parent
+PROTO_DIR = Path(wire.__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,9 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("name", gen.GENERATED_FILES)
 def test_committed_module_matches_fresh_generation(fresh: Path, name: str) -> None:
     committed = PROTO_DIR / name
-    assert committed.is_file(), f"{committed} missing: run `python -m proto.generate`"
+    assert committed.is_file(), f"{committed} missing: run `python -m wire.generate`"
     assert committed.read_bytes() == (fresh / name).read_bytes(), (
-        f"{committed} drifted from proto/control.proto: run `python -m proto.generate` "
+        f"{committed} drifted from wire/control.proto: run `python -m wire.generate` "
         "(or `make proto`) and commit the result"
     )
 
@@ -42,9 +43,9 @@ def test_grpc_module_imports_pb2_package_relative(fresh: Path) -> None:
 
 
 def test_generated_modules_import_from_repo_root() -> None:
-    from proto import control_pb2, control_pb2_grpc
+    from wire import control_pb2, control_pb2_grpc
 
-    assert control_pb2.DESCRIPTOR.package == proto.PROTOCOL_VERSION
+    assert control_pb2.DESCRIPTOR.package == contract.PROTOCOL_VERSION
     assert hasattr(control_pb2_grpc, "ControlPlaneStub")
     assert hasattr(control_pb2_grpc, "ControlPlaneServicer")
     assert hasattr(control_pb2_grpc, "add_ControlPlaneServicer_to_server")

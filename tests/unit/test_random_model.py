@@ -9,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 
+from common.gguf_metadata import read_gguf_metadata
 from ops import random_model
 from ops.random_model import ModelError, ModelShape
-from proto.gguf_metadata import read_gguf_metadata
 
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *[f"t{i}" for i in range(61)]]
 TYPES = [3, 3, 3, *[1] * 61]

@@ -3,13 +3,13 @@ prompt longer than the context is the client's 400, not a 502)."""
 
 from __future__ import annotations
 
-from agent.llama_server import _exceeds_context, _refusal
-from agent.runtime_errors import ContextTooLong, GenerationError, RequestRejected
+from agent.runtime.llama_server import _exceeds_context, _refusal
+from agent.runtime.runtime_errors import ContextTooLong, GenerationError, RequestRejected
 from application.deadlines import STREAM_IDLE_TIMEOUT
 from application.job_manager import capped
 from application.store_guard import STORE_UNAVAILABLE
-from interfaces.openai_api import job_error
-from proto import REQUEST_REJECTED
+from common.contract import REQUEST_REJECTED
+from interfaces.http.openai.openai_api import job_error
 
 
 def test_max_tokens_is_capped_by_the_context() -> None:

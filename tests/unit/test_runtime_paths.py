@@ -15,19 +15,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import llama_binaries, llama_server
-from agent.endpoints import parse_endpoint, validate_rpc_bind_host
-from agent.llama_binaries import default_bin_dir, find_binaries
-from agent.llama_server import ChatDelta, ChatRequest
-from agent.managed_child import describe_exit
-from agent.rpc_filter import ACCEPT_FILTER_NAME
-from agent.runtime_errors import (
+from agent.runtime import llama_binaries, llama_server
+from agent.runtime.endpoints import parse_endpoint, validate_rpc_bind_host
+from agent.runtime.llama_binaries import default_bin_dir, find_binaries
+from agent.runtime.llama_server import ChatDelta, ChatRequest
+from agent.runtime.managed_child import describe_exit
+from agent.runtime.rpc_filter import ACCEPT_FILTER_NAME
+from agent.runtime.runtime_errors import (
     GenerationError,
     RuntimeMissingError,
     UnsafeBindError,
     key_error_line,
 )
-from agent.server_spec import ServerSpec
+from agent.runtime.server_spec import ServerSpec
 from ops import build_llama, fetch_model, paths
 from ops.paths import FetchError
 

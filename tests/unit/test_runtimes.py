@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.placement import (
     MIB,
@@ -18,7 +19,6 @@ from domain.placement import (
 from domain.runtimes import runtime_of, warm_choice
 from domain.split_planner import plan_placement
 from domain.states import NodeState
-from proto import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.unit.domain_builders import ready_node
 
 SHA = "ab" * 32

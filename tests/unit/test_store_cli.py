@@ -1,5 +1,5 @@
-"""``dacp models add PATH`` and ``dacp models unstore NAME`` (interfaces/store_cli.py) through
-``interfaces.cli.main``, with DACP_VAR_DIR and MODEL_STORE_DIR under tmp_path and no
+"""``dacp models add PATH`` and ``dacp models unstore NAME`` (interfaces/cli/store_cli.py) through
+``interfaces.cli.main.main``, with DACP_VAR_DIR and MODEL_STORE_DIR under tmp_path and no
 DATABASE_URL (SQLite in the var directory), on tiny GGUF files written with ``gguf``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from domain.catalog import code_of
 from domain.model import model_id
 from infrastructure import model_store
 from infrastructure.persistence import persistence_env
-from interfaces import cli
+from interfaces.cli import main as cli
 from tests.unit.fakes import FakeReadModel
 from tests.unit.test_agent_model_store import write_tiny_gguf
 

@@ -16,11 +16,11 @@ import pytest
 
 from application.commands import TransferSource
 from application.model_transfers import TransferCoordinator, TransferRefused
+from common.transfer_ticket import CONTROLLER_SOURCE_ID
 from infrastructure import tls as tls_module
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
 from interfaces import model_store_server
-from proto.transfer_ticket import CONTROLLER_SOURCE_ID
 from tests.unit.job_cluster import MODEL, Cluster
 from tests.unit.test_model_transfers import lacking, serving
 

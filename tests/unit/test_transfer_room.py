@@ -1,4 +1,4 @@
-"""Room for model files (application/model_transfers.py, agent/model_fetch.py models_room): a
+"""Room for model files (application/model_transfers.py, agent/models/model_fetch.py models_room): a
 node whose agent says the model does not fit (its disk, or --models-disk-limit) is not asked
 to fetch it on demand, and an operator's pull onto it is refused saying why; a node whose
 fetch failed is left alone for a while, so the next requests do not repeat the failure. In
@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from agent.model_fetch import DISK_RESERVE_BYTES, models_room
+from agent.models.model_fetch import DISK_RESERVE_BYTES, models_room
 from application.commands import TransferReport
 from application.model_transfers import (
     FAILED_COOLDOWN_SECONDS,
     TransferCoordinator,
     TransferRefused,
 )
+from common.contract import TRANSFER_PORT_LABEL
 from domain.node import resources_differ
-from interfaces.grpc_convert import inventory_to_dict
-from proto import TRANSFER_PORT_LABEL
-from proto import control_pb2 as pb
+from interfaces.grpc.grpc_convert import inventory_to_dict
 from tests.unit.job_cluster import MODEL, Cluster
+from wire import control_pb2 as pb
 
 SIZE = 100 << 20  # what job_cluster's nodes report for MODEL
 
@@ -127,7 +127,7 @@ def test_the_agent_reports_the_room_its_disk_and_limit_leave(
 ) -> None:
     disk_free = DISK_RESERVE_BYTES + 50_000  # a disk the test controls: 50,000 bytes of room
     monkeypatch.setattr(
-        "agent.model_fetch.shutil.disk_usage", lambda path: SimpleNamespace(free=disk_free)
+        "agent.models.model_fetch.shutil.disk_usage", lambda path: SimpleNamespace(free=disk_free)
     )
     models = tmp_path / "models"
     models.mkdir()

@@ -12,8 +12,8 @@ from application.commands import FetchRequest, TransferReport, TransferSource
 from application.diagnosis import MODEL_TRANSFER, diagnose, transfer_history, transfer_line
 from application.read_models import TRANSFER_FAILURES_KEPT, project_node
 from application.timeline import size_text, source_text, state_of, summarize, timeline
-from interfaces.admin_api import node_view
-from interfaces.events_cli import diagnosis_text
+from interfaces.cli.events_cli import diagnosis_text
+from interfaces.http.admin.admin_api import node_view
 from tests.unit.job_cluster import Cluster
 
 SHA = "a" * 64

@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 
-from agent.llama_backend import VULKAN
+from agent.runtime.llama_backend import VULKAN
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
 

@@ -1,0 +1,1 @@
+"""Model files on this node: the local store, fetches, proofs and transfers."""

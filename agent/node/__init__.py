@@ -1,0 +1,1 @@
+"""What this node is and has: identity, TLS, hardware, devices and its inventory."""

@@ -1,0 +1,184 @@
+"""What the agent's job handler says and parses: SetupResult/JobResult error codes and
+messages, token deltas, generation statistics, and the request the controller's plan carries."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.control.control_handler import Send
+from agent.runtime.llama_server import ChatRequest
+from agent.runtime.runtime_errors import (
+    ContextTooLong,
+    LlamaRuntimeError,
+    RequestRejected,
+    RuntimeCrashedError,
+)
+from common.contract import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
+from wire import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# SetupResult / JobResult error codes.
+MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+SHA256_MISMATCH = "SHA256_MISMATCH"
+RPC_PEER_UNREACHABLE = "RPC_PEER_UNREACHABLE"
+RUNTIME_START_FAILED = "RUNTIME_START_FAILED"
+RUNTIME_BUSY = "RUNTIME_BUSY"
+INVALID_PLAN = "INVALID_PLAN"
+JOB_ALREADY_RUNNING = "JOB_ALREADY_RUNNING"
+AGENT_STOPPING = "AGENT_STOPPING"
+RUNTIME_CRASHED = "RUNTIME_CRASHED"
+GENERATION_FAILED = "GENERATION_FAILED"
+CANCELLED = "CANCELLED"
+#: A job the controller resumes after a reconnect that this agent does not run (restarted).
+JOB_LOST = "JOB_LOST"
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+class SetupFailure(Exception):
+    """Setup and validation failed; becomes ``SetupResult{ok=false}``."""
+
+    def __init__(
+        self,
+        error_code: str,
+        message: str,
+        *,
+        failed_node_id: str = "",
+        failed_device: str = "",
+        failed_bytes: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+        self.message = message
+        self.failed_node_id = failed_node_id
+        #: An out-of-memory: the device (as its node's llama.cpp names it) and bytes asked.
+        self.failed_device = failed_device
+        self.failed_bytes = failed_bytes
+
+
+class DeltaSender:
+    """Sends one job's text pieces in order, each at once as its own ``TokenChunk``.
+
+    :meth:`push` numbers a piece (``seq`` from 0, no gaps). The session's ``send`` only queues
+    the message; its write loop merges chunks that queue up behind a pending gRPC write.
+    """
+
+    def __init__(self, job_id: str, send: Send) -> None:
+        self.job_id = job_id
+        self._send = send
+        self.next_seq = 0
+
+    async def push(self, text: str, tokens: int = 1, extra: str = "") -> None:
+        delta = pb.Delta(seq=self.next_seq, text=text, tokens=tokens, extra_json=extra)
+        self.next_seq += 1
+        chunk = pb.TokenChunk(job_id=self.job_id, deltas=[delta])
+        await self._send(pb.AgentMessage(token_chunk=chunk))
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    tokens_per_second: float
+
+
+def generation_stats(
+    *,
+    started: float,
+    first_piece: float | None,
+    last_piece: float | None,
+    pieces: int,
+    usage_prompt_tokens: int | None = None,
+    usage_completion_tokens: int | None = None,
+    timings_prompt_tokens: int | None = None,
+    timings_prompt_ms: float | None = None,
+    timings_predicted_tokens: int | None = None,
+    timings_predicted_ms: float | None = None,
+) -> GenerationStats:
+    """Usage and speed of one generation: llama-server's numbers when it sent them, else
+    what the agent measured (``time.monotonic()`` seconds; ``pieces`` streamed text pieces)."""
+    completion = usage_completion_tokens
+    if completion is None:
+        completion = timings_predicted_tokens if timings_predicted_tokens is not None else pieces
+    prompt = usage_prompt_tokens
+    if prompt is None:
+        prompt = timings_prompt_tokens or 0
+    if timings_prompt_ms is not None and timings_prompt_ms > 0:
+        ttft_ms = timings_prompt_ms
+    elif first_piece is not None:
+        ttft_ms = (first_piece - started) * 1000.0
+    else:
+        ttft_ms = 0.0
+    if timings_predicted_ms and timings_predicted_tokens:
+        tps = timings_predicted_tokens * 1000.0 / timings_predicted_ms
+    elif first_piece is not None and last_piece is not None and pieces > 1:
+        elapsed = last_piece - first_piece
+        tps = (pieces - 1) / elapsed if elapsed > 0 else 0.0
+    else:
+        tps = 0.0
+    return GenerationStats(
+        prompt_tokens=max(0, prompt),
+        completion_tokens=max(0, completion),
+        time_to_first_token_ms=max(0.0, ttft_ms),
+        tokens_per_second=max(0.0, tps),
+    )
+
+
+def parse_messages(messages_json: str) -> list[dict[str, Any]]:
+    """The plan's chat messages; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
+    try:
+        messages = json.loads(messages_json) if messages_json else None
+    except ValueError as exc:
+        raise SetupFailure(INVALID_PLAN, f"generation.messages_json is not JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise SetupFailure(INVALID_PLAN, "generation.messages_json must be a non-empty list")
+    if not all(isinstance(message, dict) for message in messages):
+        raise SetupFailure(INVALID_PLAN, "every chat message must be a JSON object")
+    return messages
+
+
+def parse_options(options_json: str) -> dict[str, Any]:
+    """The plan's extra request fields; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
+    try:
+        options = json.loads(options_json) if options_json else {}
+    except ValueError as exc:
+        raise SetupFailure(INVALID_PLAN, f"generation.options_json is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise SetupFailure(INVALID_PLAN, "generation.options_json must be a JSON object")
+    return options
+
+
+def chat_request(
+    generation: pb.GenerationParams, messages: Sequence[Mapping[str, Any]]
+) -> ChatRequest:
+    return ChatRequest(
+        messages=messages,
+        max_tokens=generation.max_tokens or None,
+        temperature=generation.temperature if generation.HasField("temperature") else None,
+        top_p=generation.top_p if generation.HasField("top_p") else None,
+        stop=list(generation.stop) or None,
+        seed=generation.seed if generation.HasField("seed") else None,
+        endpoint=generation.endpoint,
+        options=parse_options(generation.options_json),
+    )
+
+
+def failure_of(exc: LlamaRuntimeError) -> tuple[str, str]:
+    """A generation's failure as ``(error_code, message)``: a crash, the request's fault (its
+    prompt too long, or refused as invalid), or another failure of generation."""
+    if isinstance(exc, RuntimeCrashedError):
+        return RUNTIME_CRASHED, str(exc)
+    if isinstance(exc, ContextTooLong):
+        return CONTEXT_LENGTH_EXCEEDED, str(exc)
+    if isinstance(exc, RequestRejected):
+        return REQUEST_REJECTED, str(exc)
+    return GENERATION_FAILED, str(exc)

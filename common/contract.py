@@ -1,0 +1,80 @@
+"""The contract: what the controller and its agents both hold to, besides the messages
+themselves (``wire/control.proto``): the protocol version, reserved labels, message size limits,
+job error codes, device kinds, default peer networks and the controller's TLS name.
+
+Both programs import it; it imports nothing of theirs (see docs/architecture.md, 'Layers').
+"""
+
+# The proto package name; bump it (and the package) only for wire-incompatible changes.
+PROTOCOL_VERSION = "dacp.control.v1"
+
+# Reserved ``NodeInventory.labels`` keys, part of the wire contract (the proto has no fields):
+# the node's capacity in concurrent jobs, and the memory (bytes) the agent offers to the
+# scheduler (absent: no limit beyond the hardware).
+SLOTS_LABEL = "dacp.slots"
+MEMORY_LIMIT_LABEL = "dacp.memory_limit_bytes"
+# ... and the port of its model file server (absent: the node serves no model files).
+TRANSFER_PORT_LABEL = "dacp.transfer_port"
+
+# The largest message an agent may send (token chunks, results and reports are far smaller).
+MAX_CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024
+# What the controller's gRPC server lets in: larger than the limit, so that an agent message
+# between the two is refused alone (MessageRejected) and its stream goes on; only a message
+# beyond this one breaks the stream (gRPC's RESOURCE_EXHAUSTED).
+CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
+# What an agent lets in, and so the largest message the controller sends: an execution plan
+# carries the whole request, so the HTTP body limit (MAX_REQUEST_BYTES) stays below this by
+# PLAN_OVERHEAD_BYTES, and no request can break a node's stream.
+AGENT_RECEIVE_BYTES = 64 * 1024 * 1024
+PLAN_OVERHEAD_BYTES = 1024 * 1024
+
+# JobResult.error_code of a request whose prompt does not fit the model's context: the client's
+# error (HTTP 400, OpenAI's code), not the node's.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# JobResult.error_code of a request llama-server refused as invalid (HTTP 400 there, and here).
+REQUEST_REJECTED = "invalid_request"
+# The codes above are the client's errors: the job ends JOB_REJECTED, never counted against a node.
+CLIENT_ERROR_CODES = frozenset({CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED})
+# SetupResult / RpcWorkerStatus / JobResult .error_code of a participant whose device ran out of
+# memory (llama.cpp's output says so, on any backend): before the first token the controller
+# re-plans with that device's budget lowered; after it the client gets HTTP 503 with this code.
+OUT_OF_MEMORY = "out_of_memory"
+
+# Device kinds (Device.kind in inventories) and the host's CPU as llama.cpp names it (its
+# buffer type, ``ggml-rpc-server -d CPU``): the agent lists it last among its devices, and the
+# controller plans a node's host memory under that name.
+DEVICE_GPU = "gpu"
+DEVICE_CPU = "cpu"
+HOST_DEVICE = "CPU"
+
+# Addresses a node may have and RPC peers may come from, unless the operator says otherwise
+# (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
+# and unique-local ranges.
+DEFAULT_ALLOWED_PEER_CIDRS: tuple[str, ...] = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "127.0.0.0/8",
+    "::1/128",
+    "fc00::/7",
+)
+
+# The name in every certificate the controller issues itself: an agent that pinned the
+# controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
+CONTROLLER_TLS_NAME = "dacp-controller"
+
+__all__ = [
+    "AGENT_RECEIVE_BYTES",
+    "CLIENT_ERROR_CODES",
+    "CONTEXT_LENGTH_EXCEEDED",
+    "CONTROLLER_RECEIVE_BYTES",
+    "CONTROLLER_TLS_NAME",
+    "DEFAULT_ALLOWED_PEER_CIDRS",
+    "MAX_CONTROL_MESSAGE_BYTES",
+    "MEMORY_LIMIT_LABEL",
+    "PLAN_OVERHEAD_BYTES",
+    "PROTOCOL_VERSION",
+    "REQUEST_REJECTED",
+    "SLOTS_LABEL",
+    "TRANSFER_PORT_LABEL",
+]

@@ -1,0 +1,1 @@
+"""``dacp``: the controller's command line."""

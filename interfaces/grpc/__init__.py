@@ -1,0 +1,1 @@
+"""The control channel's controller end: gRPC servicer and protobuf bridge."""

@@ -1,0 +1,1 @@
+"""The controller's HTTP side: the Litestar app, its keys, errors and OpenAPI."""

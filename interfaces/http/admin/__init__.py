@@ -1,0 +1,1 @@
+"""The admin API, /metrics and the operator dashboard."""

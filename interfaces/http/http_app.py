@@ -1,0 +1,118 @@
+"""The Litestar application: OpenAI-compatible API, admin API, health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Litestar, Router
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+
+from application.job_manager import JobManager
+from application.metrics_history import MetricsHistory
+from application.model_claims import ModelClaims
+from application.model_transfers import TransferCoordinator
+from application.version import CONTROLLER_VERSION
+from infrastructure.metrics import PrometheusMetrics
+from infrastructure.settings import DEFAULT_MAX_REQUEST_BYTES
+from interfaces.http.admin.admin_api import AdminRoutes, health
+from interfaces.http.admin.admin_jobs_api import AdminJobRoutes
+from interfaces.http.admin.event_feed import EventFeed, event_stream
+from interfaces.http.admin.models_api import AdminModelRoutes
+from interfaces.http.admin.operations_api import operations_handlers
+from interfaces.http.http_errors import EXCEPTION_HANDLERS, not_running
+from interfaces.http.openai.openai_api import (
+    chat_completions,
+    completions,
+    create_embeddings,
+    get_model,
+    list_models,
+)
+from interfaces.services import Provided, Services
+
+BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
+
+
+def _body_limit(services: Services | None) -> int:
+    """MAX_REQUEST_BYTES (the default for an app built without services: the schema)."""
+    return (
+        services.settings.max_request_bytes if services is not None else DEFAULT_MAX_REQUEST_BYTES
+    )
+
+
+def dependencies(services: Services | None) -> dict[str, Provide]:
+    """What handlers declare by name: ``svc`` (the services: 503 in an app built without
+    them), and each running part, None where this app runs without it (the route says so)."""
+
+    def svc() -> Services:
+        if services is None:
+            raise not_running("the controller's services are not running")
+        return services
+
+    def jobs() -> JobManager | None:
+        return services.jobs if services is not None else None
+
+    def transfers() -> TransferCoordinator | None:
+        return services.transfers if services is not None else None
+
+    def claims() -> ModelClaims | None:
+        return services.claims if services is not None else None
+
+    def metrics() -> PrometheusMetrics | None:
+        return services.metrics if services is not None else None
+
+    def feed() -> EventFeed | None:
+        return services.feed if services is not None else None
+
+    def history() -> MetricsHistory | None:
+        return services.history if services is not None else None
+
+    return {
+        provider.__name__: Provide(provider, sync_to_thread=False)
+        for provider in (svc, jobs, transfers, claims, metrics, feed, history)
+    }
+
+
+def create_app(services: Services | None, extra_handlers: list[Any] | None = None) -> Litestar:
+    app = Litestar(
+        route_handlers=[
+            health,
+            AdminRoutes,
+            AdminModelRoutes,
+            AdminJobRoutes,
+            # The OpenAI routes check AI_API_KEY in their guard; the router documents it.
+            Router(
+                "/",
+                route_handlers=[
+                    chat_completions,
+                    completions,
+                    create_embeddings,
+                    list_models,
+                    get_model,
+                ],
+                security=BEARER,
+            ),
+            event_stream,
+            *operations_handlers(),
+            *(extra_handlers or []),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        dependencies=dependencies(services),
+        # Modules that import Services for type checking only (it holds their parts).
+        signature_namespace={"Services": Services, "Provided": Provided},
+        openapi_config=OpenAPIConfig(
+            title="Distributed AI Compute Platform",
+            version=CONTROLLER_VERSION,
+            components=Components(
+                security_schemes={
+                    "BearerAuth": SecurityScheme(type="http", scheme="bearer"),
+                }
+            ),
+        ),
+        debug=False,
+        # Larger bodies are refused before they are read: 413 in OpenAI's error shape.
+        request_max_body_size=_body_limit(services),
+    )
+    app.state.services = services  # for the guards (interfaces.http.http_auth.services_of)
+    return app

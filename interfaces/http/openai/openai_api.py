@@ -1,0 +1,432 @@
+"""The OpenAI-compatible API: ``POST /v1/chat/completions``, ``/v1/completions`` and
+``/v1/embeddings``, ``GET /v1/models`` and ``/v1/models/{id}``.
+
+Requests are validated field by field (:mod:`interfaces.http.openai.openai_validation`,
+:mod:`interfaces.http.openai.openai_legacy`); answers are built by
+:mod:`interfaces.http.openai.openai_responses`. No response header is sent before the job's first
+token or its failure, so errors keep their real status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import orjson
+from litestar import Request, Response, get, post
+from litestar.params import PathParameter
+from litestar.response import Stream
+
+from application.admission import CapacityError
+from application.commands import JobOutcome, Submission
+from application.context_guard import ContextLengthExceeded
+from application.deadlines import DEADLINE_CODES
+from application.job_manager import JobManager
+from application.job_run import JobRun, StreamItem
+from application.model_transfers import TransferCoordinator
+from application.read_models import proven_holders
+from application.store_guard import STORE_UNAVAILABLE
+from application.timeline import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX, answer_id
+from common.contract import CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJECTED
+from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
+from domain.states import NodeState
+from interfaces.http.http_auth import inference_guard
+from interfaces.http.http_docs import ApiOperation, errors, success
+from interfaces.http.http_errors import ApiError, not_running
+from interfaces.http.openai.openai_docs import (
+    ChatCompletion,
+    ChatCompletionOperation,
+    Completion,
+    CompletionOperation,
+    Embeddings,
+    EmbeddingsOperation,
+    ModelCard,
+    ModelCards,
+)
+from interfaces.http.openai.openai_legacy import (
+    parse_completion_request,
+    parse_embeddings_request,
+    prompt_of,
+)
+from interfaces.http.openai.openai_responses import (
+    Answer,
+    ChatStream,
+    Collected,
+    CompletionStream,
+    chat_message,
+    collect,
+    completion,
+    embeddings,
+    stream_events,
+)
+from interfaces.http.openai.openai_validation import parse_chat_request
+from interfaces.services import Provided, Services
+
+log = logging.getLogger(__name__)
+
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+def _running(jobs: JobManager | None) -> JobManager:
+    if jobs is None:
+        raise not_running("the job manager is not running")
+    return jobs
+
+
+def _spawn(coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+#: Node states in which a node that holds a model's file can serve it now.
+_SERVING = {NodeState.READY.value, NodeState.BUSY.value, NodeState.DEGRADED.value}
+
+
+async def _cards(svc: Services, transfers: TransferCoordinator | None) -> list[ModelCard]:
+    models, nodes = await asyncio.gather(
+        asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
+    )
+    serving = [n for n in nodes if n["state"] in _SERVING and not n.get("drain_requested")]
+    rows = {n["node_id"]: n for n in nodes}
+
+    def held(row: dict[str, Any]) -> bool:
+        """A node in service proved it holds the file (a node's report alone is not)."""
+        holders = proven_holders(row, rows, frozenset(_SERVING))
+        return any(not n.get("drain_requested") for n in holders)
+
+    def fetchable(row: dict[str, Any]) -> bool:
+        """Only the controller's store holds the file: a node in service fetches it first."""
+        return bool(serving) and transfers is not None and transfers.stores(row)
+
+    return [
+        {
+            "id": r["name"],
+            "object": "model",
+            "created": int(_epoch(r["registered_at"])),
+            "owned_by": "dacp",
+            "kind": r.get("kind") or CHAT,
+            "available": held(r) or fetchable(r),
+        }
+        for r in models
+    ]
+
+
+@get(
+    "/v1/models",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary=(
+        "List registered models (`available`: some node in service holds the file now, or "
+        "can fetch it from the controller's model store)"
+    ),
+    operation_class=ApiOperation,
+    responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
+)
+async def list_models(
+    svc: Provided[Services], transfers: Provided[TransferCoordinator | None]
+) -> dict[str, Any]:
+    return {"object": "list", "data": await _cards(svc, transfers)}
+
+
+@get(
+    "/v1/models/{model:path}",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="One registered model",
+    operation_class=ApiOperation,
+    responses={
+        **success(ModelCard, "The model"),
+        **errors(400, 401, (404, "Unknown model (`model_not_found`)"), 503),
+    },
+)
+async def get_model(
+    svc: Provided[Services],
+    transfers: Provided[TransferCoordinator | None],
+    model: Annotated[
+        str,
+        PathParameter(description=f"The model's name (`{MODEL_NAME_PATTERN}`; it may hold `/`)"),
+    ],
+) -> ModelCard:
+    name = model.removeprefix("/")
+    for card in await _cards(svc, transfers):
+        if card["id"] == name:
+            return card
+    raise ApiError(
+        404,
+        f"The model `{name}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _epoch(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def job_error(message: str, code: str) -> ApiError:
+    """A failed job as an OpenAI error: a prompt longer than the context is the request's
+    fault (400 ``context_length_exceeded``, param ``messages``); a missed deadline is 504; the
+    store going away is 503 ``store_unavailable`` with Retry-After, a device out of memory
+    503 ``out_of_memory``; any other failure of generation is 502."""
+    if code == CONTEXT_LENGTH_EXCEEDED:
+        return ApiError(
+            400,
+            f"the messages do not fit the model's context: {message}",
+            param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    if code == REQUEST_REJECTED:
+        return ApiError(400, f"the model's server refused the request: {message}", code=code)
+    if code == STORE_UNAVAILABLE:
+        return ApiError(503, message, type_="server_error", code=code, headers={"Retry-After": "2"})
+    if code == OUT_OF_MEMORY:
+        # A device ran out of memory after the job started: the cluster's fault, and the next
+        # plan gives that device less (application/device_budgets.py), so a retry may succeed.
+        return ApiError(503, message, type_="server_error", code=code, headers={"Retry-After": "2"})
+    status = 504 if code in DEADLINE_CODES else 502
+    return ApiError(status, message, type_="server_error", code=code)
+
+
+_CHAT_ERRORS = errors(
+    400,
+    401,
+    (404, "Unknown model (`model_not_found`), or one for another endpoint"),
+    (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
+    502,
+    503,
+    504,
+)
+
+
+@post(
+    "/v1/chat/completions",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="Create a chat completion, optionally streamed as server-sent events",
+    status_code=200,
+    operation_class=ChatCompletionOperation,
+    responses={
+        **success(ChatCompletion, "The completion (JSON), or with `stream: true` its chunks"),
+        **_CHAT_ERRORS,
+    },
+)
+async def chat_completions(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
+    submission = parse_chat_request(await _body(request))
+    return await _generate(
+        svc, jobs, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
+    )
+
+
+@post(
+    "/v1/completions",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="Create a (legacy) completion of a prompt, optionally streamed",
+    status_code=200,
+    operation_class=CompletionOperation,
+    responses={
+        **success(Completion, "The completion (JSON), or with `stream: true` its chunks"),
+        **_CHAT_ERRORS,
+    },
+)
+async def completions(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
+    submission = parse_completion_request(await _body(request))
+    return await _generate(
+        svc, jobs, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
+    )
+
+
+@post(
+    "/v1/embeddings",
+    guards=[inference_guard],
+    tags=["openai"],
+    summary="Embed a batch of inputs with an embedding model",
+    status_code=200,
+    operation_class=EmbeddingsOperation,
+    responses={**success(Embeddings, "One vector per input, in order"), **_CHAT_ERRORS},
+)
+async def create_embeddings(
+    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+) -> Response[Any]:
+    submission, encoding = parse_embeddings_request(await _body(request))
+    started = await _started(svc, jobs, request, submission, EMBEDDING)
+    if isinstance(started, Response):
+        return started
+    manager, run, first = started
+    _, outcome = await _collected(manager, run, first)
+    return Response(embeddings(submission.model, outcome, encoding))
+
+
+async def _generate(
+    svc: Services,
+    jobs: JobManager | None,
+    request: Request[Any, Any, Any],
+    submission: Submission,
+    prefix: str,
+    events: type[ChatStream] | type[CompletionStream],
+    answer_of: Callable[[Answer, Collected, JobOutcome], dict[str, Any]],
+) -> Response[Any]:
+    """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``."""
+    started = await _started(svc, jobs, request, submission, CHAT)
+    if isinstance(started, Response):
+        return started
+    manager, run, first = started
+    answer = Answer(
+        answer_id(prefix, run.job_id),
+        int(time.time()),
+        submission.model,
+        include_usage=bool(submission.params.get("include_usage")),
+        forced_tools=submission.params.get("forced_tools"),
+        top_logprobs=submission.params.get("top_logprobs"),
+    )
+    if submission.stream:
+        return _events(manager, run, first, events(answer))
+    collected, outcome = await _collected(manager, run, first, answer.top_logprobs)
+    return Response(answer_of(answer, collected, outcome))
+
+
+async def _body(request: Request[Any, Any, Any]) -> Any:
+    raw = await request.body()  # at most MAX_REQUEST_BYTES: Litestar refuses more (413)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
+    # A name no model can have is not looked up (a NUL byte would break a Postgres query).
+    model = None
+    if is_model_name(name):
+        model = await asyncio.to_thread(svc.read_model.get_model, name)
+    if model is None:
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+    if (model.get("kind") or CHAT) != kind:
+        use = "/v1/embeddings" if kind == CHAT else "/v1/chat/completions or /v1/completions"
+        # OpenAI answers a model used on the wrong endpoint with 404 too.
+        raise ApiError(
+            404,
+            f"The model `{name}` is {'an embedding' if kind == CHAT else 'a chat'} model: "
+            f"use it with {use}",
+            param="model",
+            code="model_not_supported",
+        )
+    return model
+
+
+async def _started(
+    svc: Services,
+    jobs: JobManager | None,
+    request: Request[Any, Any, Any],
+    submission: Submission,
+    kind: str,
+) -> tuple[JobManager, JobRun, StreamItem] | Response[Any]:
+    """The job, admitted and with its first stream item (or its failure raised); a 499
+    response when the client left first."""
+    model = await _model(svc, submission.model, kind)
+    prompt = prompt_of(submission)
+    if prompt is not None:
+        try:
+            await svc.context_guard.check(model, prompt)
+        except ContextLengthExceeded as e:
+            raise ApiError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED) from e
+    manager = _running(jobs)  # after the checks a request fails without a job manager
+    admitted = asyncio.ensure_future(_admit(manager, submission, model))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({admitted, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down: the job goes with it
+        admitted.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not admitted.done():
+        # The client went away while queued or in setup: the job ends as JOB_CANCELLED and
+        # takes no slot. Nobody reads this response.
+        admitted.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await admitted
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        run, first = admitted.result()
+    except CapacityError as e:
+        raise ApiError(
+            503,
+            f"no capacity for model {submission.model}: {e}",
+            type_="server_error",
+            code=e.code,
+            headers={"Retry-After": str(e.retry_after)},
+        ) from e
+    if first.kind == "error":  # nothing was sent yet: the failure keeps its real status
+        raise job_error(first.error, first.error_code)
+    return manager, run, first
+
+
+def _events(
+    jobs: JobManager, run: JobRun, first: StreamItem, events: ChatStream | CompletionStream
+) -> Stream:
+    def abandon() -> None:
+        _spawn(jobs.cancel(run.job_id, "client disconnected"))
+
+    return Stream(
+        stream_events(run, first, events, abandon),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _collected(
+    jobs: JobManager, run: JobRun, first: StreamItem, top: int | None = None
+) -> tuple[Collected, JobOutcome]:
+    finished = False
+    try:
+        result = await collect(run, first, job_error, top)
+        finished = True
+        return result
+    except ApiError:
+        finished = True
+        raise
+    finally:
+        if not finished:
+            _spawn(jobs.cancel(run.job_id, "client disconnected"))
+
+
+#: nginx's "client closed request": logged when a client leaves before any byte is sent.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _admit(
+    jobs: JobManager, submission: Submission, model: dict[str, Any]
+) -> tuple[JobRun, StreamItem]:
+    """Starts the job (queueing if need be) and waits for its first stream item, so that no
+    response header is sent before the request is known to succeed or how it failed."""
+    run = await jobs.start(submission, model)
+    try:
+        return run, await run.queue.get()
+    except asyncio.CancelledError:
+        _spawn(jobs.cancel(run.job_id, "client disconnected before the first token"))
+        raise
+
+
+async def _client_gone(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
