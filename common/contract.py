@@ -5,6 +5,8 @@ job error codes, device kinds, default peer networks and the controller's TLS na
 Both programs import it; it imports nothing of theirs (see docs/architecture.md, 'Layers').
 """
 
+from enum import StrEnum
+
 # The proto package name; bump it (and the package) only for wire-incompatible changes.
 PROTOCOL_VERSION = "dacp.control.v1"
 
@@ -77,4 +79,15 @@ __all__ = [
     "REQUEST_REJECTED",
     "SLOTS_LABEL",
     "TRANSFER_PORT_LABEL",
+    "Endpoint",
 ]
+
+
+class Endpoint(StrEnum):
+    """Which OpenAI endpoint a job serves: what the controller validated the request as, and
+    what the agent asks its ``llama-server`` for (``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/embeddings``)."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
