@@ -11,7 +11,7 @@ from uuid import UUID
 from interfaces.controller_main import RunningController
 from tests.integration.control_client import RawSession
 from tests.integration.test_control_plane import codes, connected_node, target, wait_for
-from tests.integration.test_job_flow import AI, ctl, http, register, slow_primary, synced
+from tests.integration.test_job_flow import chat_stream, ctl, slow_primary, synced
 from wire import control_pb2 as pb
 
 __all__ = ["ctl"]  # the fixture
@@ -53,21 +53,14 @@ async def test_a_job_that_outlasts_the_drain_is_lost_with_the_drains_reason(
     a = await slow_primary(ctl)
     assert a.session is not None
     reason = "its drain timed out after 1 s with 1 job(s) running"
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream(
-            "POST",
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
-        ) as r:
-            lines = []
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 6:
-                    stopping = pb.Stopping(drain_timeout_seconds=1)
-                    await a.session.send(pb.AgentMessage(stopping=stopping))
-                    await a.session.close(reason)
+    async with chat_stream(ctl) as r:
+        lines = []
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                stopping = pb.Stopping(drain_timeout_seconds=1)
+                await a.session.send(pb.AgentMessage(stopping=stopping))
+                await a.session.close(reason)
     errors = [line for line in lines if '"error"' in line]
     assert errors and f"its agent stopped ({reason})" in errors[0]
     [row] = synced(ctl).services.read_model.list_jobs()
@@ -98,19 +91,12 @@ async def test_a_job_that_ends_right_before_the_goodbye_completes_and_is_not_los
             await session.outbox.put(None)  # the agent ends its stream
 
     session.send = goodbye_after_the_result  # type: ignore[method-assign]
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream(
-            "POST",
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
-        ) as r:
-            lines = []
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 2:
-                    await send(pb.AgentMessage(stopping=pb.Stopping(drain_timeout_seconds=60)))
+    async with chat_stream(ctl) as r:
+        lines = []
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 2:
+                await send(pb.AgentMessage(stopping=pb.Stopping(drain_timeout_seconds=60)))
     assert "data: [DONE]" in lines and not [line for line in lines if '"error"' in line]
     [row] = synced(ctl).services.read_model.list_jobs()
     node_id = row["nodes"][0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -26,6 +27,7 @@ from wire import control_pb2 as pb
 SHA = "ab" * 32
 AI = {"Authorization": "Bearer test-ai-key"}
 ADMIN = {"Authorization": "Bearer test-admin-key"}
+CHAT_X = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
 
 
 @pytest.fixture
@@ -56,6 +58,15 @@ async def register(ctl: RunningController, client: httpx.AsyncClient) -> None:
 
 def http(ctl: RunningController) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=20)
+
+
+@asynccontextmanager
+async def chat_stream(ctl: RunningController) -> AsyncIterator[httpx.Response]:
+    """The model registered, then one streamed chat request ("x" to model "m") open."""
+    async with http(ctl) as client:
+        await register(ctl, client)
+        async with client.stream("POST", "/v1/chat/completions", headers=AI, json=CHAT_X) as r:
+            yield r
 
 
 async def slow_primary(ctl: RunningController, words: int = 200) -> FakeAgent:
@@ -201,17 +212,10 @@ async def test_setup_failure_everywhere_gives_503(ctl: RunningController) -> Non
 
 async def test_client_disconnect_cancels(ctl: RunningController) -> None:
     a = await slow_primary(ctl)
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream(
-            "POST",
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
-        ) as r:
-            async for line in r.aiter_lines():
-                if '"content":" w' in line:
-                    break
+    async with chat_stream(ctl) as r:
+        async for line in r.aiter_lines():
+            if '"content":" w' in line:
+                break
     deadline = time.monotonic() + 10
     while True:
         jobs = ctl.services.read_model.list_jobs()
@@ -228,19 +232,12 @@ async def test_primary_lost_during_execution_fails_job_and_client_sees_error(
     ctl: RunningController,
 ) -> None:
     a = await slow_primary(ctl)
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream(
-            "POST",
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
-        ) as r:
-            lines = []
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 6:
-                    await a.stop()
+    async with chat_stream(ctl) as r:
+        lines = []
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                await a.stop()
     errors = [line for line in lines if '"error"' in line]
     assert errors and "lost during execution" in errors[0]
     jobs = synced(ctl).services.read_model.list_jobs()
