@@ -79,8 +79,6 @@ from agent.runtime.job_messages import (
 )
 from agent.runtime.llama_binaries import RuntimeBinaries
 from agent.runtime.llama_server import (
-    COMPLETIONS,
-    EMBEDDINGS,
     ChatRequest,
     EmbeddingsRequest,
     LlamaServer,
@@ -95,7 +93,7 @@ from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime import RuntimeManager
 from agent.runtime.runtime_errors import LlamaRuntimeError
 from agent.runtime.server_spec import ServerSpec, server_spec_for
-from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, OUT_OF_MEMORY
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, OUT_OF_MEMORY, Endpoint
 from wire import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -287,7 +285,7 @@ class LlamaHandler:
                     )
                 )
                 job.phase = "execution"
-                if plan.generation.endpoint == EMBEDDINGS:
+                if plan.generation.endpoint == Endpoint.EMBEDDINGS:
                     options = parse_options(plan.generation.options_json)
                     await self._embed(job, server, EmbeddingsRequest(options), send)
                 else:
@@ -315,7 +313,7 @@ class LlamaHandler:
     async def _setup(self, plan: pb.ExecutionPlan) -> tuple[LlamaServer, list[dict[str, Any]]]:
         """Validate the plan and return a healthy llama-server (reserved: call
         :meth:`_release_server` afterwards) and the chat messages."""
-        chat = plan.generation.endpoint not in (COMPLETIONS, EMBEDDINGS)
+        chat = plan.generation.endpoint not in (Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS)
         messages = parse_messages(plan.generation.messages_json) if chat else []
         model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
         try:

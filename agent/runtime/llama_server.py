@@ -31,6 +31,7 @@ from agent.runtime.runtime_errors import (
     UnsafeBindError,
 )
 from agent.runtime.server_spec import DEFAULT_SERVER_VERBOSITY, ServerSpec
+from common.contract import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def log_health_polls_at_debug() -> None:
 @dataclass(frozen=True)
 class ChatRequest:
     """The generation parameters the agent forwards to llama-server: a chat completion, or with
-    ``endpoint="completions"`` a legacy completion (its ``prompt`` in ``options``)."""
+    ``endpoint=Endpoint.COMPLETIONS`` a legacy completion (its ``prompt`` in ``options``)."""
 
     messages: Sequence[Mapping[str, Any]]
     max_tokens: int | None = None
@@ -78,11 +79,11 @@ class ChatRequest:
 
     @property
     def path(self) -> str:
-        return COMPLETIONS_PATH if self.endpoint == COMPLETIONS else CHAT_PATH
+        return COMPLETIONS_PATH if self.endpoint == Endpoint.COMPLETIONS else CHAT_PATH
 
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {**self.options}
-        if self.endpoint != COMPLETIONS:
+        if self.endpoint != Endpoint.COMPLETIONS:
             body["messages"] = [dict(message) for message in self.messages]
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -323,9 +324,7 @@ class _Done:
 
 #: Delta fields that are not extras: the text itself, and the role of the first chunk.
 _PLAIN = frozenset({"content", "role"})
-#: The endpoints (``GenerationParams.endpoint``) and their paths.
-COMPLETIONS = "completions"
-EMBEDDINGS = "embeddings"
+#: The paths of the endpoints (``GenerationParams.endpoint``, a ``common.contract.Endpoint``).
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
