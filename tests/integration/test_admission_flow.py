@@ -87,17 +87,26 @@ async def fleet(
     return new
 
 
+async def all_served(
+    ctl: RunningController, requests: int
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``requests`` streams at once, each given all 40 words and completed; the stored events
+    and their codes."""
+    async with http(ctl) as client:
+        await register(ctl, client)
+        texts = await asyncio.gather(*(stream_text(client, f"p{i}") for i in range(requests)))
+    assert texts == ["".join(slow_words(40))] * requests
+    events = stored(synced(ctl))
+    codes = [code for code, _ in events]
+    assert codes.count("JOB_COMPLETED") == requests
+    return events, codes
+
+
 async def test_thirty_idle_nodes_serve_thirty_streams_at_once(
     ctl: RunningController, started: list[FakeAgent]
 ) -> None:
     await fleet(ctl, started, 30, words=40, delay=0.1)
-    async with http(ctl) as client:
-        await register(ctl, client)
-        texts = await asyncio.gather(*(stream_text(client, f"p{i}") for i in range(30)))
-    assert texts == ["".join(slow_words(40))] * 30
-    events = stored(synced(ctl))
-    codes = [code for code, _ in events]
-    assert codes.count("JOB_COMPLETED") == 30
+    events, codes = await all_served(ctl, 30)
     assert "JOB_QUEUED" not in codes
     assert "JOB_REPLANNED" not in codes
     assert "JOB_FAILED" not in codes
@@ -109,13 +118,7 @@ async def test_three_times_oversubscribed_completes_everything_in_queue_order(
 ) -> None:
     # Each job streams for ~2 s, far longer than it takes all 12 requests to arrive.
     await fleet(ctl, started, 4, words=40, delay=0.05)
-    async with http(ctl) as client:
-        await register(ctl, client)
-        texts = await asyncio.gather(*(stream_text(client, f"p{i}") for i in range(12)))
-    assert texts == ["".join(slow_words(40))] * 12
-    events = stored(synced(ctl))
-    codes = [code for code, _ in events]
-    assert codes.count("JOB_COMPLETED") == 12
+    events, codes = await all_served(ctl, 12)
     assert "JOB_FAILED" not in codes and "JOB_REPLANNED" not in codes
     queued = [job for code, job in events if code == "JOB_QUEUED"]
     assert len(queued) == 8  # 4 slots: 8 of the 12 had to wait

@@ -396,17 +396,19 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def test_cli_without_token_or_identity_exits_2(tmp_path: Path) -> None:
+async def agent_process(env: dict[str, str], *args: str) -> asyncio.subprocess.Process:
+    """``node-agent args`` started, its output piped."""
+    pipe = asyncio.subprocess.PIPE
+    command = (sys.executable, "-m", "agent.main", *args)
+    return await asyncio.create_subprocess_exec(
+        *command, stdout=pipe, stderr=pipe, env=env, cwd=REPO_ROOT
+    )
+
+
+def usage_error(*args: str) -> tuple[str, str]:
+    """Runs ``node-agent args``, which must exit 2; its one stderr line and its stdout."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agent.main",
-            "--controller-url",
-            "127.0.0.1:9",
-            "--data-dir",
-            str(tmp_path / "agent-data"),
-        ],
+        [sys.executable, "-m", "agent.main", *args],
         capture_output=True,
         text=True,
         env=cli_env(),
@@ -417,32 +419,26 @@ def test_cli_without_token_or_identity_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("node-agent: error: no enrollment token and no stored identity")
-    assert result.stdout == ""
+    return lines[0], result.stdout
+
+
+def test_cli_without_token_or_identity_exits_2(tmp_path: Path) -> None:
+    data_dir = str(tmp_path / "agent-data")
+    line, stdout = usage_error("--controller-url", "127.0.0.1:9", "--data-dir", data_dir)
+    assert line.startswith("node-agent: error: no enrollment token and no stored identity")
+    assert stdout == ""
 
 
 def test_cli_bad_flag_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.main", "--slots", "0", "--data-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=REPO_ROOT,
-        timeout=20,
-        check=False,
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--slots" in lines[0], result.stderr
+    line, _ = usage_error("--slots", "0", "--data-dir", str(tmp_path))
+    assert "--slots" in line
 
 
 async def test_cli_refused_token_exits_2(
     tmp_path: Path, fake: FakeControlPlane, controller_url: str
 ) -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "agent.main",
+    process = await agent_process(
+        cli_env(),
         "--foreground",
         "--controller-url",
         f"grpc://{controller_url}",
@@ -455,10 +451,6 @@ async def test_cli_refused_token_exits_2(
         "127.0.0.1",
         "--log-level",
         "ERROR",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO_ROOT,
     )
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=20)
     assert process.returncode == 2
@@ -472,10 +464,8 @@ async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(
     tmp_path: Path, fake: FakeControlPlane, controller_url: str
 ) -> None:
     data_dir = tmp_path / "agent-data"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "agent.main",
+    process = await agent_process(
+        {**cli_env(), "DACP_ENROLLMENT_TOKEN": GOOD_TOKEN},
         "--controller-url",
         controller_url,
         "--insecure",  # the fake controller speaks plaintext
@@ -489,10 +479,6 @@ async def test_cli_enrolls_heartbeats_and_stops_cleanly_on_sigterm(
         "0.1",
         "--label",
         "rack=r1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**cli_env(), "DACP_ENROLLMENT_TOKEN": GOOD_TOKEN},
-        cwd=REPO_ROOT,
     )
     try:
         await eventually(
