@@ -5,6 +5,8 @@ that this agent does not run is reported lost; a stopping agent says goodbye."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -134,21 +136,27 @@ async def test_jobs_the_controller_gave_up_are_cancelled_and_unknown_ones_report
     await server.stop(None)
 
 
-async def test_a_stopping_agent_says_goodbye(
-    tmp_path: Path, fake: FakeControlPlane, controller_url: str
-) -> None:
+@asynccontextmanager
+async def ready_session(tmp_path: Path, controller_url: str) -> AsyncIterator[AgentSession]:
+    """A session whose handler takes no job, running and READY (stopped on leaving)."""
     session = AgentSession(make_config(tmp_path, controller_url), NullHandler())
     async with running(session):
         await session.wait_for_state(AgentState.READY, timeout=10)
+        yield session
+
+
+async def test_a_stopping_agent_says_goodbye(
+    tmp_path: Path, fake: FakeControlPlane, controller_url: str
+) -> None:
+    async with ready_session(tmp_path, controller_url):
+        assert not fake.streams[0].said_goodbye  # only once it stops
     assert fake.streams[0].said_goodbye
 
 
 async def test_a_broken_stream_is_not_a_goodbye(
     tmp_path: Path, fake: FakeControlPlane, controller_url: str
 ) -> None:
-    session = AgentSession(make_config(tmp_path, controller_url), NullHandler())
-    async with running(session):
-        await session.wait_for_state(AgentState.READY, timeout=10)
+    async with ready_session(tmp_path, controller_url):
         fake.streams[0].outbound.put_nowait(grpc.StatusCode.UNAVAILABLE)
         await eventually(lambda: len(fake.streams) == 2)
         assert not fake.streams[0].said_goodbye

@@ -74,6 +74,19 @@ async def run_session(session: AgentSession) -> asyncio.Task[None]:
     return task
 
 
+async def ready_node(
+    ctl: RunningController, session: AgentSession
+) -> tuple[asyncio.Task[None], str]:
+    """Runs ``session`` until the controller's view shows its node READY: its task, node id."""
+    task = await run_session(session)
+    await session.wait_for_state(AgentState.READY, timeout=15)
+    node_id = session.node_id
+    assert node_id is not None
+    read = ctl.services.read_model
+    await eventually(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    return task, node_id
+
+
 def node_codes(ctl: RunningController, node_id: str) -> list[str]:
     return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(node_id))]
 
@@ -96,12 +109,8 @@ async def test_agent_restart_recovers_without_enrolling_again(
 ) -> None:
     data_dir = tmp_path / "agent"
     first = AgentSession(agent_config(data_dir, ctl.grpc_port, mint(ctl)), RecordingHandler())
-    task = await run_session(first)
-    await first.wait_for_state(AgentState.READY, timeout=15)
-    node_id = first.node_id
-    assert node_id is not None
+    task, node_id = await ready_node(ctl, first)
     read = ctl.services.read_model
-    await eventually(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     await first.stop()
     await task
     await eventually(lambda: read.get_node(node_id)["state"] == "OFFLINE")  # type: ignore[index]
@@ -126,12 +135,8 @@ async def test_a_signal_drains_the_real_agent_then_it_stops_cleanly(
     DRAINING), then, no job running, Goodbye (NODE_STOPPED, nothing lost)."""
     handler = FakeRunningJobs(["j1", "j2"])
     session = AgentSession(agent_config(tmp_path / "agent", ctl.grpc_port, mint(ctl)), handler)
-    task = await run_session(session)
-    await session.wait_for_state(AgentState.READY, timeout=15)
-    node_id = session.node_id
-    assert node_id is not None
+    task, node_id = await ready_node(ctl, session)
     read = ctl.services.read_model
-    await eventually(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     session.on_signal(signal.SIGTERM)  # its two jobs still run
     await eventually(lambda: read.get_node(node_id)["state"] == "DRAINING")  # type: ignore[index]
     assert node_codes(ctl, node_id)[-1] == "NODE_STOPPING"

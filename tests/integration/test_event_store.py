@@ -249,12 +249,18 @@ def test_follower_applies_live_events(storage: Storage) -> None:
     assert row is not None and row["state"] == "OFFLINE"
 
 
+def follow_by_hand(storage: Storage) -> UUID:
+    """Stops the live follower (the test drives one by hand), then enrolls a ready node: the
+    store's positions 1 and 2."""
+    storage.follower.stop()
+    return enroll_ready(storage.app, "a")
+
+
 def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
     storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage.follower.stop()  # drive the follower by hand
+    node_id = follow_by_hand(storage)
     app = storage.app
-    node_id = enroll_ready(app, "a")  # positions 1 and 2
     app.security_violation(node_id, "198.51.100.1", "x")  # position 3
     real = storage.read_model.process_event
 
@@ -292,9 +298,8 @@ def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
 def test_an_unreachable_store_is_retried_and_never_skips_an_event(
     storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage.follower.stop()  # drive the follower by hand
+    node_id = follow_by_hand(storage)
     app = storage.app
-    node_id = enroll_ready(app, "a")  # positions 1 and 2
     outage = {"left": 2 * POISON_AFTER}  # longer than the poison threshold
     real, real_batch = storage.read_model.process_event, storage.read_model.process_events
 
