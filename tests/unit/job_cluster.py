@@ -16,6 +16,7 @@ from application.agent_messages import AgentJobResult, JobFinished, SetupOutcome
 from application.commands import Enrollment, Submission
 from application.controller import Controller
 from application.job_manager import JobManager
+from application.job_run import JobRun
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
@@ -179,6 +180,14 @@ class Cluster:
 
         await asyncio.wait_for(wait(), GUARD)
         return [(node, a.job_id) for node, a in self.gateway.primaries[:count]]
+
+    async def running_job(self) -> tuple[str, str, JobRun]:
+        """One job started, assigned and validated: its node, its id and its run."""
+        task = asyncio.create_task(self.jobs.start(submission(), self.model))
+        [(node, job)] = await self.primary_assigned(1)
+        await self.validate(node, job)
+        run = await asyncio.wait_for(task, GUARD)
+        return node, job, run
 
     async def validate(self, node_id: str, job_id: str) -> None:
         await self.jobs.handle(node_id, SetupReported(job_id, SetupOutcome(ok=True)))

@@ -9,24 +9,16 @@ import time
 from application.agent_messages import TokensGenerated
 from application.commands import Delta
 from application.deadlines import FIRST_TOKEN_TIMEOUT, STREAM_IDLE_TIMEOUT, Deadlines
-from tests.unit.job_cluster import GUARD, Cluster, submission
-
-
-async def _running(cluster: Cluster) -> tuple[str, str, object]:
-    task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
-    [(node, job)] = await cluster.primary_assigned(1)
-    await cluster.validate(node, job)
-    run = await asyncio.wait_for(task, GUARD)
-    return node, job, run
+from tests.unit.job_cluster import GUARD, Cluster
 
 
 async def test_a_job_without_a_first_token_is_ended_and_its_slot_freed() -> None:
     cluster = Cluster(nodes=1)
     cluster.jobs.deadlines = Deadlines(first_token=30.0, stream_idle=5.0)
-    node, job, run = await _running(cluster)
+    node, job, run = await cluster.running_job()
     assert cluster.jobs.enforce_deadlines(time.monotonic() + 29.0) == []
     assert cluster.jobs.enforce_deadlines(time.monotonic() + 31.0) == [job]
-    item = await asyncio.wait_for(run.queue.get(), GUARD)  # type: ignore[attr-defined]
+    item = await asyncio.wait_for(run.queue.get(), GUARD)
     assert (item.kind, item.error_code) == ("error", FIRST_TOKEN_TIMEOUT)
     assert (node, job) in cluster.gateway.cancels
     await cluster.jobs.settle()
@@ -41,14 +33,14 @@ async def test_a_job_without_a_first_token_is_ended_and_its_slot_freed() -> None
 async def test_a_stream_that_keeps_producing_is_not_ended_an_idle_one_is() -> None:
     cluster = Cluster(nodes=1)
     cluster.jobs.deadlines = Deadlines(first_token=30.0, stream_idle=5.0)
-    node, job, run = await _running(cluster)
+    node, job, run = await cluster.running_job()
     for seq in range(3):
         await cluster.jobs.handle(node, TokensGenerated(job, [Delta(seq, "w")]))
         assert cluster.jobs.enforce_deadlines(time.monotonic() + 4.0) == []
     assert cluster.jobs.enforce_deadlines(time.monotonic() + 6.0) == [job]
     kinds = []
     while True:
-        item = await asyncio.wait_for(run.queue.get(), GUARD)  # type: ignore[attr-defined]
+        item = await asyncio.wait_for(run.queue.get(), GUARD)
         kinds.append(item.kind)
         if item.kind == "error":
             assert item.error_code == STREAM_IDLE_TIMEOUT

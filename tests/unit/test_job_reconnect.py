@@ -12,14 +12,6 @@ from application.commands import Delta
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
 
-async def _running(cluster: Cluster) -> tuple[str, str, Any]:
-    task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
-    [(node, job)] = await cluster.primary_assigned(1)
-    await cluster.validate(node, job)
-    run = await asyncio.wait_for(task, GUARD)
-    return node, job, run
-
-
 def _texts(run: Any) -> list[str]:
     out: list[str] = []
     while not run.queue.empty():
@@ -32,7 +24,7 @@ def _texts(run: Any) -> list[str]:
 
 async def test_an_executing_job_waits_for_its_primary_and_resumes_without_duplicates() -> None:
     cluster = Cluster(nodes=1)
-    node, job, run = await _running(cluster)
+    node, job, run = await cluster.running_job()
     await cluster.jobs.handle(node, TokensGenerated(job, [Delta(0, "a"), Delta(1, "b")]))
     cluster.jobs.node_disconnected(node)
     assert job in cluster.jobs.runs  # not lost: it waits
@@ -49,7 +41,7 @@ async def test_an_executing_job_waits_for_its_primary_and_resumes_without_duplic
 
 async def test_a_gap_is_relayed_and_logged_not_dropped(caplog: Any) -> None:
     cluster = Cluster(nodes=1)
-    node, job, run = await _running(cluster)
+    node, job, run = await cluster.running_job()
     await cluster.jobs.handle(node, TokensGenerated(job, [Delta(0, "a")]))
     await cluster.jobs.handle(node, TokensGenerated(job, [Delta(3, "d")]))
     assert _texts(run) == ["a", "d"]
@@ -59,7 +51,7 @@ async def test_a_gap_is_relayed_and_logged_not_dropped(caplog: Any) -> None:
 
 async def test_a_node_that_stays_away_loses_its_executing_jobs() -> None:
     cluster = Cluster(nodes=1)
-    node, job, run = await _running(cluster)
+    node, job, run = await cluster.running_job()
     cluster.jobs.node_disconnected(node)
     await cluster.jobs.node_gone(node)
     item = run.queue.get_nowait()
