@@ -9,7 +9,7 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -42,21 +42,29 @@ def no_poll_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_stop, "DRAIN_POLL_INTERVAL", 0)
 
 
-async def started(
-    tmp_path: Path, jobs: list[str], drain_timeout: float = 60.0
-) -> tuple[AgentSession, FakeJobsHandler, Connection]:
-    handler = FakeJobsHandler(jobs)
-    config = AgentConfig(data_dir=tmp_path, node_name="n1", drain_timeout=drain_timeout)
-    session = AgentSession(config, handler)
-    conn = Connection(call=FakeCall())  # type: ignore[arg-type]
-    session.traffic.conn = conn
-    return session, handler, conn
+class Start(Protocol):
+    def __call__(
+        self, jobs: list[str], drain_timeout: float = 60.0
+    ) -> tuple[AgentSession, FakeJobsHandler, Connection]: ...
 
 
 @pytest.fixture
-async def stopped_after() -> AsyncIterator[list[AgentSession]]:
+async def start(tmp_path: Path) -> AsyncIterator[Start]:
+    """Makes a session running ``jobs`` on a fake connection; each is stopped after the test."""
     sessions: list[AgentSession] = []
-    yield sessions
+
+    def start_(
+        jobs: list[str], drain_timeout: float = 60.0
+    ) -> tuple[AgentSession, FakeJobsHandler, Connection]:
+        handler = FakeJobsHandler(jobs)
+        config = AgentConfig(data_dir=tmp_path, node_name="n1", drain_timeout=drain_timeout)
+        session = AgentSession(config, handler)
+        conn = Connection(call=FakeCall())  # type: ignore[arg-type]
+        session.traffic.conn = conn
+        sessions.append(session)
+        return session, handler, conn
+
+    yield start_
     for session in sessions:
         await session.stop()
 
@@ -69,10 +77,9 @@ def queued(conn: Connection) -> list[pb.AgentMessage]:
 
 
 async def test_the_first_signal_drains_refuses_new_work_and_stops_once_the_jobs_end(
-    tmp_path: Path, stopped_after: list[AgentSession]
+    start: Start,
 ) -> None:
-    session, handler, conn = await started(tmp_path, ["j1"])
-    stopped_after.append(session)
+    session, handler, conn = start(["j1"])
     session.on_signal(signal.SIGINT)
     assert session.draining and session.exit_code == 0
     [stopping] = queued(conn)
@@ -98,11 +105,8 @@ async def test_the_first_signal_drains_refuses_new_work_and_stops_once_the_jobs_
     assert session.exit_code == 0
 
 
-async def test_a_second_signal_stops_at_once_with_a_non_zero_status(
-    tmp_path: Path, stopped_after: list[AgentSession]
-) -> None:
-    session, _handler, _conn = await started(tmp_path, ["j1", "j2"])
-    stopped_after.append(session)
+async def test_a_second_signal_stops_at_once_with_a_non_zero_status(start: Start) -> None:
+    session, _handler, _conn = start(["j1", "j2"])
     session.on_signal(signal.SIGTERM)
     assert not session._stop_requested
     session.on_signal(signal.SIGINT)
@@ -113,11 +117,8 @@ async def test_a_second_signal_stops_at_once_with_a_non_zero_status(
     )
 
 
-async def test_a_drain_that_times_out_says_so_and_exits_zero(
-    tmp_path: Path, stopped_after: list[AgentSession]
-) -> None:
-    session, _handler, _conn = await started(tmp_path, ["j1"], drain_timeout=0.01)
-    stopped_after.append(session)
+async def test_a_drain_that_times_out_says_so_and_exits_zero(start: Start) -> None:
+    session, _handler, _conn = start(["j1"], drain_timeout=0.01)
     session.on_signal(signal.SIGTERM)
     assert session.stop_signals.task is not None
     await session.stop_signals.task  # the job never ends
@@ -128,11 +129,8 @@ async def test_a_drain_that_times_out_says_so_and_exits_zero(
     )
 
 
-async def test_no_drain_timeout_stops_at_the_first_signal(
-    tmp_path: Path, stopped_after: list[AgentSession]
-) -> None:
-    session, _handler, conn = await started(tmp_path, ["j1"], drain_timeout=0)
-    stopped_after.append(session)
+async def test_no_drain_timeout_stops_at_the_first_signal(start: Start) -> None:
+    session, _handler, conn = start(["j1"], drain_timeout=0)
     session.on_signal(signal.SIGTERM)
     assert session._stop_requested and not session.draining and session.exit_code == 0
     assert (

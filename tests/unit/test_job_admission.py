@@ -18,7 +18,7 @@ import pytest
 
 from application.admission import QueueFullError, QueueTimeoutError
 from application.commands import Submission
-from application.job_run import NoCapacityError
+from application.job_run import JobRun, NoCapacityError
 from domain.catalog import code_of
 from tests.plans import one_node_plan
 from tests.unit.job_cluster import (
@@ -31,12 +31,21 @@ from tests.unit.job_cluster import (
 )
 
 
+async def busy_then_queued(
+    cluster: Cluster, first_text: str, second_text: str
+) -> tuple[asyncio.Task[JobRun], str, str, asyncio.Task[JobRun]]:
+    """A first job takes the one slot (assigned, not yet validated), a second queues behind
+    it: the first's task, node and job id, and the second's task."""
+    first = asyncio.create_task(cluster.jobs.start(submission(first_text), MODEL))
+    [(node, job_one)] = await cluster.primary_assigned(1)
+    second = asyncio.create_task(cluster.jobs.start(submission(second_text), MODEL))
+    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    return first, node, job_one, second
+
+
 async def test_a_request_waits_for_a_busy_slot_instead_of_being_refused() -> None:
     cluster = Cluster(nodes=1)
-    first = asyncio.create_task(cluster.jobs.start(submission("one"), MODEL))
-    [(node, job_one)] = await cluster.primary_assigned(1)
-    second = asyncio.create_task(cluster.jobs.start(submission("two"), MODEL))
-    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    first, node, job_one, second = await busy_then_queued(cluster, "one", "two")
     await cluster.validate(node, job_one)
     await first
     assert not second.done()
@@ -118,10 +127,7 @@ async def test_a_queue_timeout_fails_the_job_and_frees_its_place() -> None:
 
 async def test_a_client_that_leaves_while_queued_cancels_without_taking_a_slot() -> None:
     cluster = Cluster(nodes=1)
-    first = asyncio.create_task(cluster.jobs.start(submission("runs"), MODEL))
-    [(node, job_one)] = await cluster.primary_assigned(1)
-    leaver = asyncio.create_task(cluster.jobs.start(submission("leaves"), MODEL))
-    await cluster.until(lambda: count(cluster, "JOB_QUEUED") == 1)
+    first, node, job_one, leaver = await busy_then_queued(cluster, "runs", "leaves")
     leaver.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaver
