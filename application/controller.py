@@ -1,28 +1,25 @@
 """The controller application: one command per transition, over the event store.
 
-Each command loads the aggregates it needs, calls their guarded methods and saves every
-changed aggregate in one transaction. When another writer got there first (a version
-conflict), the command is re-run on freshly loaded aggregates a bounded number of times:
-its effect is neither lost nor applied twice, because the losing attempt recorded nothing.
+Each command loads the aggregates it needs, calls their guarded methods and returns every
+changed aggregate; :class:`~application.aggregate_store.AggregateStore` saves them in one
+transaction, re-running the command on a version conflict, failing fast while the store is
+unreachable, keeping unfinished jobs as last saved and telling listeners where a save reached.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 from uuid import UUID, uuid4
 
 import orjson
-from eventsourcing.application import AggregateNotFoundError, Application
+from eventsourcing.application import Application
 from eventsourcing.domain import Aggregate
-from eventsourcing.persistence import RecordConflictError, Recording
+from eventsourcing.persistence import Recording
 
+from application.aggregate_store import AggregateStore, SaveListener
 from application.commands import (
     CommandResult,
     Delta,
@@ -32,7 +29,7 @@ from application.commands import (
     Submission,
     TransferReport,
 )
-from application.errors import ConcurrencyExhausted, NotFound, TokenAlreadyUsed, TokenRevoked
+from application.errors import NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from domain.access_refusal import AccessRefusal
 from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
@@ -46,18 +43,19 @@ from domain.runtimes import runtime_of
 from domain.states import EXECUTION_PHASE_STATES, TERMINAL_JOB_STATES
 from domain.token_redemption import TokenRedemption, redemption_id
 
-T = TypeVar("T")
-
-#: How many times a command is re-run after losing a concurrency race.
-MAX_COMMAND_ATTEMPTS = 10
-#: Unfinished jobs whose last saved state the token-chunk path keeps (see Controller).
-FRESH_JOBS_MAX = 4096
-
-SaveListener = Callable[[int], None]
+#: What a NotFound calls each aggregate ("unknown node ...").
+KINDS: dict[type[Aggregate], str] = {Node: "node", Job: "job", RegisteredModel: "model"}
 
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _unfinished_job(aggregate: Aggregate) -> bool:
+    """Kept as last saved: a job is written by the one controller that runs it, so job
+    commands start from this copy instead of a store query and a deep copy per job and
+    command (a cost that grew with every token chunk)."""
+    return isinstance(aggregate, Job) and aggregate.state not in TERMINAL_JOB_STATES
 
 
 class Controller(Application[UUID]):
@@ -79,142 +77,44 @@ class Controller(Application[UUID]):
     ):
         super().__init__(env)
         self.record_content = record_content
-        self._listeners: list[SaveListener] = []
-        #: Called with each successful save's duration in seconds (event-store latency).
-        self.append_observer: Callable[[float], None] | None = None
-        self._listeners_lock = threading.Lock()
-        # Unfinished jobs as this process last saved them. Job commands start from them
-        # (instead of a store query and a deep copy per job and command, a cost that grew
-        # with every token chunk): a job is written by the one controller that runs it, and
-        # a write by anyone else makes the save conflict, which drops the copy and retries on
-        # state loaded from the store.
-        self._fresh_jobs: OrderedDict[UUID, Job] = OrderedDict()
-        self._fresh_lock = threading.Lock()
         #: This controller process's id, recorded with every job it submits: another
         #: controller sharing the store leaves a job alone while its owner's lease lives.
         self.owner = ""
         #: Fails commands fast while the store is unreachable (storage gives it a probe).
         self.guard = guard if guard is not None else StoreGuard(probe=lambda: True)
+        #: Loading, saving with retries, fresh jobs and save listeners: the store mechanics.
+        self.aggregates = AggregateStore(self, self.guard, kinds=KINDS, keep_fresh=_unfinished_job)
 
-    # ------------------------------------------------------------- plumbing
+    # -------------------------------------------- the store (AggregateStore's)
+
+    @property
+    def append_observer(self) -> Callable[[float], None] | None:
+        """Called with each successful save's duration in seconds (event-store latency)."""
+        return self.aggregates.append_observer
+
+    @append_observer.setter
+    def append_observer(self, observer: Callable[[float], None] | None) -> None:
+        self.aggregates.append_observer = observer
 
     def add_save_listener(self, listener: SaveListener) -> None:
         """Calls ``listener(position)`` after every save (projections wake on it)."""
-        with self._listeners_lock:
-            self._listeners.append(listener)
+        self.aggregates.add_save_listener(listener)
 
     def remove_save_listener(self, listener: SaveListener) -> None:
-        with self._listeners_lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+        self.aggregates.remove_save_listener(listener)
 
     def _notify(self, recordings: list[Recording[UUID]]) -> None:
-        if not recordings:
-            return
-        position = max(r.notification.id for r in recordings)
-        with self._listeners_lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(position)
+        self.aggregates.notify(recordings)
 
     def position(self) -> int:
         """The store's current maximum notification id (0 when empty)."""
-        return self.recorder.max_notification_id() or 0
-
-    def _run(self, command: Callable[[], Sequence[Aggregate]]) -> int:
-        """Runs ``command`` (load + mutate) and saves, retrying on version conflicts.
-
-        While the store is unreachable (:attr:`guard`) it raises ``StoreUnavailable`` at
-        once instead of waiting for the connection pool's timeout."""
-        self.guard.check()
-        for attempt in range(MAX_COMMAND_ATTEMPTS):
-            try:
-                aggregates = command()
-            except BaseException as e:
-                self.guard.observe(e)
-                raise
-            started = time.perf_counter()
-            try:
-                recordings = self.save(*aggregates)
-            except RecordConflictError:
-                self._forget_fresh(aggregates)
-                # Another writer won; back off a little (jittered) so the two do not
-                # collide in lock-step again, then re-run on fresh state.
-                time.sleep(random.uniform(0, 0.002 * 2**attempt))
-                continue
-            except BaseException as e:
-                self._forget_fresh(aggregates)
-                self.guard.observe(e)
-                raise
-            self._keep_fresh(aggregates)
-            if self.append_observer is not None:
-                self.append_observer(time.perf_counter() - started)
-            if not recordings:
-                return self.position()
-            return max(r.notification.id for r in recordings)
-        raise ConcurrencyExhausted(
-            f"gave up after {MAX_COMMAND_ATTEMPTS} concurrent-write conflicts"
-        )
-
-    def _keep_fresh(self, aggregates: Sequence[Aggregate]) -> None:
-        with self._fresh_lock:
-            for aggregate in aggregates:
-                if not isinstance(aggregate, Job):
-                    continue
-                if aggregate.state in TERMINAL_JOB_STATES:
-                    self._fresh_jobs.pop(aggregate.id, None)
-                else:
-                    self._fresh_jobs[aggregate.id] = aggregate
-                    self._fresh_jobs.move_to_end(aggregate.id)
-            while len(self._fresh_jobs) > FRESH_JOBS_MAX:
-                self._fresh_jobs.popitem(last=False)
-
-    def _forget_fresh(self, aggregates: Iterable[Aggregate]) -> None:
-        with self._fresh_lock:
-            for aggregate in aggregates:
-                self._fresh_jobs.pop(aggregate.id, None)
-
-    def _job(self, job_id: UUID | str) -> Job:
-        """For a command: the job as last saved here (``_fresh_jobs``), else from the store."""
-        try:
-            uid = job_id if isinstance(job_id, UUID) else UUID(str(job_id))
-        except ValueError as e:
-            raise NotFound("job", job_id) from e
-        with self._fresh_lock:
-            # Checked out: a command running meanwhile in another thread loads its own
-            # copy; this one comes back only when its save succeeds.
-            job = self._fresh_jobs.pop(uid, None)
-        return job if job is not None else self._get(Job, uid, "job")
-
-    def _node(self, node_id: UUID | str) -> Node:
-        return self._get(Node, node_id, "node")
-
-    def _get(self, cls: type[T], ident: UUID | str, kind: str) -> T:
-        try:
-            uid = ident if isinstance(ident, UUID) else UUID(str(ident))
-        except ValueError as e:
-            raise NotFound(kind, ident) from e
-        try:
-            aggregate: Any = self.repository.get(uid)
-        except AggregateNotFoundError as e:
-            raise NotFound(kind, ident) from e
-        if not isinstance(aggregate, cls):
-            raise NotFound(kind, ident)
-        return aggregate
+        return self.aggregates.position()
 
     def get_node(self, node_id: UUID | str) -> Node:
-        return self._node(node_id)
+        return self.aggregates.get(Node, node_id)
 
     def get_job(self, job_id: UUID | str) -> Job:
-        return self._get(Job, job_id, "job")
-
-    def _node_command(self, node_id: UUID | str, act: Callable[[Node], object]) -> int:
-        def command() -> list[Aggregate]:
-            node = self._node(node_id)
-            act(node)
-            return [node]
-
-        return self._run(command)
+        return self.aggregates.get(Job, job_id)
 
     # ---------------------------------------------------------- node commands
 
@@ -225,20 +125,14 @@ class Controller(Application[UUID]):
             saved: list[Aggregate] = []
             # A revoked token enrolls nobody (one minted outside dacp has no record: it was
             # made by someone holding NODE_ENROLLMENT_SECRET, whom the cluster trusts anyway).
-            try:
-                issued: IssuedToken = self.repository.get(issued_token_id(enrollment.token_id))
-            except AggregateNotFoundError:
-                pass
-            else:
-                if issued.revoked:
-                    raise TokenRevoked(enrollment.token_id)
+            issued = self.aggregates.find(IssuedToken, issued_token_id(enrollment.token_id))
+            if issued is not None and issued.revoked:
+                raise TokenRevoked(enrollment.token_id)
             if enrollment.single_use_token:
-                try:
-                    self.repository.get(redemption_id(enrollment.token_id))
-                except AggregateNotFoundError:
-                    saved.append(TokenRedemption.redeem(enrollment.token_id, str(new_id)))
-                else:
+                redeemed = self.aggregates.find(TokenRedemption, redemption_id(enrollment.token_id))
+                if redeemed is not None:
                     raise TokenAlreadyUsed(enrollment.token_id)
+                saved.append(TokenRedemption.redeem(enrollment.token_id, str(new_id)))
             node = Node.enroll(
                 node_id=new_id,
                 name=enrollment.name,
@@ -253,25 +147,31 @@ class Controller(Application[UUID]):
             )
             return [node, *saved]
 
-        return CommandResult(self._run(command), new_id)
+        return CommandResult(self.aggregates.run(command), new_id)
 
     def mark_ready(self, node_id: UUID | str) -> int:
-        return self._node_command(node_id, lambda n: n.become_ready())
+        return self.aggregates.change(Node, node_id, lambda n: n.become_ready())
 
     def report_resources(
         self, node_id: UUID | str, resources: dict[str, Any], local_models: list[dict[str, Any]]
     ) -> int:
-        return self._node_command(node_id, lambda n: n.report_resources(resources, local_models))
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.report_resources(resources, local_models)
+        )
 
     def heartbeat_timeout(self, node_id: UUID | str, seconds_since_last: float) -> int:
-        return self._node_command(node_id, lambda n: n.heartbeat_timeout(seconds_since_last))
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.heartbeat_timeout(seconds_since_last)
+        )
 
     def mark_offline(self, node_id: UUID | str, reason: str) -> int:
         return self._node_lost(node_id, lambda n: n.go_offline(reason), reason)
 
     def mark_stopping(self, node_id: UUID | str, drain_timeout_seconds: float) -> int:
         """NODE_STOPPING: the node's agent drains before it stops; no new job goes to it."""
-        return self._node_command(node_id, lambda n: n.stop_draining(drain_timeout_seconds))
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.stop_draining(drain_timeout_seconds)
+        )
 
     def mark_stopped(self, node_id: UUID | str, reason: str) -> int:
         """NODE_STOPPED: the node's agent said goodbye; the jobs it still held fail with it."""
@@ -291,12 +191,12 @@ class Controller(Application[UUID]):
         """
 
         def command() -> list[Aggregate]:
-            node = self._node(node_id)
+            node = self.aggregates.load(Node, node_id)
             lost = list(node.jobs)
             act(node)
             changed: dict[UUID, Aggregate] = {node.id: node}
             for job_id in lost:
-                job = self._job(job_id)
+                job = self.aggregates.load(Job, job_id)
                 if job.state in EXECUTION_PHASE_STATES:
                     job.fail(f"node {node.name} lost: {reason}", "node_lost")
                     changed[job.id] = job
@@ -304,7 +204,7 @@ class Controller(Application[UUID]):
             node.complete_drain_if_idle()
             return list(changed.values())
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def revoke_node(self, node_id: UUID | str, reason: str, revoked_by: str) -> int:
         """NODE_REVOKED: the credential is void and the node's executing jobs fail with it,
@@ -314,28 +214,31 @@ class Controller(Application[UUID]):
         )
 
     def mark_recovered(self, node_id: UUID | str, agent_version: str = "") -> int:
-        return self._node_command(node_id, lambda n: n.recover(agent_version))
+        return self.aggregates.change(Node, node_id, lambda n: n.recover(agent_version))
 
     def request_drain(self, node_id: UUID | str, requested_by: str = "admin") -> int:
         def act(node: Node) -> None:
             node.request_drain(requested_by)
             node.complete_drain_if_idle()
 
-        return self._node_command(node_id, act)
+        return self.aggregates.change(Node, node_id, act)
 
     def mark_drained(self, node_id: UUID | str) -> int:
         """Records NODE_DRAINED if the node's drain is requested and it holds no job."""
-        return self._node_command(node_id, lambda n: n.complete_drain_if_idle())
+        return self.aggregates.change(Node, node_id, lambda n: n.complete_drain_if_idle())
 
     def resume(self, node_id: UUID | str, requested_by: str = "admin") -> int:
-        return self._node_command(node_id, lambda n: n.resume(requested_by))
+        return self.aggregates.change(Node, node_id, lambda n: n.resume(requested_by))
 
     def rpc_worker_started(self, node_id: UUID | str, job_id: str, host: str, port: int) -> int:
-        return self._node_command(node_id, lambda n: n.rpc_worker_started(job_id, host, port))
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.rpc_worker_started(job_id, host, port)
+        )
 
     def transfer_started(self, node_id: UUID | str, request: FetchRequest) -> int:
         """MODEL_TRANSFER_STARTED: the node began fetching a model file."""
-        return self._node_command(
+        return self.aggregates.change(
+            Node,
             node_id,
             lambda n: n.transfer_started(
                 request.transfer_id,
@@ -357,18 +260,18 @@ class Controller(Application[UUID]):
             else:
                 node.transfer_failed(report.transfer_id, report.error or "failed")
 
-        return self._node_command(node_id, act)
+        return self.aggregates.change(Node, node_id, act)
 
     def model_evicted(self, node_id: UUID | str, sha256: str, file_name: str) -> int:
         """MODEL_EVICTED: the node deleted a model file, as an operator asked."""
-        return self._node_command(node_id, lambda n: n.model_evicted(sha256, file_name))
+        return self.aggregates.change(Node, node_id, lambda n: n.model_evicted(sha256, file_name))
 
     def retire_runtime(self, node_id: UUID | str, key: str, idle_seconds: float) -> int:
         """NODE_RUNTIME_RETIRED: the node no longer serves the idle runtime ``key``."""
-        return self._node_command(node_id, lambda n: n.retire_runtime(key, idle_seconds))
+        return self.aggregates.change(Node, node_id, lambda n: n.retire_runtime(key, idle_seconds))
 
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
-        return self._node_command(node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
+        return self.aggregates.change(Node, node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
 
     def record_token(
         self,
@@ -387,21 +290,20 @@ class Controller(Application[UUID]):
             node_name=node_name,
             minted_by=minted_by,
         )
-        return self._run(lambda: [issued])
+        return self.aggregates.run(lambda: [issued])
 
     def revoke_token(self, token_id: str, revoked_by: str, reason: str) -> int:
         """ENROLLMENT_TOKEN_REVOKED: no enrollment with it from now on (NotFound: never
         minted here)."""
 
         def command() -> list[Aggregate]:
-            try:
-                issued: IssuedToken = self.repository.get(issued_token_id(token_id))
-            except AggregateNotFoundError:
-                raise NotFound("enrollment token", token_id) from None
+            issued = self.aggregates.find(IssuedToken, issued_token_id(token_id))
+            if issued is None:
+                raise NotFound("enrollment token", token_id)
             issued.revoke(revoked_by, reason)
             return [issued]
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def refuse_access(
         self,
@@ -424,18 +326,20 @@ class Controller(Application[UUID]):
             security_violation=security_violation,
             suppressed=suppressed,
         )
-        return self._run(lambda: [refusal])
+        return self.aggregates.run(lambda: [refusal])
 
     def security_violation(
         self, node_id: UUID | str, address: str, reason: str, job_id: str = ""
     ) -> int:
-        return self._node_command(node_id, lambda n: n.security_violation(address, reason, job_id))
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.security_violation(address, reason, job_id)
+        )
 
     def model_proven(
         self, node_id: UUID | str, sha256: str, basis: str, claim: dict[str, Any]
     ) -> int:
         """MODEL_PROVEN: the node answered a challenge of the file's byte ranges rightly."""
-        return self._node_command(node_id, lambda n: n.model_proven(sha256, basis, claim))
+        return self.aggregates.change(Node, node_id, lambda n: n.model_proven(sha256, basis, claim))
 
     def refuse_model_claim(
         self,
@@ -448,8 +352,10 @@ class Controller(Application[UUID]):
     ) -> int:
         """MODEL_CLAIM_REFUSED: the node's claim of a registered model's file counts for
         nothing (it disagrees with the model's facts, or was not proven)."""
-        return self._node_command(
-            node_id, lambda n: n.refuse_model_claim(sha256, file_name, reason, claim, basis)
+        return self.aggregates.change(
+            Node,
+            node_id,
+            lambda n: n.refuse_model_claim(sha256, file_name, reason, claim, basis),
         )
 
     def prove_first(
@@ -461,11 +367,11 @@ class Controller(Application[UUID]):
         facts are known already, unless the node that fixed them has been revoked since."""
 
         def command() -> list[Aggregate]:
-            model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
+            model: RegisteredModel = self.aggregates.get(RegisteredModel, model_id(name))
             if model.sha256 != sha256:
                 raise InvalidCommand(f"model {name} is registered to another file now")
             fixer_revoked = self._fixer_revoked(model)
-            node = self._node(node_id)
+            node = self.aggregates.load(Node, node_id)
             nonce, recorded = samples.to_event()
             model.fix_shape(
                 facts_of(claim), str(node.id), nonce, recorded, fixer_revoked=fixer_revoked
@@ -473,7 +379,7 @@ class Controller(Application[UUID]):
             node.model_proven(sha256, str(node.id), facts_of(claim))
             return [model, node]
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def sample_stored_model(self, name: str, sha256: str, samples: Samples) -> int:
         """MODEL_SHAPE_FIXED from the controller's own copy: samples of the stored file, so
@@ -494,7 +400,7 @@ class Controller(Application[UUID]):
         if fixer is None or fixer == STORE:
             return False
         try:
-            return bool(self._node(fixer).revoked)
+            return bool(self.aggregates.get(Node, fixer).revoked)
         except NotFound:
             return True
 
@@ -504,8 +410,8 @@ class Controller(Application[UUID]):
         so every name of it is planned, served and checked by them."""
 
         def command() -> list[Aggregate]:
-            model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
-            source: RegisteredModel = self._get(RegisteredModel, model_id(holder), "model")
+            model: RegisteredModel = self.aggregates.get(RegisteredModel, model_id(name))
+            source: RegisteredModel = self.aggregates.get(RegisteredModel, model_id(holder))
             if model.sha256 != source.sha256:
                 raise InvalidCommand(f"models {name} and {holder} are different files now")
             shape = getattr(source, "shape", None)
@@ -523,12 +429,12 @@ class Controller(Application[UUID]):
             )
             return [model]
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def model_samples(self, name: str) -> tuple[str, Samples | None]:
         """The sha256 of model ``name``'s file and the samples its facts were recorded with
         (None: none; NotFound: no such model)."""
-        model: RegisteredModel = self._get(RegisteredModel, model_id(name), "model")
+        model: RegisteredModel = self.aggregates.get(RegisteredModel, model_id(name))
         recorded = getattr(model, "samples", None)
         if not recorded:
             return model.sha256, None
@@ -538,8 +444,8 @@ class Controller(Application[UUID]):
         self, node_id: UUID | str, kind: str, job_id: str, reason: str, suppressed: int = 0
     ) -> int:
         """Records that the node's agent sent a message that was refused (an audit event)."""
-        return self._node_command(
-            node_id, lambda n: n.reject_message(kind, job_id, reason, suppressed)
+        return self.aggregates.change(
+            Node, node_id, lambda n: n.reject_message(kind, job_id, reason, suppressed)
         )
 
     # --------------------------------------------------------- model commands
@@ -548,22 +454,20 @@ class Controller(Application[UUID]):
         """Runs ``act`` on the registered model ``name`` (NotFound when there is none)."""
 
         def command() -> list[Aggregate]:
-            try:
-                model: RegisteredModel = self.repository.get(model_id(name))
-            except AggregateNotFoundError:
-                raise NotFound("model", name) from None
+            model = self.aggregates.find(RegisteredModel, model_id(name))
+            if model is None:
+                raise NotFound("model", name)
             act(model)
             return [model]
 
-        return CommandResult(self._run(command), model_id(name))
+        return CommandResult(self.aggregates.run(command), model_id(name))
 
     def _registered(
         self, name: str, sha256: str, file_name: str, context_size: int, kind: str, pooling: str
     ) -> RegisteredModel:
         """The model ``name`` registered with this file, or its registration updated to it."""
-        try:
-            model: RegisteredModel = self.repository.get(model_id(name))
-        except AggregateNotFoundError:
+        model = self.aggregates.find(RegisteredModel, model_id(name))
+        if model is None:
             return RegisteredModel.register(name, sha256, file_name, context_size, kind, pooling)
         model.update(sha256, file_name, context_size, kind, pooling)
         return model
@@ -582,7 +486,7 @@ class Controller(Application[UUID]):
         def command() -> list[Aggregate]:
             return [self._registered(name, sha256, file_name, context_size, kind, pooling)]
 
-        return CommandResult(self._run(command), model_id(name))
+        return CommandResult(self.aggregates.run(command), model_id(name))
 
     def add_model_source(self, name: str, url: str) -> CommandResult:
         """MODEL_SOURCE_ADDED: an http(s) URL of the model's file (none for a known one)."""
@@ -616,7 +520,7 @@ class Controller(Application[UUID]):
             )
             return [model]
 
-        return CommandResult(self._run(command), model_id(name))
+        return CommandResult(self.aggregates.run(command), model_id(name))
 
     def unstore_model(self, name: str) -> CommandResult:
         """MODEL_UNSTORED: the controller's model store no longer holds the model's file."""
@@ -625,21 +529,24 @@ class Controller(Application[UUID]):
     # ----------------------------------------------------------- job commands
 
     def _new_job(self, submission: Submission, job_id: UUID) -> Job:
-        canonical = orjson.dumps(submission.messages, option=orjson.OPT_SORT_KEYS).decode()
+        messages = submission.recorded_messages()
+        canonical = orjson.dumps(messages, option=orjson.OPT_SORT_KEYS).decode()
         return Job.submit(
             job_id=job_id,
             model=submission.model,
-            params=submission.params,
-            messages=submission.messages if self.record_content else None,
+            params=submission.recorded_params(),
+            messages=messages if self.record_content else None,
             prompt_sha256=sha256_text(canonical),
-            message_count=len(submission.messages),
+            message_count=len(messages),
             stream=submission.stream,
             controller=self.owner,
         )
 
     def submit(self, submission: Submission, job_id: UUID | None = None) -> CommandResult:
         new_id = job_id or uuid4()
-        return CommandResult(self._run(lambda: [self._new_job(submission, new_id)]), new_id)
+        return CommandResult(
+            self.aggregates.run(lambda: [self._new_job(submission, new_id)]), new_id
+        )
 
     def record_new_jobs(self, new_jobs: Sequence[NewDispatch | NewQueued]) -> int:
         """New jobs in one transaction, all or nothing, their events in the order given: for a
@@ -662,7 +569,7 @@ class Controller(Application[UUID]):
                     changed[node.id] = node
             return list(changed.values())
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def plan_and_dispatch(
         self,
@@ -679,7 +586,7 @@ class Controller(Application[UUID]):
         old nodes) and dispatches it, all or nothing, as :meth:`record_new_jobs` does."""
 
         def command() -> list[Aggregate]:
-            job = self._job(job_id)
+            job = self.aggregates.load(Job, job_id)
             changed: dict[UUID, Aggregate] = {job.id: job}
             if replan_reason is None:
                 job.record_plan(plan)
@@ -690,7 +597,7 @@ class Controller(Application[UUID]):
                 changed[node.id] = node
             return list(changed.values())
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def _assign(
         self,
@@ -706,7 +613,7 @@ class Controller(Application[UUID]):
         nodes = []
         for node_id, role in roles.items():
             existing = (loaded or {}).get(UUID(node_id))
-            node = existing if isinstance(existing, Node) else self._node(node_id)
+            node = existing if isinstance(existing, Node) else self.aggregates.load(Node, node_id)
             try:
                 node.assign_job(str(job.id), role, allow_degraded=allow_degraded, runtime=runtime)
             except IllegalTransition as e:
@@ -719,15 +626,15 @@ class Controller(Application[UUID]):
         """Frees the job's slots on its nodes (before a re-plan places it again)."""
 
         def command() -> list[Aggregate]:
-            job = self._job(job_id)
+            job = self.aggregates.load(Job, job_id)
             changed: dict[UUID, Aggregate] = {}
             self._release_nodes(job, changed, outcome=outcome)
             return list(changed.values())
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def validate_setup(self, job_id: UUID | str) -> int:
-        return self._job_command(job_id, lambda j: j.validate_setup())
+        return self.aggregates.change(Job, job_id, lambda j: j.validate_setup())
 
     def record_token_chunks(self, chunks: Mapping[Any, Sequence[Delta]]) -> int:
         """Records one TOKEN_STREAM_CHUNK per job for many jobs in one transaction."""
@@ -737,12 +644,12 @@ class Controller(Application[UUID]):
             for job_id, deltas in chunks.items():
                 if not deltas:
                     continue
-                job = self._job(job_id)
+                job = self.aggregates.load(Job, job_id)
                 job.record_chunk([self._delta_payload(d) for d in deltas])
                 jobs.append(job)
             return jobs
 
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def _delta_payload(self, delta: Delta) -> dict[str, Any]:
         payload: dict[str, Any] = {"seq": delta.seq, "tokens": delta.tokens}
@@ -777,28 +684,20 @@ class Controller(Application[UUID]):
 
     def _ending(self, job_id: UUID | str, act: Callable[[Job], object], outcome: str) -> int:
         def command() -> list[Aggregate]:
-            job = self._job(job_id)
+            job = self.aggregates.load(Job, job_id)
             act(job)
             changed: dict[UUID, Aggregate] = {job.id: job}
             self._release_nodes(job, changed, outcome=outcome)
             return list(changed.values())
 
-        return self._run(command)
-
-    def _job_command(self, job_id: UUID | str, act: Callable[[Job], object]) -> int:
-        def command() -> list[Aggregate]:
-            job = self._job(job_id)
-            act(job)
-            return [job]
-
-        return self._run(command)
+        return self.aggregates.run(command)
 
     def _release_nodes(self, job: Job, changed: dict[UUID, Aggregate], outcome: str) -> None:
         """Releases the job from every node still holding it; finishes pending drains."""
         for node_id in _node_ids(job):
             uid = UUID(node_id)
             existing = changed.get(uid)
-            node = existing if isinstance(existing, Node) else self._node(uid)
+            node = existing if isinstance(existing, Node) else self.aggregates.load(Node, uid)
             if str(job.id) in node.jobs:
                 node.release_job(str(job.id), outcome)
                 node.complete_drain_if_idle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from eventsourcing.domain import Aggregate
 from eventsourcing.persistence import OperationalError
 
 from application.controller import Controller
@@ -83,12 +84,12 @@ def test_commands_fail_fast_while_the_store_is_unreachable() -> None:
         app.guard.observe(OperationalError("terminating connection due to administrator command"))
         ran: list[str] = []
 
-        def command() -> list[object]:
+        def command() -> list[Aggregate]:
             ran.append("command")
             return []
 
         with pytest.raises(StoreUnavailable):
-            app._run(command)  # type: ignore[arg-type]
+            app.aggregates.run(command)
         assert ran == []  # not even loaded: no pool wait
     finally:
         app.guard.close()
