@@ -19,6 +19,8 @@ import grpc.aio
 from agent.models.fetch_limits import FetchLimits
 from common.contract import (
     DEFAULT_ALLOWED_PEER_CIDRS,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_RPC_PORT,
     MEMORY_LIMIT_LABEL,
     SLOTS_LABEL,
     TRANSFER_PORT_LABEL,
@@ -27,10 +29,6 @@ from wire import keepalive
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRPC_PORT = 50051
-DEFAULT_RPC_PORT = 50052
-#: Where the node serves its model files to other nodes (0: it serves none).
-DEFAULT_TRANSFER_PORT = 50053
 #: Most jobs a node runs at once as a primary: llama-server slots (``--parallel``). The
 #: controller gives a server as many slots as the nodes' memory holds, up to this cap.
 DEFAULT_SLOTS = 4
@@ -100,7 +98,8 @@ def parse_controller_url(url: str, *, insecure: bool = False) -> ControllerTarge
     """Accept ``host:port`` and ``grpcs://host:port`` (TLS), and ``grpc://host:port``
     (plaintext, only with ``insecure``); ``host:port`` is plaintext too with ``insecure``.
 
-    The port defaults to 50051. Raises :class:`ConfigError` for anything else.
+    The port defaults to ``common.contract.DEFAULT_GRPC_PORT``. Raises :class:`ConfigError` for
+    anything else.
     """
     text = url.strip()
     if not text:

@@ -29,9 +29,7 @@ import agent.grpc_fork  # noqa: F401  # before anything imports grpc
 from agent import AGENT_VERSION, grpc_logging  # grpc_logging: before anything imports grpc
 from agent.agent_config import (
     DEFAULT_DRAIN_TIMEOUT,
-    DEFAULT_RPC_PORT,
     DEFAULT_SLOTS,
-    DEFAULT_TRANSFER_PORT,
     RESERVED_LABELS,
     AgentConfig,
     AgentError,
@@ -52,7 +50,13 @@ from agent.node.identity import IdentityFileError, load_identity
 from agent.runtime.llama_binaries import add_binaries_arguments
 from agent.runtime.llama_server import log_health_polls_at_debug
 from common import event_loop
-from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, SLOTS_LABEL
+from common.contract import (
+    DEFAULT_ALLOWED_PEER_CIDRS,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_RPC_PORT,
+    DEFAULT_TRANSFER_PORT,
+    SLOTS_LABEL,
+)
 
 PROG = "node-agent"
 EXIT_OK = 0
@@ -199,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("DACP_CONTROLLER_URL") or None,
         help=(
             "controller gRPC address: host:port, grpc://host:port (plaintext) or "
-            "grpcs://host:port (TLS); default port 50051; env DACP_CONTROLLER_URL. "
+            f"grpcs://host:port (TLS); default port {DEFAULT_GRPC_PORT}; env DACP_CONTROLLER_URL. "
             "Optional once enrolled (the URL is stored with the identity)"
         ),
     )

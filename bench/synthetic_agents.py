@@ -33,7 +33,12 @@ from typing import Any
 import grpc
 import orjson
 
-from common.contract import CONTROLLER_TLS_NAME, MEMORY_LIMIT_LABEL, SLOTS_LABEL
+from common.contract import (
+    CONTROLLER_TLS_NAME,
+    DEFAULT_RPC_PORT,
+    MEMORY_LIMIT_LABEL,
+    SLOTS_LABEL,
+)
 from wire import control_pb2 as pb
 from wire import control_pb2_grpc as pb_grpc
 
@@ -101,7 +106,7 @@ def inventory(memory: int, slots: int) -> pb.Inventory:
         disk_total_bytes=100 << 30,
         disk_free_bytes=50 << 30,
         advertised_address="127.0.0.1",
-        rpc_port=50052,
+        rpc_port=DEFAULT_RPC_PORT,
     )
     inv.labels[MEMORY_LIMIT_LABEL] = str(memory)
     inv.labels[SLOTS_LABEL] = str(slots)

@@ -1,6 +1,7 @@
 """The contract: what the controller and its agents both hold to, besides the messages
 themselves (``wire/control.proto``): the protocol version, reserved labels, message size limits,
-job error codes, device kinds, default peer networks and the controller's TLS name.
+job error codes, device kinds, default ports, default peer networks and the controller's TLS
+name.
 
 Both programs import it; it imports nothing of theirs (see docs/architecture.md, 'Layers').
 """
@@ -61,6 +62,16 @@ DEFAULT_ALLOWED_PEER_CIDRS: tuple[str, ...] = (
     "fc00::/7",
 )
 
+# Default ports. The controller's: its HTTP API (PORT), its gRPC control channel (GRPC_PORT,
+# where agents connect) and its model store (MODEL_STORE_PORT). An agent's: its
+# ``ggml-rpc-server`` (--rpc-port, also the controller's RPC_PORT for a node that reports none)
+# and its model file server (--transfer-port).
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_RPC_PORT = 50052
+DEFAULT_TRANSFER_PORT = 50053
+DEFAULT_MODEL_STORE_PORT = 50054
+
 # The name in every certificate the controller issues itself: an agent that pinned the
 # controller's CA verifies it under this name, however it reaches it (address, DNS, NAT).
 CONTROLLER_TLS_NAME = "dacp-controller"
@@ -72,6 +83,11 @@ __all__ = [
     "CONTROLLER_RECEIVE_BYTES",
     "CONTROLLER_TLS_NAME",
     "DEFAULT_ALLOWED_PEER_CIDRS",
+    "DEFAULT_GRPC_PORT",
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_MODEL_STORE_PORT",
+    "DEFAULT_RPC_PORT",
+    "DEFAULT_TRANSFER_PORT",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
     "PLAN_OVERHEAD_BYTES",

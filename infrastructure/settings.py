@@ -16,7 +16,15 @@ from application.deadlines import (
 from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
 from application.metrics_history import DEFAULT_HISTORY_INTERVAL
 from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
-from common.contract import AGENT_RECEIVE_BYTES, DEFAULT_ALLOWED_PEER_CIDRS, PLAN_OVERHEAD_BYTES
+from common.contract import (
+    AGENT_RECEIVE_BYTES,
+    DEFAULT_ALLOWED_PEER_CIDRS,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_MODEL_STORE_PORT,
+    DEFAULT_RPC_PORT,
+    PLAN_OVERHEAD_BYTES,
+)
 from common.model_file_server import (
     DEFAULT_CONNECTIONS_PER_ADDRESS,
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -25,8 +33,6 @@ from common.model_file_server import (
 from common.model_sources import parse_cidrs
 from wire import keepalive
 
-#: The controller's model store port (an agent's own file server defaults to 50053).
-DEFAULT_MODEL_STORE_PORT = 50054
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 #: How long a stopping controller (SIGTERM, SIGINT) waits for its running jobs (s).
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -159,10 +165,10 @@ class Settings:
     admin_api_key: str | None = None
     node_enrollment_secret: str | None = None
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = DEFAULT_HTTP_PORT
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    rpc_port: int = 50052
+    grpc_port: int = DEFAULT_GRPC_PORT
+    rpc_port: int = DEFAULT_RPC_PORT
     heartbeat_interval: float = 2.0
     degraded_after: float = 6.0
     offline_after: float = 15.0

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from common.contract import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
 from ops import paths
 
 MODEL_NAME = "smollm2-135m"
@@ -148,16 +149,16 @@ class AgentSpec:
 
 
 DEFAULT_AGENTS = (
-    AgentSpec("agent-a", 50052, holds_model=True),
-    AgentSpec("agent-b", 50062),
+    AgentSpec("agent-a", DEFAULT_RPC_PORT, holds_model=True),
+    AgentSpec("agent-b", DEFAULT_RPC_PORT + 10),
 )
 
 
 @dataclass
 class ClusterConfig:
     var_dir: Path = Path("var/local-cluster")
-    port: int = 8000
-    grpc_port: int = 50051
+    port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
     agents: tuple[AgentSpec, ...] = DEFAULT_AGENTS
     database_url: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -433,14 +434,19 @@ class LocalCluster:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.local_cluster", description=__doc__)
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
-    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", "50051")))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", DEFAULT_HTTP_PORT)))
+    parser.add_argument(
+        "--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", DEFAULT_GRPC_PORT))
+    )
     parser.add_argument("--var-dir", type=Path, default=Path("var/local-cluster"))
     parser.add_argument(
         "--rpc-port",
         type=int,
         default=None,
-        help="0: pick free RPC ports for the agents (default: 50052 and 50062 when free)",
+        help=(
+            "0: pick free RPC ports for the agents (default: "
+            f"{' and '.join(str(a.rpc_port) for a in DEFAULT_AGENTS)} when free)"
+        ),
     )
     parser.add_argument(
         "--memory-limit",

@@ -14,7 +14,8 @@ from __future__ import annotations
 import socket
 import ssl
 
-from agent.agent_config import DEFAULT_GRPC_PORT, AgentError
+from agent.agent_config import AgentError
+from common.contract import DEFAULT_GRPC_PORT
 
 #: How long each probe connection may take (seconds): it runs after a failed attempt.
 PROBE_TIMEOUT = 2.0

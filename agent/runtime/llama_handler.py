@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 
-from agent.agent_config import DEFAULT_RPC_PORT, DEFAULT_SLOTS
+from agent.agent_config import DEFAULT_SLOTS
 from agent.control.control_handler import Send, job_failure, setup_failure
 from agent.runtime.embeddings_job import embeddings_result
 from agent.runtime.endpoints import peer_endpoint
@@ -93,7 +93,7 @@ from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime import RuntimeManager
 from agent.runtime.runtime_errors import LlamaRuntimeError
 from agent.runtime.server_spec import ServerSpec, server_spec_for
-from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, OUT_OF_MEMORY, Endpoint
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, DEFAULT_RPC_PORT, OUT_OF_MEMORY, Endpoint
 from wire import control_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import psutil
 
-from agent.agent_config import DEFAULT_RPC_PORT
 from agent.runtime.endpoints import port_is_free, validate_rpc_bind_host
 from agent.runtime.llama_binaries import RuntimeBinaries
 from agent.runtime.managed_child import ExitCallback, ManagedChild, describe_exit
 from agent.runtime.rpc_filter import PeerFilter, canonical
 from agent.runtime.runtime_errors import PortInUseError
 from agent.runtime.server_spec import DEVICE_NAME
+from common.contract import DEFAULT_RPC_PORT
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from agent.agent_config import DEFAULT_RPC_PORT
 from agent.runtime.endpoints import validate_rpc_bind_host
 from agent.runtime.llama_binaries import RuntimeBinaries
 from agent.runtime.llama_server import LlamaServer
@@ -35,6 +34,7 @@ from agent.runtime.rpc_filter import PeerFilter
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime_errors import LlamaRuntimeError
 from agent.runtime.server_spec import ServerSpec
+from common.contract import DEFAULT_RPC_PORT
 
 log = logging.getLogger(__name__)
 

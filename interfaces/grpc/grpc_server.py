@@ -43,6 +43,7 @@ from application.version import CONTROLLER_VERSION
 from common.contract import (
     AGENT_RECEIVE_BYTES,
     DEFAULT_ALLOWED_PEER_CIDRS,
+    DEFAULT_RPC_PORT,
     MAX_CONTROL_MESSAGE_BYTES,
     SLOTS_LABEL,
 )
@@ -391,7 +392,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
                 inventory=inventory_to_dict(inv),
                 agent_version=bounded(request.agent_version, ID_MAX),
                 address=address,
-                rpc_port=inv.rpc_port or 50052,
+                rpc_port=inv.rpc_port or DEFAULT_RPC_PORT,
                 labels=dict(inv.labels),
                 slots=_int_label(inv.labels, SLOTS_LABEL, 1),
                 now=self.clock(),

@@ -25,7 +25,6 @@ import pytest
 from agent import AGENT_VERSION
 from agent.agent_config import (
     DEFAULT_SLOTS,
-    DEFAULT_TRANSFER_PORT,
     Backoff,
     ConfigError,
     EnrollmentRefused,
@@ -37,7 +36,7 @@ from agent.control.control_handler import ControlHandler, NullHandler
 from agent.control.controller_channel import CONNECTION_HINT
 from agent.handler_factory import build_handler
 from agent.node.identity import NodeIdentity, identity_path, load_identity, save_identity
-from common.contract import SLOTS_LABEL, TRANSFER_PORT_LABEL
+from common.contract import DEFAULT_TRANSFER_PORT, SLOTS_LABEL, TRANSFER_PORT_LABEL
 from tests.integration.fake_control_plane import (
     CLOSE,
     GOOD_TOKEN,
