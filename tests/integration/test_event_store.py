@@ -19,6 +19,7 @@ from infrastructure.read_model_store import open_read_model
 from infrastructure.storage import Storage, open_storage
 from tests.integration.store_builders import enroll_ready, run_job
 from tests.plans import one_node_plan
+from tests.unit.domain_builders import TWO_CHUNK_JOB_CODES
 
 
 def test_append_and_reload_in_a_new_application(store_env: dict[str, str]) -> None:
@@ -32,15 +33,7 @@ def test_append_and_reload_in_a_new_application(store_env: dict[str, str]) -> No
     assert job.tokens_streamed == 3
     assert again.get_node(node_id).state == "READY"
     codes = [code_of(e) for e in again.repository.event_store.get(job_id)]
-    assert codes == [
-        "JOB_SUBMITTED",
-        "JOB_PLANNED",
-        "JOB_DISPATCHED",
-        "JOB_SETUP_VALIDATED",
-        "TOKEN_STREAM_CHUNK",
-        "TOKEN_STREAM_CHUNK",
-        "JOB_COMPLETED",
-    ]
+    assert codes == TWO_CHUNK_JOB_CODES
     again.close()
 
 

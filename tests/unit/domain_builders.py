@@ -62,6 +62,29 @@ def job_in(state: str) -> Job:
     raise ValueError(state)
 
 
+#: A job's events when it ran with two chunks of tokens and completed.
+TWO_CHUNK_JOB_CODES = [
+    "JOB_SUBMITTED",
+    "JOB_PLANNED",
+    "JOB_DISPATCHED",
+    "JOB_SETUP_VALIDATED",
+    "TOKEN_STREAM_CHUNK",
+    "TOKEN_STREAM_CHUNK",
+    "JOB_COMPLETED",
+]
+
+
+def complete(job: Job, prompt_tokens: int = 1, completion_tokens: int = 1) -> None:
+    """Completes ``job`` with a stop (1 ms to the first token, 1 token a second)."""
+    job.complete(
+        finish_reason="stop",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        time_to_first_token_ms=1.0,
+        tokens_per_second=1.0,
+    )
+
+
 def replay(aggregate_events: list[Any]) -> Any:
     """Rebuilds an aggregate from its events, as the repository would."""
     aggregate = None

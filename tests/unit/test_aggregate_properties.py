@@ -7,6 +7,7 @@ events, and every state change it made is an edge of the allowed graph (docs/lif
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from domain.errors import DomainError
 from domain.states import JobState, NodeState
-from tests.unit.domain_builders import new_job, new_node, replay
+from tests.unit.domain_builders import complete, new_job, new_node, replay
 
 N = NodeState
 NODE_EDGES = {
@@ -97,20 +98,32 @@ def _check(aggregate: Any, recorded: list[Any], before: Any, edges: set[Any]) ->
         assert (before, aggregate.state) in edges, (before, aggregate.state)
 
 
+def _applied(
+    aggregate: Any,
+    commands: list[tuple[Any, ...]],
+    edges: set[Any],
+    apply: Callable[[str, list[Any]], None],
+) -> Iterator[None]:
+    """Applies each command in turn (a refused one must change nothing), checking the
+    aggregate against its replay and the allowed edges; yields after each for more checks."""
+    recorded: list[Any] = []
+    _check(aggregate, recorded, aggregate.state, edges)
+    for name, *args in commands:
+        before = aggregate.state
+        version = aggregate.version
+        try:
+            apply(name, args)
+        except DomainError:
+            assert aggregate.version == version
+        _check(aggregate, recorded, before, edges)
+        yield
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(node_commands, max_size=30), st.integers(1, 3))
 def test_node_random_commands(commands: list[tuple[Any, ...]], slots: int) -> None:
     node = new_node(slots=slots)
-    recorded: list[Any] = []
-    _check(node, recorded, node.state, NODE_EDGES)
-    for name, *args in commands:
-        before = node.state
-        version = node.version
-        try:
-            getattr(node, name)(*args)
-        except DomainError:
-            assert node.version == version
-        _check(node, recorded, before, NODE_EDGES)
+    for _ in _applied(node, commands, NODE_EDGES, lambda name, args: getattr(node, name)(*args)):
         assert len(node.jobs) <= node.slots
 
 
@@ -130,26 +143,15 @@ job_commands = st.one_of(
 @given(st.lists(job_commands, max_size=25))
 def test_job_random_commands(commands: list[tuple[Any, ...]]) -> None:
     job = new_job()
-    recorded: list[Any] = []
-    _check(job, recorded, job.state, JOB_EDGES)
-    for name, *args in commands:
-        before = job.state
-        version = job.version
-        try:
-            if name == "chunk":
-                job.record_chunk([{"seq": job.next_seq, "text": "t", "tokens": 1}])
-            elif name == "complete":
-                job.complete(
-                    finish_reason="stop",
-                    prompt_tokens=1,
-                    completion_tokens=1,
-                    time_to_first_token_ms=1.0,
-                    tokens_per_second=1.0,
-                )
-            else:
-                getattr(job, name)(*args)
-        except DomainError:
-            assert job.version == version
-        _check(job, recorded, before, JOB_EDGES)
+
+    def apply(name: str, args: list[Any]) -> None:
+        if name == "chunk":
+            job.record_chunk([{"seq": job.next_seq, "text": "t", "tokens": 1}])
+        elif name == "complete":
+            complete(job)
+        else:
+            getattr(job, name)(*args)
+
+    for _ in _applied(job, commands, JOB_EDGES, apply):
         if job.state == J.FAILED:
             assert job.failure_phase in ("setup", "execution")

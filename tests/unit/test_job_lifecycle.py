@@ -6,7 +6,7 @@ from domain.catalog import code_of
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.job import MAX_REPLANS, Job
 from domain.states import JobState
-from tests.unit.domain_builders import job_in, new_job
+from tests.unit.domain_builders import TWO_CHUNK_JOB_CODES, complete, job_in, new_job
 
 ALL = ["SUBMITTED", "QUEUED", "PLANNED", "DISPATCHED", "SETUP_VALIDATED", "RUNNING"]
 
@@ -21,45 +21,22 @@ def assert_refused(job: Job, command) -> None:  # type: ignore[no-untyped-def]
 def test_happy_path_codes_in_order() -> None:
     job = job_in("RUNNING")
     job.record_chunk([{"seq": 1, "text": "b", "tokens": 1}, {"seq": 2, "text": "c", "tokens": 2}])
-    job.complete(
-        finish_reason="stop",
-        prompt_tokens=5,
-        completion_tokens=4,
-        time_to_first_token_ms=12.0,
-        tokens_per_second=40.0,
-    )
+    complete(job, prompt_tokens=5, completion_tokens=4)
     assert job.state == JobState.COMPLETED
     assert job.tokens_streamed == 4
-    assert [code_of(e) for e in job.collect_events()] == [
-        "JOB_SUBMITTED",
-        "JOB_PLANNED",
-        "JOB_DISPATCHED",
-        "JOB_SETUP_VALIDATED",
-        "TOKEN_STREAM_CHUNK",
-        "TOKEN_STREAM_CHUNK",
-        "JOB_COMPLETED",
-    ]
+    assert [code_of(e) for e in job.collect_events()] == TWO_CHUNK_JOB_CODES
 
 
-def test_submit_validates() -> None:
+@pytest.mark.parametrize(("model", "message_count"), [("", 1), ("m", 0)])
+def test_submit_validates(model: str, message_count: int) -> None:
     with pytest.raises(InvalidCommand):
         Job.submit(
             job_id=None,
-            model="",
+            model=model,
             params={},
             messages=[],
             prompt_sha256="",
-            message_count=1,
-            stream=False,
-        )
-    with pytest.raises(InvalidCommand):
-        Job.submit(
-            job_id=None,
-            model="m",
-            params={},
-            messages=[],
-            prompt_sha256="",
-            message_count=0,
+            message_count=message_count,
             stream=False,
         )
 
@@ -169,13 +146,7 @@ def test_failure_phase_follows_state(state: str) -> None:
 def test_terminal_jobs_refuse_everything(end: str) -> None:
     job = job_in("RUNNING")
     if end == "complete":
-        job.complete(
-            finish_reason="stop",
-            prompt_tokens=1,
-            completion_tokens=1,
-            time_to_first_token_ms=1,
-            tokens_per_second=1,
-        )
+        complete(job)
     elif end == "fail":
         job.fail("x")
     else:
