@@ -14,11 +14,9 @@ import pytest
 from application.job_manager import CONTROLLER_STOPPING
 from interfaces.controller_main import RunningController
 from interfaces.controller_shutdown import StopSignals, drain_controller
-from tests.integration.test_job_flow import AI, ctl, http, register, slow_primary, synced
+from tests.integration.test_job_flow import chat_stream, ctl, slow_primary, synced
 
 __all__ = ["ctl"]  # the fixture
-
-REQUEST = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
 
 
 async def _stream_then_stop(
@@ -31,15 +29,13 @@ async def _stream_then_stop(
     draining: asyncio.Task[None] | None = None
     lines: list[str] = []
     started = 0.0
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream("POST", "/v1/chat/completions", headers=AI, json=REQUEST) as r:
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 4:
-                    signals.received("SIGTERM")
-                    started = time.monotonic()
-                    draining = asyncio.create_task(drain_controller(ctl, timeout, signals))
+    async with chat_stream(ctl) as r:
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 4:
+                signals.received("SIGTERM")
+                started = time.monotonic()
+                draining = asyncio.create_task(drain_controller(ctl, timeout, signals))
     assert draining is not None
     await asyncio.wait_for(draining, timeout + 20)
     return lines, time.monotonic() - started
@@ -81,16 +77,14 @@ async def test_a_second_signal_ends_the_wait_at_once(
     await slow_primary(ctl, 2000)
     signals = StopSignals()
     lines: list[str] = []
-    async with http(ctl) as client:
-        await register(ctl, client)
-        async with client.stream("POST", "/v1/chat/completions", headers=AI, json=REQUEST) as r:
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 4:
-                    signals.received("SIGTERM")
-                    draining = asyncio.create_task(drain_controller(ctl, 300.0, signals))
-                    await asyncio.sleep(0)
-                    signals.received("SIGTERM")
+    async with chat_stream(ctl) as r:
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 4:
+                signals.received("SIGTERM")
+                draining = asyncio.create_task(drain_controller(ctl, 300.0, signals))
+                await asyncio.sleep(0)
+                signals.received("SIGTERM")
     await asyncio.wait_for(draining, 20)
     errors = [line for line in lines if '"error"' in line]
     assert errors and "a second signal" in errors[0]
