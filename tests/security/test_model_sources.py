@@ -88,6 +88,14 @@ async def _failures(http: httpx.AsyncClient) -> list[dict[str, Any]]:
     return list(victim["transfer_failures"])
 
 
+async def _pull(http: httpx.AsyncClient) -> None:
+    """Asks for model x on the victim node (accepted, to run in the background)."""
+    r = await http.post(
+        "/api/admin/models/pull", headers=ADMIN, json={"model": "x", "nodes": ["victim"]}
+    )
+    assert r.status_code == 202, r.text
+
+
 def _recorded(ctl: RunningController, session: AgentSession) -> str:
     """Everything recorded about the victim node (its events, as the timeline reads them)."""
     return repr(list(ctl.services.app.events.get(UUID(str(session.node_id)))))
@@ -142,12 +150,7 @@ async def test_an_agent_refuses_a_loopback_source_recorded_before_and_reads_noth
             # Recorded straight into the store (before this check existed, say).
             ctl.services.app.add_model_source("x", source.url)
             async with _client(ctl) as http:
-                r = await http.post(
-                    "/api/admin/models/pull",
-                    headers=ADMIN,
-                    json={"model": "x", "nodes": ["victim"]},
-                )
-                assert r.status_code == 202, r.text
+                await _pull(http)
                 await until(lambda: _failed(ctl), 20)
                 (failure,) = await _failures(http)
             assert source.requests == 0, "the agent connected to a loopback source"
@@ -172,13 +175,7 @@ async def test_an_error_page_never_comes_back_and_an_allowed_loopback_source_wor
                     json={"model": "x", "url": source.url},
                 )
                 assert r.status_code == 201, r.text  # loopback is allowed here
-                r = await http.post(
-                    "/api/admin/models/pull",
-                    headers=ADMIN,
-                    json={"model": "x", "nodes": ["victim"]},
-                )
-                assert r.status_code == 202, r.text
-
+                await _pull(http)
                 await until(lambda: _failed(ctl), 20)
                 (failure,) = await _failures(http)
                 assert source.requests == 1
@@ -189,12 +186,7 @@ async def test_an_error_page_never_comes_back_and_an_allowed_loopback_source_wor
 
                 # The same source, now serving the file: the allowed loopback source works.
                 source.mode = SERVE
-                r = await http.post(
-                    "/api/admin/models/pull",
-                    headers=ADMIN,
-                    json={"model": "x", "nodes": ["victim"]},
-                )
-                assert r.status_code == 202, r.text
+                await _pull(http)
                 fetched = tmp_path / "models" / "x.gguf"
                 await until(fetched.exists, 20)
         assert fetched.read_bytes() == DATA
