@@ -65,6 +65,18 @@ class Ended:
         return line
 
 
+def _token(ca_fingerprint: str | None = None) -> str:
+    """A single-use enrollment token signed with the test controller's secret."""
+    return mint_enrollment_token(
+        enrollment_key(ENROLLMENT_SECRET),
+        ttl_seconds=60,
+        single_use=True,
+        node_name=None,
+        now=time.time(),
+        ca_fingerprint=ca_fingerprint,
+    ).token
+
+
 async def agent(tmp_path: Path, url: str, *extra: str, address: str = "127.0.0.1") -> Ended:
     """Runs ``node-agent`` (``python -m agent.main``) until it exits on its own (at most 60 s)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DACP_")}
@@ -180,14 +192,7 @@ async def test_a_token_from_another_controller_is_named(
     ctl: RunningController, tmp_path: Path
 ) -> None:
     other = load_or_create(tmp_path / "other-ca")
-    token = mint_enrollment_token(
-        enrollment_key(ENROLLMENT_SECRET),
-        ttl_seconds=60,
-        single_use=True,
-        node_name=None,
-        now=time.time(),
-        ca_fingerprint=other.fingerprint,
-    ).token
+    token = _token(ca_fingerprint=other.fingerprint)
     ended = await agent(tmp_path, f"127.0.0.1:{ctl.grpc_port}", "--enrollment-token", token)
     assert ended.code == 2, ended.stderr
     assert f"127.0.0.1:{ctl.grpc_port} did not present the CA the enrollment token names" in (
@@ -343,13 +348,7 @@ async def test_a_token_naming_no_ca_says_so_when_the_controller_is_not_trusted(
 ) -> None:
     """A token minted without a CA (by a controller without TLS) against one with TLS: the
     system roots do not know the controller's CA."""
-    token = mint_enrollment_token(
-        enrollment_key(ENROLLMENT_SECRET),
-        ttl_seconds=60,
-        single_use=True,
-        node_name=None,
-        now=time.time(),
-    ).token
+    token = _token()
     config = AgentConfig(
         data_dir=tmp_path / "agent",
         node_name="unpinned",
