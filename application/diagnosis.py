@@ -15,7 +15,7 @@ from typing import Any
 
 from application.job_manager import CONTROLLER_STOPPING
 from application.timeline import short, size_text, source_text, transfer_progress_text
-from common.contract import OUT_OF_MEMORY as OUT_OF_MEMORY_CODE
+from common.contract import JobErrorCode
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ TROUBLESHOOTING: tuple[Hint, ...] = (
 NO_HINT_CHECK = "No troubleshooting entry matches; read the recent events and the agent's log."
 
 _OOM = (
-    OUT_OF_MEMORY_CODE,
+    JobErrorCode.OUT_OF_MEMORY,
     "out of memory",
     "out-of-memory",
     "oom",

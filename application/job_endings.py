@@ -20,6 +20,7 @@ from application.job_ending_records import EndingRecorder
 from application.job_registry import JobSettings, RunRegistry
 from application.job_run import JobRun, StreamItem
 from application.ports import AgentGateway
+from common.contract import JobErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class JobEndings:
         lost = SetupOutcome(
             ok=False,
             error=f"node {node_label(self._app, node_id)} disconnected",
-            error_code="NODE_LOST",
+            error_code=JobErrorCode.NODE_LOST,
             failed_node_id=node_id,
         )
         for run in self._runs.in_setup_on(node_id):

@@ -31,7 +31,7 @@ from application.job_run import JobRun, StreamItem, out_of_memory_in
 from application.ports import Metrics
 from application.scheduler import Scheduler
 from application.token_recorder import TokenChunkRecorder
-from common.contract import CLIENT_ERROR_CODES, OUT_OF_MEMORY
+from common.contract import CLIENT_ERROR_CODES, JobErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class JobRelay:
             item = StreamItem("done", outcome=outcome)
         else:
             error = result.error or "generation failed"
-            if result.error_code == OUT_OF_MEMORY and run.plan is not None:
+            if result.error_code == JobErrorCode.OUT_OF_MEMORY and run.plan is not None:
                 # After the first token nothing is re-planned (the client has part of its
                 # answer), but the next plan gives that device less.
                 node = result.failed_node_id if result.failed_node_id in run.nodes else node_id

@@ -43,7 +43,7 @@ from application.scheduler import Scheduler
 from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable, is_outage
 from application.token_recorder import TokenChunkRecorder
 from application.worker_access import WorkerAccess, rpc_worker_nodes, worker_devices
-from common.contract import OUT_OF_MEMORY
+from common.contract import JobErrorCode
 from domain.errors import DomainError, SlotTaken
 from domain.model import EMBEDDING
 from domain.placement import ExecutionPlan
@@ -474,7 +474,7 @@ class JobSetup:
         plan gave it (said first in the reason)."""
         oom = self._out_of_memory(plan, blamed, outcome)
         if oom is not None:
-            why = f"{OUT_OF_MEMORY}: {oom.describe(self._label(blamed))}; {why}"
+            why = f"{JobErrorCode.OUT_OF_MEMORY}: {oom.describe(self._label(blamed))}; {why}"
         return SetupFailure(why, blamed, oom)
 
     @staticmethod
@@ -482,6 +482,6 @@ class JobSetup:
         plan: ExecutionPlan, node_id: str, outcome: SetupOutcome
     ) -> OutOfMemory | None:
         """The device that ran out and what the plan gave it, when ``outcome`` says one did."""
-        if outcome.error_code != OUT_OF_MEMORY or node_id not in plan.node_ids:
+        if outcome.error_code != JobErrorCode.OUT_OF_MEMORY or node_id not in plan.node_ids:
             return None
         return out_of_memory_in(plan, node_id, outcome.failed_device, outcome.failed_bytes)

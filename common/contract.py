@@ -7,6 +7,7 @@ Both programs import it; it imports nothing of theirs (see docs/architecture.md,
 """
 
 from enum import StrEnum
+from typing import Final
 
 # The proto package name; bump it (and the package) only for wire-incompatible changes.
 PROTOCOL_VERSION = "dacp.control.v1"
@@ -31,17 +32,53 @@ CONTROLLER_RECEIVE_BYTES = 4 * MAX_CONTROL_MESSAGE_BYTES
 AGENT_RECEIVE_BYTES = 64 * 1024 * 1024
 PLAN_OVERHEAD_BYTES = 1024 * 1024
 
-# JobResult.error_code of a request whose prompt does not fit the model's context: the client's
-# error (HTTP 400, OpenAI's code), not the node's.
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-# JobResult.error_code of a request llama-server refused as invalid (HTTP 400 there, and here).
-REQUEST_REJECTED = "invalid_request"
-# The codes above are the client's errors: the job ends JOB_REJECTED, never counted against a node.
-CLIENT_ERROR_CODES = frozenset({CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED})
-# SetupResult / RpcWorkerStatus / JobResult .error_code of a participant whose device ran out of
-# memory (llama.cpp's output says so, on any backend): before the first token the controller
-# re-plans with that device's budget lowered; after it the client gets HTTP 503 with this code.
-OUT_OF_MEMORY = "out_of_memory"
+
+class JobErrorCode(StrEnum):
+    """Why a job failed on a node: the ``error_code`` of a ``SetupResult``, ``RpcWorkerStatus``
+    or ``JobResult`` (the agent sets it, the controller acts on it), and of a setup outcome the
+    controller makes up itself when the node is gone (``NODE_LOST``)."""
+
+    #: The request's prompt does not fit the model's context: the client's error (HTTP 400,
+    #: OpenAI's code), not the node's.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    #: llama-server refused the request as invalid (HTTP 400 there, and here).
+    REQUEST_REJECTED = "invalid_request"
+    #: A participant's device ran out of memory (llama.cpp's output says so, on any backend):
+    #: before the first token the controller re-plans with that device's budget lowered; after
+    #: it the client gets HTTP 503 with this code.
+    OUT_OF_MEMORY = "out_of_memory"
+    #: Setup: the plan's model file is not on the node, or its sha256 differs.
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    SHA256_MISMATCH = "SHA256_MISMATCH"
+    #: Setup: an RPC peer of the plan did not answer a TCP connect (the peer's node is blamed).
+    RPC_PEER_UNREACHABLE = "RPC_PEER_UNREACHABLE"
+    #: Setup: llama-server or ggml-rpc-server did not start, or the node's runtime is busy.
+    RUNTIME_START_FAILED = "RUNTIME_START_FAILED"
+    RUNTIME_BUSY = "RUNTIME_BUSY"
+    #: Setup: the plan is malformed or asks for more than the node offers.
+    INVALID_PLAN = "INVALID_PLAN"
+    JOB_ALREADY_RUNNING = "JOB_ALREADY_RUNNING"
+    #: The agent is stopping and takes no new job.
+    AGENT_STOPPING = "AGENT_STOPPING"
+    #: Execution: llama-server died, or generation failed otherwise.
+    RUNTIME_CRASHED = "RUNTIME_CRASHED"
+    GENERATION_FAILED = "GENERATION_FAILED"
+    #: The controller cancelled the job.
+    CANCELLED = "CANCELLED"
+    #: A job the controller resumes after a reconnect that this agent does not run (restarted).
+    JOB_LOST = "JOB_LOST"
+    #: The controller's own: a setup whose node disconnected before it answered.
+    NODE_LOST = "NODE_LOST"
+
+
+# The old names of the codes both ends use most.
+CONTEXT_LENGTH_EXCEEDED: Final = JobErrorCode.CONTEXT_LENGTH_EXCEEDED
+REQUEST_REJECTED: Final = JobErrorCode.REQUEST_REJECTED
+OUT_OF_MEMORY: Final = JobErrorCode.OUT_OF_MEMORY
+# The client's errors: such a job ends JOB_REJECTED, never counted against a node.
+CLIENT_ERROR_CODES: frozenset[JobErrorCode] = frozenset(
+    {JobErrorCode.CONTEXT_LENGTH_EXCEEDED, JobErrorCode.REQUEST_REJECTED}
+)
 
 # Device kinds (Device.kind in inventories) and the host's CPU as llama.cpp names it (its
 # buffer type, ``ggml-rpc-server -d CPU``): the agent lists it last among its devices, and the
@@ -90,12 +127,14 @@ __all__ = [
     "DEFAULT_TRANSFER_PORT",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
+    "OUT_OF_MEMORY",
     "PLAN_OVERHEAD_BYTES",
     "PROTOCOL_VERSION",
     "REQUEST_REJECTED",
     "SLOTS_LABEL",
     "TRANSFER_PORT_LABEL",
     "Endpoint",
+    "JobErrorCode",
 ]
 
 

@@ -17,25 +17,24 @@ from agent.runtime.runtime_errors import (
     RequestRejected,
     RuntimeCrashedError,
 )
-from common.contract import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED
+from common.contract import CONTEXT_LENGTH_EXCEEDED, REQUEST_REJECTED, JobErrorCode
 from wire import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# SetupResult / JobResult error codes.
-MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
-SHA256_MISMATCH = "SHA256_MISMATCH"
-RPC_PEER_UNREACHABLE = "RPC_PEER_UNREACHABLE"
-RUNTIME_START_FAILED = "RUNTIME_START_FAILED"
-RUNTIME_BUSY = "RUNTIME_BUSY"
-INVALID_PLAN = "INVALID_PLAN"
-JOB_ALREADY_RUNNING = "JOB_ALREADY_RUNNING"
-AGENT_STOPPING = "AGENT_STOPPING"
-RUNTIME_CRASHED = "RUNTIME_CRASHED"
-GENERATION_FAILED = "GENERATION_FAILED"
-CANCELLED = "CANCELLED"
-#: A job the controller resumes after a reconnect that this agent does not run (restarted).
-JOB_LOST = "JOB_LOST"
+# SetupResult / JobResult error codes: short names for common.contract.JobErrorCode's members.
+MODEL_NOT_FOUND = JobErrorCode.MODEL_NOT_FOUND
+SHA256_MISMATCH = JobErrorCode.SHA256_MISMATCH
+RPC_PEER_UNREACHABLE = JobErrorCode.RPC_PEER_UNREACHABLE
+RUNTIME_START_FAILED = JobErrorCode.RUNTIME_START_FAILED
+RUNTIME_BUSY = JobErrorCode.RUNTIME_BUSY
+INVALID_PLAN = JobErrorCode.INVALID_PLAN
+JOB_ALREADY_RUNNING = JobErrorCode.JOB_ALREADY_RUNNING
+AGENT_STOPPING = JobErrorCode.AGENT_STOPPING
+RUNTIME_CRASHED = JobErrorCode.RUNTIME_CRASHED
+GENERATION_FAILED = JobErrorCode.GENERATION_FAILED
+CANCELLED = JobErrorCode.CANCELLED
+JOB_LOST = JobErrorCode.JOB_LOST
 
 
 # ---------------------------------------------------------------------------

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from agent.agent_config import parse_controller_url
 from agent.main import build_parser
+from agent.runtime import job_messages
 from common.contract import (
+    CLIENT_ERROR_CODES,
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
     DEFAULT_MODEL_STORE_PORT,
     DEFAULT_RPC_PORT,
     DEFAULT_TRANSFER_PORT,
+    JobErrorCode,
 )
 from infrastructure.settings import Settings
 from ops.local_cluster import DEFAULT_AGENTS, ClusterConfig
@@ -46,3 +49,15 @@ def test_the_local_cluster_defaults_to_the_contract_ports() -> None:
     config = ClusterConfig()
     assert (config.port, config.grpc_port) == (DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT)
     assert DEFAULT_AGENTS[0].rpc_port == DEFAULT_RPC_PORT
+
+
+def test_every_job_error_code_has_its_own_value() -> None:
+    # An enum member with another's value is silently an alias of it.
+    assert len(JobErrorCode.__members__) == len({code.value for code in JobErrorCode})
+    assert CLIENT_ERROR_CODES < set(JobErrorCode)
+
+
+def test_the_agents_error_codes_are_the_contracts() -> None:
+    names = [name for name in JobErrorCode.__members__ if hasattr(job_messages, name)]
+    assert len(names) >= 12
+    assert all(getattr(job_messages, name) is JobErrorCode[name] for name in names)
