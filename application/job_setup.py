@@ -10,13 +10,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
 from application.admission import AdmissionQueue, CapacityError, QueueTimeoutError, Ticket
 from application.agent_messages import SetupOutcome
 from application.background import BackgroundTasks
-from application.commands import Submission
+from application.commands import JobParams, Submission
 from application.controller import Controller
 from application.dispatch_batcher import DispatchBatcher
 from application.job_calls import cancel_on_primary, in_thread, node_label, quietly
@@ -57,11 +58,11 @@ T = TypeVar("T")
 MAX_PLACEMENT_RACES = 16
 
 
-def capped(params: dict[str, Any], context_size: int) -> dict[str, Any]:
+def capped(params: JobParams, context_size: int) -> JobParams:
     """The generation parameters with ``max_tokens`` at most the context (a slot's tokens):
     none asked for is the context, more cannot be generated anyway."""
-    asked = int(params.get("max_tokens") or 0)
-    return {**params, "max_tokens": min(asked, context_size) if asked > 0 else context_size}
+    asked = params.max_tokens or 0
+    return replace(params, max_tokens=min(asked, context_size) if asked > 0 else context_size)
 
 
 class JobSetup:
@@ -435,7 +436,7 @@ class JobSetup:
             parallel=plan.parallel,
             rpc_peers=tuple(RpcPeer(n.node_id, n.address, n.rpc_port) for n in workers),
             tensor_split=plan.tensor_split if multi else (),
-            messages=run.submission.messages,
+            prompt=run.submission.prompt,
             params=capped(run.submission.params, plan.context_size),
             embeddings=run.model_row.get("kind") == EMBEDDING,
             pooling=str(run.model_row.get("pooling") or ""),

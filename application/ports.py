@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from application.commands import FetchRequest, Prompt
+from application.commands import FetchRequest, JobInput, JobParams, Prompt
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,10 @@ class PrimaryAssignment:
     parallel: int
     rpc_peers: tuple[RpcPeer, ...]
     tensor_split: tuple[float, ...]
-    messages: list[dict[str, Any]]
-    params: dict[str, Any]
+    #: What the job runs on: a chat's messages, a completion's prompt or embeddings' inputs.
+    prompt: JobInput
+    #: Its options, ``max_tokens`` capped to a slot's context.
+    params: JobParams
     #: An embedding model's server (``--embeddings``) and its pooling ("": the model's own).
     embeddings: bool = False
     pooling: str = ""

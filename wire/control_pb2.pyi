@@ -523,27 +523,53 @@ class RpcPeer(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("messages_json", "max_tokens", "temperature", "top_p", "stop", "seed", "endpoint", "options_json")
-    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("max_tokens", "temperature", "top_p", "stop", "seed", "options_json")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
-    messages_json: str
     max_tokens: int
     temperature: float
     top_p: float
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    endpoint: str
     options_json: str
-    def __init__(self, messages_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., endpoint: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., options_json: _Optional[str] = ...) -> None: ...
+
+class ChatJob(_message.Message):
+    __slots__ = ("messages_json", "tools_json")
+    MESSAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    messages_json: str
+    tools_json: str
+    def __init__(self, messages_json: _Optional[str] = ..., tools_json: _Optional[str] = ...) -> None: ...
+
+class CompletionJob(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: TokenIds
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class EmbeddingJob(_message.Message):
+    __slots__ = ("texts", "tokens")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
-    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling", "devices", "n_gpu_layers")
+    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling", "devices", "n_gpu_layers", "chat", "completion", "embedding")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[ExecutionPlan.Role]
@@ -567,6 +593,9 @@ class ExecutionPlan(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_name: str
     model_file_name: str
@@ -582,7 +611,10 @@ class ExecutionPlan(_message.Message):
     pooling: str
     devices: _containers.RepeatedCompositeFieldContainer[PlanDevice]
     n_gpu_layers: int
-    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[PlanDevice, _Mapping]]] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
+    chat: ChatJob
+    completion: CompletionJob
+    embedding: EmbeddingJob
+    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[PlanDevice, _Mapping]]] = ..., n_gpu_layers: _Optional[int] = ..., chat: _Optional[_Union[ChatJob, _Mapping]] = ..., completion: _Optional[_Union[CompletionJob, _Mapping]] = ..., embedding: _Optional[_Union[EmbeddingJob, _Mapping]] = ...) -> None: ...
 
 class PlanDevice(_message.Message):
     __slots__ = ("node_id", "device", "endpoint", "share", "assigned_bytes")

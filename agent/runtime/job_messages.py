@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.control.control_handler import Send
-from agent.runtime.llama_server import ChatRequest
+from agent.runtime.llama_server import ChatRequest, EmbeddingsRequest
 from agent.runtime.runtime_errors import (
     ContextTooLong,
     LlamaRuntimeError,
@@ -132,17 +132,22 @@ def generation_stats(
     )
 
 
+def _json_list(text: str, name: str) -> list[dict[str, Any]]:
+    """A JSON list of objects; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
+    try:
+        items = json.loads(text) if text else None
+    except ValueError as exc:
+        raise SetupFailure(INVALID_PLAN, f"{name} is not JSON: {exc}") from None
+    if not isinstance(items, list) or not items:
+        raise SetupFailure(INVALID_PLAN, f"{name} must be a non-empty list")
+    if not all(isinstance(item, dict) for item in items):
+        raise SetupFailure(INVALID_PLAN, f"every item of {name} must be a JSON object")
+    return items
+
+
 def parse_messages(messages_json: str) -> list[dict[str, Any]]:
     """The plan's chat messages; raises :class:`SetupFailure` (``INVALID_PLAN``)."""
-    try:
-        messages = json.loads(messages_json) if messages_json else None
-    except ValueError as exc:
-        raise SetupFailure(INVALID_PLAN, f"generation.messages_json is not JSON: {exc}") from None
-    if not isinstance(messages, list) or not messages:
-        raise SetupFailure(INVALID_PLAN, "generation.messages_json must be a non-empty list")
-    if not all(isinstance(message, dict) for message in messages):
-        raise SetupFailure(INVALID_PLAN, "every chat message must be a JSON object")
-    return messages
+    return _json_list(messages_json, "chat.messages_json")
 
 
 def parse_options(options_json: str) -> dict[str, Any]:
@@ -156,8 +161,12 @@ def parse_options(options_json: str) -> dict[str, Any]:
     return options
 
 
-def chat_request(
-    generation: pb.GenerationParams, messages: Sequence[Mapping[str, Any]]
+def _generation(
+    generation: pb.GenerationParams,
+    messages: Sequence[Mapping[str, Any]] = (),
+    *,
+    prompt: str | list[int] | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> ChatRequest:
     return ChatRequest(
         messages=messages,
@@ -166,9 +175,36 @@ def chat_request(
         top_p=generation.top_p if generation.HasField("top_p") else None,
         stop=list(generation.stop) or None,
         seed=generation.seed if generation.HasField("seed") else None,
-        endpoint=generation.endpoint,
+        prompt=prompt,
+        tools=tools,
         options=parse_options(generation.options_json),
     )
+
+
+def job_request(plan: pb.ExecutionPlan) -> ChatRequest | EmbeddingsRequest:
+    """What the plan's job asks llama-server for: a chat (``/v1/chat/completions``), a legacy
+    completion (``/v1/completions``) or embeddings (``/v1/embeddings``); raises
+    :class:`SetupFailure` (``INVALID_PLAN``) for a plan without a job or with a malformed one."""
+    kind = plan.WhichOneof("job")
+    if kind == "chat":
+        messages = parse_messages(plan.chat.messages_json)
+        tools = _json_list(plan.chat.tools_json, "chat.tools_json") if plan.chat.tools_json else []
+        return _generation(plan.generation, messages, tools=tools)
+    if kind == "completion":
+        which = plan.completion.WhichOneof("prompt")
+        if which == "text" and plan.completion.text:
+            return _generation(plan.generation, prompt=plan.completion.text)
+        if which == "tokens" and plan.completion.tokens.ids:
+            return _generation(plan.generation, prompt=list(plan.completion.tokens.ids))
+        raise SetupFailure(INVALID_PLAN, "completion has no prompt")
+    if kind == "embedding":
+        texts, tokens = list(plan.embedding.texts), plan.embedding.tokens
+        if texts and not tokens:
+            return EmbeddingsRequest(texts)
+        if tokens and not texts and all(t.ids for t in tokens):
+            return EmbeddingsRequest([list(t.ids) for t in tokens])
+        raise SetupFailure(INVALID_PLAN, "embedding needs texts or token id lists (not both)")
+    raise SetupFailure(INVALID_PLAN, "the plan has no job (chat, completion or embedding)")
 
 
 def failure_of(exc: LlamaRuntimeError) -> tuple[str, str]:

@@ -54,7 +54,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -71,11 +70,9 @@ from agent.runtime.job_messages import (
     RUNTIME_START_FAILED,
     DeltaSender,
     SetupFailure,
-    chat_request,
     failure_of,
     generation_stats,
-    parse_messages,
-    parse_options,
+    job_request,
 )
 from agent.runtime.llama_binaries import RuntimeBinaries
 from agent.runtime.llama_server import (
@@ -93,7 +90,7 @@ from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime import RuntimeManager
 from agent.runtime.runtime_errors import LlamaRuntimeError
 from agent.runtime.server_spec import ServerSpec, server_spec_for
-from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, DEFAULT_RPC_PORT, OUT_OF_MEMORY, Endpoint
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, DEFAULT_RPC_PORT, OUT_OF_MEMORY
 from wire import control_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -260,7 +257,7 @@ class LlamaHandler:
         job.devices = plan_devices(plan)
         try:
             try:
-                server, messages = await self._setup(plan)
+                server, request = await self._setup(plan)
             except SetupFailure as failure:
                 log.warning(
                     "job %s: setup failed (%s): %s", job.job_id, failure.error_code, failure
@@ -285,11 +282,9 @@ class LlamaHandler:
                     )
                 )
                 job.phase = "execution"
-                if plan.generation.endpoint == Endpoint.EMBEDDINGS:
-                    options = parse_options(plan.generation.options_json)
-                    await self._embed(job, server, EmbeddingsRequest(options), send)
+                if isinstance(request, EmbeddingsRequest):
+                    await self._embed(job, server, request, send)
                 else:
-                    request = chat_request(plan.generation, messages)
                     await self._execute(job, server, request, send)
             finally:
                 self._release_server()
@@ -310,11 +305,12 @@ class LlamaHandler:
                 )
             )
 
-    async def _setup(self, plan: pb.ExecutionPlan) -> tuple[LlamaServer, list[dict[str, Any]]]:
+    async def _setup(
+        self, plan: pb.ExecutionPlan
+    ) -> tuple[LlamaServer, ChatRequest | EmbeddingsRequest]:
         """Validate the plan and return a healthy llama-server (reserved: call
-        :meth:`_release_server` afterwards) and the chat messages."""
-        chat = plan.generation.endpoint not in (Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS)
-        messages = parse_messages(plan.generation.messages_json) if chat else []
+        :meth:`_release_server` afterwards) and what the job asks it for."""
+        request = job_request(plan)
         model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
         try:
             spec = server_spec_for(plan, model_path, self.slots, self.server_threads)
@@ -325,7 +321,7 @@ class LlamaHandler:
             # A warm one-node server is used as it is: no thread hop, nothing to probe.
             warm = self.runtime.running_server(spec)
             if warm is not None:
-                return warm, messages
+                return warm, request
         try:
             linked, restart = await asyncio.to_thread(warm_links, self.runtime.server, spec)
             await probe_peers(
@@ -349,7 +345,7 @@ class LlamaHandler:
         except BaseException:
             self._release_server()
             raise
-        return server, messages
+        return server, request
 
     async def _reserve_server(self, spec: ServerSpec) -> None:
         """Wait until no running job needs a llama-server with a different spec."""

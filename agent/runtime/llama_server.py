@@ -64,8 +64,8 @@ def log_health_polls_at_debug() -> None:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """The generation parameters the agent forwards to llama-server: a chat completion, or with
-    ``endpoint=Endpoint.COMPLETIONS`` a legacy completion (its ``prompt`` in ``options``)."""
+    """The generation the agent asks llama-server for: a chat completion of ``messages`` (with
+    the ``tools`` offered), or, given a ``prompt``, a legacy completion of it."""
 
     messages: Sequence[Mapping[str, Any]]
     max_tokens: int | None = None
@@ -73,9 +73,16 @@ class ChatRequest:
     top_p: float | None = None
     stop: Sequence[str] | str | None = None
     seed: int | None = None
-    endpoint: str = ""
-    #: More request fields, validated by the controller (tools, response_format, logprobs, ...).
+    #: A legacy completion's prompt, text or token ids (None: a chat of ``messages``).
+    prompt: str | Sequence[int] | None = None
+    tools: Sequence[Mapping[str, Any]] = ()
+    #: The only pass-through: request fields the controller validated, sent as they are
+    #: (response_format, logprobs, penalties, tool_choice, ...).
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint.CHAT if self.prompt is None else Endpoint.COMPLETIONS
 
     @property
     def path(self) -> str:
@@ -83,8 +90,12 @@ class ChatRequest:
 
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {**self.options}
-        if self.endpoint != Endpoint.COMPLETIONS:
+        if self.prompt is None:
             body["messages"] = [dict(message) for message in self.messages]
+            if self.tools:
+                body["tools"] = [dict(tool) for tool in self.tools]
+        else:
+            body["prompt"] = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         optional = {
@@ -146,9 +157,10 @@ class ChatDelta:
 
 @dataclass(frozen=True)
 class EmbeddingsRequest:
-    """``/v1/embeddings``: ``options`` holds ``input`` (validated by the controller)."""
+    """``/v1/embeddings`` of ``inputs``, texts or token id lists (validated by the controller),
+    one vector each."""
 
-    options: Mapping[str, Any]
+    inputs: Sequence[str] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -288,7 +300,8 @@ class LlamaServer(ManagedChild):
         """``/v1/embeddings`` (float vectors, in input order)."""
         self.check()
         timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
-        body = {**request.options, "encoding_format": "float"}
+        inputs = [item if isinstance(item, str) else list(item) for item in request.inputs]
+        body = {"input": inputs, "encoding_format": "float"}
         try:
             resp = await client.post(f"{self.base_url}/v1/embeddings", json=body, timeout=timeout)
         except httpx.HTTPError as exc:
@@ -324,7 +337,7 @@ class _Done:
 
 #: Delta fields that are not extras: the text itself, and the role of the first chunk.
 _PLAIN = frozenset({"content", "role"})
-#: The paths of the endpoints (``GenerationParams.endpoint``, a ``common.contract.Endpoint``).
+#: The paths of the generation endpoints (``ChatRequest.endpoint``, a ``common.contract.Endpoint``).
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 

@@ -15,7 +15,15 @@ from application.agent_messages import (
     WorkerStatus,
     WorkerStopped,
 )
-from application.commands import Delta, FetchRequest, TransferReport
+from application.commands import (
+    Delta,
+    EmbeddingInputs,
+    FetchRequest,
+    JobInput,
+    JobParams,
+    TextPrompt,
+    TransferReport,
+)
 from application.job_manager import JobManager
 from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.model_transfers import TransferCoordinator
@@ -92,28 +100,6 @@ class ProtoAgentGateway:
         return self.connections.send(node_id, pb.ControllerMessage(stop_rpc_worker=stop))
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
-        params = assignment.params
-        endpoint = str(params.get("endpoint") or "")
-        options = dict(params.get("options") or {})
-        messages = assignment.messages
-        # A completion's prompt and the inputs of embeddings are kept as the job's messages.
-        if endpoint == "completions":
-            options["prompt"], messages = messages[0]["content"], []
-        elif endpoint == "embeddings":
-            options["input"], messages = [m["content"] for m in messages], []
-        generation = pb.GenerationParams(
-            messages_json=orjson.dumps(messages).decode() if messages else "",
-            max_tokens=int(params.get("max_tokens") or 0),
-            stop=list(params.get("stop") or []),
-            endpoint=endpoint,
-            options_json=orjson.dumps(options).decode() if options else "",
-        )
-        if params.get("temperature") is not None:
-            generation.temperature = float(params["temperature"])
-        if params.get("top_p") is not None:
-            generation.top_p = float(params["top_p"])
-        if params.get("seed") is not None:
-            generation.seed = int(params["seed"])
         plan = pb.ExecutionPlan(
             job_id=assignment.job_id,
             model_name=assignment.model_name,
@@ -127,7 +113,6 @@ class ProtoAgentGateway:
                 for p in assignment.rpc_peers
             ],
             tensor_split=list(assignment.tensor_split),
-            generation=generation,
             embeddings=assignment.embeddings,
             pooling=assignment.pooling,
             devices=[
@@ -143,11 +128,42 @@ class ProtoAgentGateway:
         )
         if assignment.n_gpu_layers is not None:
             plan.n_gpu_layers = assignment.n_gpu_layers
+        _set_job(plan, assignment.prompt, assignment.params)
         return self.connections.send(node_id, pb.ControllerMessage(execution_plan=plan))
 
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool:
         message = pb.ControllerMessage(cancel_job=pb.CancelJob(job_id=job_id, reason=reason))
         return self.connections.send(node_id, message)
+
+
+def _set_job(plan: pb.ExecutionPlan, prompt: JobInput, params: JobParams) -> None:
+    """The plan's job (chat, completion or embeddings) and, for a generation, its sampling."""
+    if isinstance(prompt, EmbeddingInputs):
+        if prompt.items and isinstance(prompt.items[0], str):
+            plan.embedding.texts.extend(item for item in prompt.items if isinstance(item, str))
+        else:
+            plan.embedding.tokens.extend(
+                pb.TokenIds(ids=item) for item in prompt.items if isinstance(item, list)
+            )
+        return
+    if isinstance(prompt, TextPrompt):
+        if isinstance(prompt.text, str):
+            plan.completion.text = prompt.text
+        else:
+            plan.completion.tokens.ids.extend(prompt.text)
+    else:
+        plan.chat.messages_json = orjson.dumps(prompt.messages).decode()
+        plan.chat.tools_json = orjson.dumps(prompt.tools).decode() if prompt.tools else ""
+    generation = plan.generation
+    generation.max_tokens = params.max_tokens or 0
+    generation.stop.extend(params.stop)
+    generation.options_json = orjson.dumps(params.options).decode() if params.options else ""
+    if params.temperature is not None:
+        generation.temperature = params.temperature
+    if params.top_p is not None:
+        generation.top_p = params.top_p
+    if params.seed is not None:
+        generation.seed = params.seed
 
 
 def _peer_access(allowed: tuple[AllowedPeer, ...]) -> list[pb.RpcPeerAccess]:

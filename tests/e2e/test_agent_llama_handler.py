@@ -131,9 +131,8 @@ def make_plan(
         context_size=1024,
         rpc_peers=[pb.RpcPeer(node_id=n, host=h, port=p) for n, h, p in peers],
         tensor_split=list(split),
-        generation=pb.GenerationParams(
-            messages_json=json.dumps(messages), max_tokens=max_tokens, temperature=0.0, seed=42
-        ),
+        generation=pb.GenerationParams(max_tokens=max_tokens, temperature=0.0, seed=42),
+        chat=pb.ChatJob(messages_json=json.dumps(messages)),
     )
 
 

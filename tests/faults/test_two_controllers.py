@@ -15,7 +15,7 @@ from uuid import UUID
 
 import httpx
 
-from application.commands import Submission
+from application.commands import ChatPrompt, Submission
 from domain.catalog import code_of
 from interfaces.controller_main import RECONCILE_INTERVAL, RunningController, controller
 from tests.conftest import controller_settings
@@ -69,7 +69,7 @@ async def test_a_second_controller_leaves_the_first_ones_jobs_alone(
                 owner, gone.owner = gone.owner, "a-controller-that-died"
                 try:
                     orphan = gone.submit(
-                        Submission("m", [{"role": "user", "content": "x"}], {}, False)
+                        Submission("m", ChatPrompt([{"role": "user", "content": "x"}]))
                     ).aggregate_id
                 finally:
                     gone.owner = owner

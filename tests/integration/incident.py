@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from uuid import UUID
 
-from application.commands import Delta, Submission
+from application.commands import ChatPrompt, Delta, JobParams, Submission
 from infrastructure.storage import Storage
 from tests.conftest import TEST_DATABASE_URL
 from tests.integration.store_builders import enroll_ready, run_job
@@ -31,7 +31,12 @@ class Incident:
 
 def _submit(storage: Storage) -> UUID:
     result = storage.app.submit(
-        Submission("smollm2", [{"role": "user", "content": "hi"}], {"max_tokens": 8}, True)
+        Submission(
+            "smollm2",
+            ChatPrompt([{"role": "user", "content": "hi"}]),
+            JobParams(max_tokens=8),
+            True,
+        )
     )
     assert result.aggregate_id is not None
     return result.aggregate_id

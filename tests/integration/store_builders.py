@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from application.commands import Delta, Enrollment, JobOutcome, Submission
+from application.commands import ChatPrompt, Delta, Enrollment, JobOutcome, JobParams, Submission
 from application.controller import Controller
 from tests.plans import one_node_plan
 
@@ -31,7 +31,12 @@ def enroll_ready(app: Controller, name: str = "n1", ram: int = 8 << 30) -> UUID:
 def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
     """Submits, plans, dispatches and completes one job on ``node_id``."""
     job = app.submit(
-        Submission("smollm2", [{"role": "user", "content": "hi"}], {"max_tokens": 8}, True)
+        Submission(
+            "smollm2",
+            ChatPrompt([{"role": "user", "content": "hi"}]),
+            JobParams(max_tokens=8),
+            True,
+        )
     )
     assert job.aggregate_id is not None
     job_id = job.aggregate_id

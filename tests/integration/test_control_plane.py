@@ -351,14 +351,16 @@ async def test_drain_idle_node_and_resume(ctl: RunningController) -> None:
 async def test_drain_busy_node_waits_for_its_job_and_survives_restart(
     pg_schema: str, tmp_path: Path
 ) -> None:
-    from application.commands import JobOutcome, Submission
+    from application.commands import ChatPrompt, JobOutcome, Submission
 
     settings = controller_settings(pg_schema, tmp_path)
     async with controller(settings) as first:
         node_id, session = await connected_node(first)
         app = first.services.app
         await wait_for(lambda: app.get_node(node_id).state == "READY")
-        job = app.submit(Submission("m", [{"role": "user", "content": "x"}], {}, True))
+        job = app.submit(
+            Submission("m", ChatPrompt([{"role": "user", "content": "x"}]), stream=True)
+        )
         job_id = job.aggregate_id
         assert job_id is not None
         app.plan_and_dispatch(job_id, one_node_plan(node_id), {node_id: "primary"})

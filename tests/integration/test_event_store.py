@@ -133,9 +133,11 @@ def test_token_chunks_after_another_writer_are_judged_on_its_state(
 
 
 def _running_job(app: Controller, node_id: UUID) -> UUID:
-    from application.commands import Submission
+    from application.commands import ChatPrompt, Submission
 
-    job_id = app.submit(Submission("m", [{"role": "user", "content": "q"}], {}, True)).aggregate_id
+    job_id = app.submit(
+        Submission("m", ChatPrompt([{"role": "user", "content": "q"}]), stream=True)
+    ).aggregate_id
     assert job_id is not None
     app.plan_and_dispatch(job_id, one_node_plan(node_id), {str(node_id): "primary"})
     app.validate_setup(job_id)

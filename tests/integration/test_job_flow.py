@@ -398,7 +398,7 @@ async def test_a_5_mb_prompt_fails_alone_and_the_node_keeps_its_stream(
         almost = {"model": "m", "messages": [{"role": "user", "content": content}]}
         r = await client.post("/v1/chat/completions", headers=AI, json=almost)
         assert r.status_code == 200, r.text
-        assert len(a.plans) == 1 and content in a.plans[0].generation.messages_json
+        assert len(a.plans) == 1 and content in a.plans[0].chat.messages_json
     codes = [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(a.node_id))]
     assert "NODE_OFFLINE" not in codes
     await a.stop()

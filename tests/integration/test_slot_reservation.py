@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from uuid import UUID, uuid4
 
-from application.commands import JobOutcome, Submission
+from application.commands import ChatPrompt, JobOutcome, Submission
 from application.controller import Controller, NewDispatch
 from domain.errors import SlotTaken
 from domain.node import Node
@@ -24,7 +24,7 @@ ROUNDS = 15
 def test_two_controllers_never_double_book_a_slot(postgres_env: dict[str, str]) -> None:
     controllers = [Controller(env=postgres_env), Controller(env=postgres_env)]
     node_id = str(enroll_ready(controllers[0]))
-    request = Submission("m", [{"role": "user", "content": "x"}], {}, False)
+    request = Submission("m", ChatPrompt([{"role": "user", "content": "x"}]))
     barrier = threading.Barrier(2)
     won: list[list[UUID]] = [[], []]
     lost: list[int] = [0, 0]

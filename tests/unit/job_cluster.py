@@ -13,7 +13,7 @@ from uuid import UUID
 
 from application.admission import AdmissionQueue
 from application.agent_messages import AgentJobResult, JobFinished, SetupOutcome, SetupReported
-from application.commands import Enrollment, Submission
+from application.commands import ChatPrompt, Enrollment, JobParams, Submission
 from application.controller import Controller
 from application.job_manager import JobManager
 from application.job_run import JobRun
@@ -36,7 +36,9 @@ GUARD = 10.0  # seconds; only ever reached when a test is about to fail
 
 
 def submission(text: str = "hi") -> Submission:
-    return Submission("m", [{"role": "user", "content": text}], {"max_tokens": 4}, True)
+    return Submission(
+        "m", ChatPrompt([{"role": "user", "content": text}]), JobParams(max_tokens=4), True
+    )
 
 
 class Cluster:

@@ -162,7 +162,8 @@ def plan(job_id: str, file_name: str = "m.gguf", messages: str = '[{"role":"user
         role=pb.ExecutionPlan.PRIMARY,
         model_file_name=file_name,
         model_sha256="a" * 64,
-        generation=pb.GenerationParams(messages_json=messages, max_tokens=4),
+        generation=pb.GenerationParams(max_tokens=4),
+        chat=pb.ChatJob(messages_json=messages),
     )
 
 

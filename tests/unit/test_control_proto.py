@@ -52,7 +52,7 @@ def test_empty_drain_is_still_a_set_oneof() -> None:
 
 
 def test_optional_generation_params_keep_presence() -> None:
-    params = pb.GenerationParams(messages_json="[]", max_tokens=16, temperature=0.0)
+    params = pb.GenerationParams(max_tokens=16, temperature=0.0)
     decoded = pb.GenerationParams.FromString(params.SerializeToString())
     assert decoded.HasField("temperature") and decoded.temperature == 0.0
     assert not decoded.HasField("top_p")
@@ -70,15 +70,15 @@ def test_execution_plan_round_trip() -> None:
         role=pb.ExecutionPlan.PRIMARY,
         rpc_peers=[pb.RpcPeer(node_id="n2", host="10.0.0.2", port=50052)],
         tensor_split=[0.5, 0.5],
-        generation=pb.GenerationParams(
-            messages_json=json.dumps(messages), max_tokens=32, stop=["</s>"], seed=7
-        ),
+        generation=pb.GenerationParams(max_tokens=32, stop=["</s>"], seed=7),
+        chat=pb.ChatJob(messages_json=json.dumps(messages)),
     )
     wrapped = pb.ControllerMessage(execution_plan=plan)
     decoded = pb.ControllerMessage.FromString(wrapped.SerializeToString()).execution_plan
     assert decoded == plan
     assert decoded.role == pb.ExecutionPlan.PRIMARY
-    assert json.loads(decoded.generation.messages_json) == messages
+    assert decoded.WhichOneof("job") == "chat"
+    assert json.loads(decoded.chat.messages_json) == messages
     assert decoded.generation.seed == 7
 
 

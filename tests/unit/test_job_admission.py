@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from application.admission import QueueFullError, QueueTimeoutError
-from application.commands import Submission
+from application.commands import ChatPrompt, Submission
 from application.job_run import JobRun, NoCapacityError
 from domain.catalog import code_of
 from tests.plans import one_node_plan
@@ -215,7 +215,7 @@ async def test_no_node_can_ever_hold_the_model_fails_fast_without_queueing() -> 
     ghost = {**MODEL, "name": "ghost", "sha256": "f" * 64}
     with pytest.raises(NoCapacityError):
         await cluster.jobs.start(
-            Submission("ghost", [{"role": "user", "content": "x"}], {}, False), ghost
+            Submission("ghost", ChatPrompt([{"role": "user", "content": "x"}])), ghost
         )
     codes = [code for code, _ in cluster.all_codes()]
     assert "JOB_QUEUED" not in codes

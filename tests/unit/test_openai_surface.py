@@ -17,7 +17,15 @@ from openai.types.chat import completion_create_params as chat_params
 
 from agent.runtime import llama_server
 from agent.runtime.llama_server import ChatDelta, ChatRequest
-from application.commands import Delta, JobOutcome
+from application.commands import (
+    Caller,
+    ChatPrompt,
+    Delta,
+    EmbeddingInputs,
+    JobOutcome,
+    TextPrompt,
+)
+from common.contract import Endpoint
 from interfaces.http.http_errors import ApiError
 from interfaces.http.openai import openai_tools
 from interfaces.http.openai.openai_docs import CHAT_REQUEST, COMPLETION_REQUEST, EMBEDDINGS_REQUEST
@@ -105,7 +113,7 @@ def test_sampling_fields_are_forwarded_with_their_meaning() -> None:
             store=False,
         )
     )
-    assert submission.params["options"] == {
+    assert submission.params.options == {
         "presence_penalty": 0.5,
         "frequency_penalty": -1.0,
         "logit_bias": {"42": -100.0, "7": 3.0},
@@ -113,17 +121,18 @@ def test_sampling_fields_are_forwarded_with_their_meaning() -> None:
         "min_p": 0.05,
         "repeat_penalty": 1.1,
     }
-    assert submission.params["seed"] == 3 and submission.params["stop"] == ["END"]
-    assert (submission.params["user"], submission.params["metadata"]) == ("u", {"k": "v"})
-    payload = ChatRequest(submission.messages, options=submission.params["options"]).payload()
+    assert submission.params.seed == 3 and submission.params.stop == ["END"]
+    assert submission.params.caller == Caller(user="u", metadata={"k": "v"})
+    assert isinstance(submission.prompt, ChatPrompt)
+    payload = ChatRequest(submission.prompt.messages, options=submission.params.options).payload()
     assert payload["logit_bias"] == {"42": -100.0, "7": 3.0} and payload["stream"] is True
 
 
 def test_logprobs_ask_llama_server_for_at_least_one_alternative() -> None:
     options = parse_chat_request(chat(logprobs=True))
-    assert options.params["options"]["top_logprobs"] == 1 and options.params["top_logprobs"] == 0
+    assert options.params.options["top_logprobs"] == 1 and options.params.top_logprobs == 0
     three = parse_chat_request(chat(logprobs=True, top_logprobs=3))
-    assert three.params["options"]["top_logprobs"] == 3 and three.params["top_logprobs"] == 3
+    assert three.params.options["top_logprobs"] == 3 and three.params.top_logprobs == 3
     error = refused(parse_chat_request, chat(top_logprobs=2))
     assert (error.param, error.code) == ("top_logprobs", INVALID_COMBINATION)
 
@@ -136,27 +145,30 @@ def test_the_tool_history_is_kept_whole() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "ok"}]},
     ]
     submission = parse_chat_request(chat(messages=messages))
-    assert submission.messages == [
-        {"role": "user", "content": "hi", "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
-    ]
+    assert submission.prompt == ChatPrompt(
+        [
+            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "ok", "tool_call_id": "call_1"},
+        ]
+    )
     error = refused(parse_chat_request, chat(messages=[{"role": "tool", "content": "x"}]))
     assert error.param == "messages[0].tool_call_id"
 
 
 def test_auto_tools_go_to_the_template_and_forced_ones_to_a_grammar() -> None:
     auto = parse_chat_request(chat(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False))
-    assert auto.params["options"]["tools"] == [WEATHER]
-    assert auto.params["options"]["parallel_tool_calls"] is False
-    assert auto.params["forced_tools"] is None
+    assert isinstance(auto.prompt, ChatPrompt) and auto.prompt.tools == [WEATHER]
+    assert auto.recorded_params()["options"]["tools"] == [WEATHER]
+    assert auto.params.options["parallel_tool_calls"] is False
+    assert auto.params.forced_tools is None
     forced = parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
-    assert "tools" not in forced.params["options"] and forced.params["forced_tools"] == [
-        "get_weather"
-    ]
-    schema = forced.params["options"]["response_format"]["json_schema"]["schema"]
+    assert isinstance(forced.prompt, ChatPrompt) and forced.prompt.tools == []
+    assert "tools" not in forced.params.options and forced.params.forced_tools == ["get_weather"]
+    schema = forced.params.options["response_format"]["json_schema"]["schema"]
     assert schema["properties"]["name"] == {"const": "get_weather"}
-    assert forced.messages[0]["role"] == "system" and "get_weather" in forced.messages[0]["content"]
+    first = forced.prompt.messages[0]
+    assert first["role"] == "system" and "get_weather" in first["content"]
 
 
 @pytest.mark.parametrize(
@@ -187,11 +199,13 @@ def test_fields_that_disagree_are_an_invalid_combination(
 
 def test_legacy_completions_and_embeddings_requests() -> None:
     submission = parse_completion_request({"model": "m", "prompt": ["Once"], "logprobs": 0})
-    assert submission.messages == [{"role": "prompt", "content": "Once"}]
-    assert submission.params["max_tokens"] == 16  # OpenAI's default
-    assert submission.params["options"]["logprobs"] == 1 and submission.params["top_logprobs"] == 0
+    assert submission.prompt == TextPrompt("Once") and submission.endpoint == Endpoint.COMPLETIONS
+    assert submission.recorded_messages() == [{"role": "prompt", "content": "Once"}]
+    assert submission.recorded_params()["endpoint"] == "completions"
+    assert submission.params.max_tokens == 16  # OpenAI's default
+    assert submission.params.options["logprobs"] == 1 and submission.params.top_logprobs == 0
     tokens = parse_completion_request({"model": "m", "prompt": [1, 2.0]})
-    assert tokens.messages[0]["content"] == [1, 2]
+    assert tokens.prompt == TextPrompt([1, 2])
     assert (
         refused(parse_completion_request, {"model": "m", "prompt": "x", "echo": True}).param
         == "echo"
@@ -199,7 +213,10 @@ def test_legacy_completions_and_embeddings_requests() -> None:
     batch, encoding = parse_embeddings_request(
         {"model": "e", "input": ["a", "b"], "encoding_format": "base64"}
     )
-    assert [m["content"] for m in batch.messages] == ["a", "b"] and encoding == "base64"
+    assert batch.prompt == EmbeddingInputs(["a", "b"]) and encoding == "base64"
+    assert batch.endpoint == Endpoint.EMBEDDINGS
+    assert [m["content"] for m in batch.recorded_messages()] == ["a", "b"]
+    assert batch.recorded_params() == {"endpoint": "embeddings"}
     refusal = refused(parse_embeddings_request, {"model": "e", "input": "a", "dimensions": 8})
     assert (refusal.param, refusal.code) == ("dimensions", "unsupported_parameter")
 
@@ -337,7 +354,7 @@ def test_the_agent_passes_on_what_comes_besides_content() -> None:
 
 
 def test_a_completion_request_sends_the_prompt_not_messages() -> None:
-    request = ChatRequest([], endpoint="completions", options={"prompt": "Once"}, max_tokens=4)
+    request = ChatRequest([], prompt="Once", max_tokens=4)
     payload = request.payload()
     assert request.path == "/v1/completions"
     assert payload["prompt"] == "Once" and "messages" not in payload and payload["max_tokens"] == 4

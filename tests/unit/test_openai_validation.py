@@ -59,12 +59,12 @@ def test_integral_numbers_are_integers() -> None:
     submission = parse_chat_request(
         body(max_tokens=2.0, seed=float(1 << 40), n=1.0, stream_options={"include_usage": None})
     )
-    assert submission.params["max_tokens"] == 2 and isinstance(submission.params["max_tokens"], int)
-    assert submission.params["seed"] == 1 << 40 and isinstance(submission.params["seed"], int)
-    assert submission.params["include_usage"] is False
+    assert submission.params.max_tokens == 2 and isinstance(submission.params.max_tokens, int)
+    assert submission.params.seed == 1 << 40 and isinstance(submission.params.seed, int)
+    assert submission.params.include_usage is False
 
 
 def test_the_newer_max_tokens_name_wins() -> None:
     submission = parse_chat_request(body(max_tokens=5, max_completion_tokens=7))
-    assert submission.params["max_tokens"] == 7
-    assert parse_chat_request(body(max_tokens=5)).params["max_tokens"] == 5
+    assert submission.params.max_tokens == 7
+    assert parse_chat_request(body(max_tokens=5)).params.max_tokens == 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from agent.runtime.llama_server import _exceeds_context, _refusal
 from agent.runtime.runtime_errors import ContextTooLong, GenerationError, RequestRejected
+from application.commands import JobParams
 from application.deadlines import STREAM_IDLE_TIMEOUT
 from application.job_manager import capped
 from application.store_guard import STORE_UNAVAILABLE
@@ -13,9 +14,9 @@ from interfaces.http.openai.openai_api import job_error
 
 
 def test_max_tokens_is_capped_by_the_context() -> None:
-    assert capped({"max_tokens": 100}, 2048)["max_tokens"] == 100
-    assert capped({"max_tokens": 99_999}, 2048)["max_tokens"] == 2048
-    assert capped({"temperature": 0.5}, 2048) == {"temperature": 0.5, "max_tokens": 2048}
+    assert capped(JobParams(max_tokens=100), 2048).max_tokens == 100
+    assert capped(JobParams(max_tokens=99_999), 2048).max_tokens == 2048
+    assert capped(JobParams(temperature=0.5), 2048) == JobParams(temperature=0.5, max_tokens=2048)
 
 
 def test_a_prompt_over_the_context_is_the_requests_fault() -> None:

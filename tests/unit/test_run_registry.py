@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from application.agent_messages import SetupOutcome
-from application.commands import Submission
+from application.commands import ChatPrompt, Submission
 from application.deadlines import Deadlines
 from application.job_registry import RunRegistry
 from application.job_run import JobRun
@@ -18,7 +18,7 @@ MODEL: dict[str, Any] = {"name": "m"}
 
 
 def _run(job_id: str, nodes: set[str], **fields: object) -> JobRun:
-    run = JobRun(job_id, Submission("m", [], {}, False), MODEL, nodes=nodes)
+    run = JobRun(job_id, Submission("m", ChatPrompt([])), MODEL, nodes=nodes)
     for name, value in fields.items():
         setattr(run, name, value)
     return run

@@ -287,9 +287,9 @@ async def _generate(
         answer_id(prefix, run.job_id),
         int(time.time()),
         submission.model,
-        include_usage=bool(submission.params.get("include_usage")),
-        forced_tools=submission.params.get("forced_tools"),
-        top_logprobs=submission.params.get("top_logprobs"),
+        include_usage=submission.params.include_usage,
+        forced_tools=submission.params.forced_tools,
+        top_logprobs=submission.params.top_logprobs,
     )
     if submission.stream:
         return _events(manager, run, first, events(answer))

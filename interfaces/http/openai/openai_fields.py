@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from application.commands import Caller
 from interfaces.http.http_errors import ApiError
 
 MAX_STOP = 4
@@ -156,17 +157,20 @@ def sampling(body: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
-def caller(body: Mapping[str, Any]) -> dict[str, Any]:
+def _caller_text(body: Mapping[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_USER_CHARS:
+        raise bad(f"{key} must be a string of at most {MAX_USER_CHARS} characters", key)
+    return value
+
+
+def caller(body: Mapping[str, Any]) -> Caller:
     """``user``, ``safety_identifier`` and ``metadata``: recorded with the job (the admin jobs
     API shows them), never sent to the model."""
-    out: dict[str, Any] = {}
-    for key in ("user", "safety_identifier"):
-        value = body.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, str) or len(value) > MAX_USER_CHARS:
-            raise bad(f"{key} must be a string of at most {MAX_USER_CHARS} characters", key)
-        out[key] = value
+    user = _caller_text(body, "user")
+    safety_identifier = _caller_text(body, "safety_identifier")
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
@@ -183,8 +187,7 @@ def caller(body: Mapping[str, Any]) -> dict[str, Any]:
                     f"metadata values have at most {MAX_METADATA_VALUE_CHARS} characters",
                     "metadata",
                 )
-        out["metadata"] = metadata
-    return out
+    return Caller(user, safety_identifier, metadata)
 
 
 def model_name(body: Mapping[str, Any]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from application.commands import ChatPrompt, Prompt, Submission, TextPrompt
+from application.commands import EmbeddingInputs, JobParams, Prompt, Submission, TextPrompt
 from interfaces.http.openai.openai_fields import (
     MAX_CONTEXT,
     SEED_MAX,
@@ -34,9 +34,6 @@ MAX_EMBEDDING_INPUTS = 2048
 ENCODINGS = ("float", "base64")
 #: Token ids are 32-bit in llama.cpp.
 MAX_TOKEN_ID = (1 << 31) - 1
-#: How a completion's prompt and the inputs of embeddings are kept as the job's messages.
-PROMPT_ROLE = "prompt"
-INPUT_ROLE = "input"
 
 COMPLETION_FIELDS = frozenset(
     {
@@ -121,21 +118,19 @@ def parse_completion_request(body: Any, max_context: int = MAX_CONTEXT) -> Submi
         # llama-server's completions take the count itself, and send nothing for 0.
         options["logprobs"] = max(logprobs, 1)
     max_tokens = integer(body, "max_tokens", 1, max_context)
-    params: dict[str, Any] = {
-        "endpoint": "completions",
-        "max_tokens": DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
-        "temperature": number(body, "temperature", 0.0, 2.0),
-        "top_p": number(body, "top_p", 0.0, 1.0),
-        "stop": stop_list(body),
-        "seed": integer(body, "seed", SEED_MIN, SEED_MAX),
-        "include_usage": include_usage,
-        "top_logprobs": logprobs,
-        "options": options,
-        **caller(body),
-    }
+    params = JobParams(
+        max_tokens=DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
+        temperature=number(body, "temperature", 0.0, 2.0),
+        top_p=number(body, "top_p", 0.0, 1.0),
+        stop=stop_list(body),
+        seed=integer(body, "seed", SEED_MIN, SEED_MAX),
+        include_usage=include_usage,
+        top_logprobs=logprobs,
+        caller=caller(body),
+        options=options,
+    )
     # The prompt is the job's content (recorded as RECORD_CONTENT says), not a parameter.
-    messages = [{"role": PROMPT_ROLE, "content": prompt}]
-    return Submission(model=model, messages=messages, params=params, stream=stream)
+    return Submission(model, TextPrompt(prompt), params, stream)
 
 
 def _inputs(body: dict[str, Any]) -> list[str] | list[list[int]]:
@@ -166,18 +161,12 @@ def parse_embeddings_request(body: Any) -> tuple[Submission, str]:
         raise bad('encoding_format is "float" or "base64"', "encoding_format")
     if body.get("dimensions") is not None:
         raise unsupported("dimensions", "vectors have the model's own embedding length")
-    params: dict[str, Any] = {"endpoint": "embeddings", **caller(body)}
-    messages = [{"role": INPUT_ROLE, "content": item} for item in inputs]
-    return Submission(model=model, messages=messages, params=params, stream=False), encoding
+    params = JobParams(caller=caller(body))
+    return Submission(model, EmbeddingInputs(inputs), params, stream=False), encoding
 
 
 def prompt_of(submission: Submission) -> Prompt | None:
     """What the controller counts of a submission before a node sees it (None: embeddings,
     whose inputs the node's server bounds by its batch size)."""
-    endpoint = submission.params.get("endpoint")
-    if endpoint == "embeddings":
-        return None
-    if endpoint == "completions":
-        return TextPrompt(submission.messages[0]["content"])
-    options = submission.params.get("options") or {}
-    return ChatPrompt(submission.messages, list(options.get("tools") or []))
+    prompt = submission.prompt
+    return None if isinstance(prompt, EmbeddingInputs) else prompt

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from application.commands import Submission
+from application.commands import ChatPrompt, JobParams, Submission
 from interfaces.http.http_errors import ApiError
 from interfaces.http.openai import openai_tools
 from interfaces.http.openai.openai_fields import (
@@ -325,28 +325,29 @@ def parse_chat_request(body: Any, max_context: int = MAX_CONTEXT) -> Submission:
         options["logprobs"] = True
         options["top_logprobs"] = max(top_logprobs or 0, 1)
     forced = openai_tools.forced_names(tools, choice)
+    offered: list[dict[str, Any]] = []
     if forced is not None:
         if response_format is not None:
             raise mismatch("a forced tool call is the answer's format", "response_format")
         messages, response_format = openai_tools.force(messages, tools, forced)
     elif tools:
-        options["tools"] = tools
+        offered = tools
         if choice is not None:
             options["tool_choice"] = choice
         if parallel is not None:
             options["parallel_tool_calls"] = parallel
     if response_format is not None:
         options["response_format"] = response_format
-    params: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": number(body, "temperature", 0.0, 2.0),
-        "top_p": number(body, "top_p", 0.0, 1.0),
-        "stop": stop_list(body),
-        "seed": integer(body, "seed", SEED_MIN, SEED_MAX),
-        "include_usage": include_usage,
-        "top_logprobs": (top_logprobs or 0) if logprobs else None,
-        "forced_tools": forced,
-        "options": options,
-        **caller(body),
-    }
-    return Submission(model=model, messages=messages, params=params, stream=stream)
+    params = JobParams(
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 2.0),
+        top_p=number(body, "top_p", 0.0, 1.0),
+        stop=stop_list(body),
+        seed=integer(body, "seed", SEED_MIN, SEED_MAX),
+        include_usage=include_usage,
+        top_logprobs=(top_logprobs or 0) if logprobs else None,
+        forced_tools=forced,
+        caller=caller(body),
+        options=options,
+    )
+    return Submission(model, ChatPrompt(messages, offered), params, stream)
