@@ -9,9 +9,12 @@ caches; it remembers what it sent instead:
   :data:`BLOCK_CHARS` characters, each hash covering every block before it (``h[i]`` stands for
   the first ``i + 1`` blocks). Two prompts share their first ``k`` hashes exactly when they
   share their first ``k`` blocks (up to a 64-bit collision), so a match needs no text kept.
-* :class:`PrefixIndex` keeps, per server slot, the chain of the last prompt dispatched there:
-  a slot holds one conversation at a time, so recording a new prompt on a slot ages out what
-  it held. A server that stops or is lost is forgotten whole.
+* :class:`PrefixIndex` keeps, per server slot, the chain of the last prompt dispatched there,
+  placed in the slot llama-server itself would pick (the idle slot sharing the longest prefix,
+  else the one used longest ago): a slot holds one conversation at a time, so recording a new
+  prompt on a slot ages out what it held. A server that stops or is lost is forgotten whole.
+  The agent does not name the slot (``id_slot``): llama-server already picks the idle slot with
+  the longest common prefix, and a named slot that is busy would make the request wait.
 * :func:`prefix_route` picks the server holding the longest prefix unless it is loaded beyond
   the bound of consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
   2018): a server may take a job only while its running jobs stay within
@@ -78,7 +81,31 @@ class PrefixIndex:
         """The hashes kept, over every slot."""
         return self._size
 
-    def record(self, server: ServerId, slot: int, chain: tuple[int, ...]) -> None:
+    def record(self, server: ServerId, chain: tuple[int, ...], slots: int) -> int:
+        """``server`` (with ``slots`` slots) was sent the prompt whose chain is ``chain``;
+        returns the slot that now holds it. The slot is the one llama-server picks among its
+        idle slots: the one sharing the longest prefix with the prompt, else the one used
+        longest ago (``get_available_slot`` in llama.cpp's ``server-context.cpp``)."""
+        held = {
+            slot: self._slots[(server, slot)]
+            for slot in range(slots)
+            if (server, slot) in self._slots
+        }
+        best, best_blocks = None, 0
+        for slot, kept in held.items():
+            blocks = _common_blocks(kept, chain)
+            if blocks > best_blocks:
+                best, best_blocks = slot, blocks
+        if best is None:
+            empty = [slot for slot in range(slots) if slot not in held]
+            if empty:
+                best = empty[0]
+            else:  # the least recently recorded: the first in the index's order
+                best = next(k[1] for k in self._slots if k[0] == server and k[1] < slots)
+        self.put(server, best, chain)
+        return best
+
+    def put(self, server: ServerId, slot: int, chain: tuple[int, ...]) -> None:
         """Slot ``slot`` of ``server`` now holds the prompt whose chain is ``chain``."""
         key = (server, slot)
         self._drop(key)
@@ -126,6 +153,15 @@ class PrefixIndex:
                 holders.discard(key)
                 if not holders:
                     del self._holders[digest]
+
+
+def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def load_bound(running: int, servers: int, epsilon: float = DEFAULT_EPSILON) -> int:

@@ -51,9 +51,9 @@ def chain(*blocks: str) -> tuple[int, ...]:
 
 def test_the_longest_prefix_per_server_and_its_slot() -> None:
     index = PrefixIndex()
-    index.record("a", 0, chain("s", "t", "u"))
-    index.record("a", 1, chain("s", "x"))
-    index.record("b", 0, chain("s"))
+    index.put("a", 0, chain("s", "t", "u"))
+    index.put("a", 1, chain("s", "x"))
+    index.put("b", 0, chain("s"))
     found = index.match(chain("s", "t", "u", "v"))
     assert found == {"a": PrefixMatch(3, 0), "b": PrefixMatch(1, 0)}
     assert index.match(chain("q", "t")) == {}
@@ -62,11 +62,11 @@ def test_the_longest_prefix_per_server_and_its_slot() -> None:
 
 def test_a_slot_holds_one_prompt_and_a_lost_server_holds_none() -> None:
     index = PrefixIndex()
-    index.record("a", 0, chain("s", "t"))
-    index.record("a", 0, chain("z"))  # the slot was reused: the old conversation ages out
+    index.put("a", 0, chain("s", "t"))
+    index.put("a", 0, chain("z"))  # the slot was reused: the old conversation ages out
     assert index.match(chain("s", "t")) == {}
     assert index.match(chain("z")) == {"a": PrefixMatch(1, 0)}
-    index.record("b", 1, chain("z", "y"))
+    index.put("b", 1, chain("z", "y"))
     index.forget("a")
     assert index.match(chain("z", "y")) == {"b": PrefixMatch(2, 1)}
     assert list(index.held("a")) == [] and list(index.held("b")) == [1]
@@ -75,12 +75,25 @@ def test_a_slot_holds_one_prompt_and_a_lost_server_holds_none() -> None:
 
 def test_capacity_forgets_the_slots_recorded_longest_ago() -> None:
     index = PrefixIndex(capacity=4)
-    index.record("a", 0, chain("p", "q"))
-    index.record("b", 0, chain("r", "s"))
-    index.record("c", 0, chain("t"))
+    index.put("a", 0, chain("p", "q"))
+    index.put("b", 0, chain("r", "s"))
+    index.put("c", 0, chain("t"))
     assert len(index) == 3
     assert set(index.match(chain("p", "q"))) == set()  # a's slot was the oldest
     assert index.match(chain("r", "s")) == {"b": PrefixMatch(2, 0)}
+
+
+def test_a_prompt_goes_to_the_slot_llama_server_would_pick() -> None:
+    index = PrefixIndex()
+    assert index.record("a", chain("s", "t"), slots=2) == 0  # empty slots first
+    assert index.record("a", chain("q"), slots=2) == 1
+    # the next turn of the first conversation extends slot 0's prompt: slot 0 takes it
+    assert index.record("a", chain("s", "t", "u"), slots=2) == 0
+    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3, 0)}
+    # a new conversation shares nothing: the slot used longest ago (1) gives way
+    assert index.record("a", chain("w"), slots=2) == 1
+    assert index.match(chain("q")) == {}
+    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3, 0)}
 
 
 def test_route_takes_the_longest_prefix_within_the_bound() -> None:
