@@ -9,17 +9,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from application.admission import AdmissionQueue
 from application.background import BackgroundTasks
-from application.controller import Controller
 from application.errors import ConcurrencyExhausted, NotFound
 from application.job_calls import in_thread
-from application.job_registry import JobSettings
-from application.ports import AgentGateway
-from application.scheduler import Scheduler
+from application.job_registry import JobContext
 from application.store_guard import is_outage
-from application.token_recorder import TokenChunkRecorder
-from application.worker_access import WorkerAccess
 from domain.errors import DomainError
 
 log = logging.getLogger(__name__)
@@ -31,23 +25,8 @@ ENDING_RETRY_FIRST, ENDING_RETRY_MAX = 0.2, 2.0
 class EndingRecorder:
     """Writes endings and frees what a job held; knows which jobs have an ending under way."""
 
-    def __init__(
-        self,
-        app: Controller,
-        scheduler: Scheduler,
-        gateway: AgentGateway,
-        recorder: TokenChunkRecorder,
-        queue: AdmissionQueue,
-        worker_access: WorkerAccess,
-        settings: JobSettings,
-    ) -> None:
-        self._app = app
-        self._scheduler = scheduler
-        self._gateway = gateway
-        self._recorder = recorder
-        self._queue = queue
-        self._worker_access = worker_access
-        self._settings = settings
+    def __init__(self, ctx: JobContext) -> None:
+        self._ctx = ctx
         #: Endings being recorded (retried until the store takes them), per job.
         self._tasks = BackgroundTasks("recording a job's ending")
         self._under_way: Counter[str] = Counter()
@@ -67,14 +46,14 @@ class EndingRecorder:
     def ended(self, job_id: str) -> None:
         """The job's ending (or release) is recorded: its slots are free for placement now."""
         self.release_workers(job_id, "job ended")
-        self._scheduler.ledger.released(job_id)
-        self._queue.wake()
+        self._ctx.scheduler.ledger.released(job_id)
+        self._ctx.queue.wake()
 
     def release_workers(self, job_id: str, reason: str) -> None:
         """The job no longer uses its RPC workers: each worker whose set of primaries that
         changes hears the set left, so a former primary can no longer connect."""
-        for node_id, allowed in self._worker_access.release(job_id).items():
-            self._gateway.rpc_worker_peers(node_id, allowed, reason)
+        for node_id, allowed in self._ctx.worker_access.release(job_id).items():
+            self._ctx.gateway.rpc_worker_peers(node_id, allowed, reason)
 
     async def record(
         self,
@@ -119,7 +98,7 @@ class EndingRecorder:
         try:
             while True:
                 try:
-                    await self._recorder.flush(job_id)
+                    await self._ctx.recorder.flush(job_id)
                     await in_thread(end, job_id, *args)
                 except (DomainError, NotFound) as e:
                     log.info("%s of job %s skipped: %s", name, job_id, e)
@@ -136,7 +115,7 @@ class EndingRecorder:
                             tell()
                             told = True
                             refused.set()
-                        await self._settings.sleep(delay)
+                        await self._ctx.settings.sleep(delay)
                         delay = min(ENDING_RETRY_MAX, delay * 2)
                         continue
                 break

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 from uuid import UUID
 
 from application.admission import DEFAULT_QUEUE_TIMEOUT, AdmissionQueue
@@ -29,7 +29,7 @@ from application.deadlines import Deadlines
 from application.dispatch_batcher import DispatchBatcher
 from application.job_ending_records import ENDING_RETRY_FIRST, ENDING_RETRY_MAX, EndingRecorder
 from application.job_endings import ABANDONED, CONTROLLER_STOPPING, STALE_JOB_GRACE, JobEndings
-from application.job_registry import JobSettings, RunRegistry
+from application.job_registry import JobContext, JobSettings, RunRegistry
 from application.job_relay import JobRelay
 from application.job_run import JobRun
 from application.job_setup import MAX_PLACEMENT_RACES, JobSetup, capped
@@ -54,6 +54,23 @@ __all__ = [
 #: How long the jobs of an agent that said goodbye wait for its last messages to be handled
 #: (the results of the jobs it drained) before the rest are lost (s).
 STOPPED_SETTLE_TIMEOUT = 10.0
+
+T = TypeVar("T")
+
+
+class _Setting(Generic[T]):
+    """One of a manager's :class:`JobSettings`, read and written as its attribute: the parts
+    read the settings when they need them, so a change on a live manager (tests) applies."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, manager: JobManager, owner: type | None = None) -> T:
+        value: T = getattr(manager.settings, self._name)
+        return value
+
+    def __set__(self, manager: JobManager, value: T) -> None:
+        setattr(manager.settings, self._name, value)
 
 
 class JobManager:
@@ -97,106 +114,49 @@ class JobManager:
         )
         self.registry = RunRegistry()
         self.runs: dict[str, JobRun] = self.registry.runs
-        #: Who may reach each node's RPC worker (the primaries of the jobs using it).
         self.worker_access = WorkerAccess()
-        #: The agent messages' store writes, beside the node's message loop.
-        self._background = BackgroundTasks("handling an agent message")
-        self._endings = EndingRecorder(
-            app, scheduler, gateway, recorder, self.queue, self.worker_access, self.settings
+        ctx = JobContext(
+            app,
+            scheduler,
+            gateway,
+            recorder,
+            self.queue,
+            self.worker_access,
+            self.metrics,
+            self.registry,
+            self.settings,
+            BackgroundTasks("handling an agent message"),
         )
+        self._background = ctx.background
+        self._endings = EndingRecorder(ctx)
         self._setup = JobSetup(
             app,
             scheduler,
             gateway,
             recorder,
-            runs=self.registry,
-            settings=self.settings,
-            queue=self.queue,
+            runs=ctx.runs,
+            settings=ctx.settings,
+            queue=ctx.queue,
             dispatches=self.dispatches,
-            worker_access=self.worker_access,
-            metrics=self.metrics,
+            worker_access=ctx.worker_access,
+            metrics=ctx.metrics,
             fetcher=fetcher,
             endings=self._endings,
-            background=self._background,
+            background=ctx.background,
         )
-        self._relay = JobRelay(
-            app,
-            scheduler,
-            recorder,
-            self.metrics,
-            self.registry,
-            self.settings,
-            self._endings,
-            self._background,
-        )
-        self._ends = JobEndings(
-            app,
-            gateway,
-            self.queue,
-            self.registry,
-            self.settings,
-            self._endings,
-            self._background,
-        )
+        self._relay = JobRelay(ctx, self._endings)
+        self._ends = JobEndings(ctx, self._endings)
 
     # --------------------------------------------- settings read where they are used
 
-    @property
-    def worker_timeout(self) -> float:
-        return self.settings.worker_timeout
-
-    @worker_timeout.setter
-    def worker_timeout(self, value: float) -> None:
-        self.settings.worker_timeout = value
-
-    @property
-    def setup_timeout(self) -> float:
-        return self.settings.setup_timeout
-
-    @setup_timeout.setter
-    def setup_timeout(self, value: float) -> None:
-        self.settings.setup_timeout = value
-
-    @property
-    def max_replans(self) -> int:
-        return self.settings.max_replans
-
-    @max_replans.setter
-    def max_replans(self, value: int) -> None:
-        self.settings.max_replans = value
-
-    @property
-    def queue_timeout(self) -> float:
-        return self.settings.queue_timeout
-
-    @queue_timeout.setter
-    def queue_timeout(self, value: float) -> None:
-        self.settings.queue_timeout = value
-
-    @property
-    def deadlines(self) -> Deadlines:
-        return self.settings.deadlines
-
-    @deadlines.setter
-    def deadlines(self, value: Deadlines) -> None:
-        self.settings.deadlines = value
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.settings.clock
-
-    @clock.setter
-    def clock(self, value: Callable[[], float]) -> None:
-        self.settings.clock = value
-
-    @property
-    def sleep(self) -> Callable[[float], Awaitable[None]]:
-        """Waits between attempts to record an ending (tests pass one that does not sleep)."""
-        return self.settings.sleep
-
-    @sleep.setter
-    def sleep(self, value: Callable[[float], Awaitable[None]]) -> None:
-        self.settings.sleep = value
+    worker_timeout = _Setting[float]()
+    setup_timeout = _Setting[float]()
+    max_replans = _Setting[int]()
+    queue_timeout = _Setting[float]()
+    deadlines = _Setting[Deadlines]()
+    clock = _Setting[Callable[[], float]]()
+    #: Waits between attempts to record an ending (tests pass one that does not sleep).
+    sleep = _Setting[Callable[[float], Awaitable[None]]]()
 
     # ------------------------------------------------------------ lifecycle
 

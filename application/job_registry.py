@@ -1,10 +1,11 @@
-"""The runs the job manager's parts share: which jobs run in this controller, and the settings
-every part reads.
+"""What the job manager's parts share: which jobs run in this controller, the settings every
+part reads, and the collaborators they all use.
 
 :class:`RunRegistry` owns the :class:`JobRun` of each job this process runs (admitted, in
 setup or executing) and answers the lookups the parts make; :class:`JobSettings` holds the
 limits and the clock they read at the moment they need them (tests change them on a live
-manager).
+manager); :class:`JobContext` carries both with the other collaborators, built once by the
+manager and handed whole to each part.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from application.admission import DEFAULT_QUEUE_TIMEOUT
+from application.admission import DEFAULT_QUEUE_TIMEOUT, AdmissionQueue
+from application.background import BackgroundTasks
+from application.controller import Controller
 from application.deadlines import Deadlines
 from application.job_run import JobRun
+from application.ports import AgentGateway, Metrics
+from application.scheduler import Scheduler
+from application.token_recorder import TokenChunkRecorder
+from application.worker_access import WorkerAccess
 from domain.job import MAX_REPLANS
 
 
@@ -81,3 +88,21 @@ class RunRegistry:
             for run in self.runs.values()
             if node_id in run.nodes and run.phase == "setup" and not run.setup_ok
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    """The collaborators the job manager's parts share, passed whole to each part."""
+
+    app: Controller
+    scheduler: Scheduler
+    gateway: AgentGateway
+    recorder: TokenChunkRecorder
+    queue: AdmissionQueue
+    #: Who may reach each node's RPC worker (the primaries of the jobs using it).
+    worker_access: WorkerAccess
+    metrics: Metrics
+    runs: RunRegistry
+    settings: JobSettings
+    #: The agent messages' store writes, beside the node's message loop.
+    background: BackgroundTasks

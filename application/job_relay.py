@@ -21,16 +21,11 @@ from application.agent_messages import (
     WorkerStatus,
     WorkerStopped,
 )
-from application.background import BackgroundTasks
 from application.commands import Delta, JobOutcome
-from application.controller import Controller
 from application.job_calls import node_label, quietly
 from application.job_ending_records import EndingRecorder
-from application.job_registry import JobSettings, RunRegistry
+from application.job_registry import JobContext
 from application.job_run import JobRun, StreamItem, out_of_memory_in
-from application.ports import Metrics
-from application.scheduler import Scheduler
-from application.token_recorder import TokenChunkRecorder
 from common.contract import CLIENT_ERROR_CODES, JobErrorCode
 
 log = logging.getLogger(__name__)
@@ -39,26 +34,10 @@ log = logging.getLogger(__name__)
 class JobRelay:
     """Hands every job message of an agent to the run it is about, or says why it is refused."""
 
-    def __init__(
-        self,
-        app: Controller,
-        scheduler: Scheduler,
-        recorder: TokenChunkRecorder,
-        metrics: Metrics,
-        runs: RunRegistry,
-        settings: JobSettings,
-        endings: EndingRecorder,
-        background: BackgroundTasks,
-    ) -> None:
-        self._app = app
-        self._scheduler = scheduler
-        self._recorder = recorder
-        self._metrics = metrics
-        self._runs = runs
-        self._settings = settings
+    def __init__(self, ctx: JobContext, endings: EndingRecorder) -> None:
+        #: Its ``background`` runs the store writes that handling a message makes.
+        self._ctx = ctx
         self._endings = endings
-        #: The store writes that handling a message makes (off the node's message loop).
-        self._background = background
 
     async def handle(self, node_id: str, message: AgentJobMessage) -> Rejection | None:
         """Every job message an agent sends, by kind; each kind is handled exactly once.
@@ -74,25 +53,25 @@ class JobRelay:
             case TokensGenerated(job_id, deltas):
                 return self._relay(node_id, job_id, deltas)
             case WorkerStatus(job_id):
-                run = self._runs.get(job_id)
+                run = self._ctx.runs.get(job_id)
                 if run is not None and self._stranger(run, node_id):
                     why = "an RPC worker status for a job the node has no part in"
                     return Rejection(why, job_id)
-                self._background.spawn(self._worker_status(node_id, message))
+                self._ctx.background.spawn(self._worker_status(node_id, message))
             case WorkerStopped(job_id, reason):
                 # RPC_WORKER_STOPPED, while the node still serves the job.
-                self._background.spawn(
-                    quietly(self._app.rpc_worker_stopped, node_id, job_id, reason)
+                self._ctx.background.spawn(
+                    quietly(self._ctx.app.rpc_worker_stopped, node_id, job_id, reason)
                 )
             case SetupReported(job_id, outcome):
                 return self._setup_reported(node_id, job_id, outcome)
             case JobFinished(job_id, result):
-                run = self._runs.get(job_id)
+                run = self._ctx.runs.get(job_id)
                 if run is not None and node_id == run.primary and not run.setup_ok:
                     return Rejection("a job result before the job's setup result", job_id)
                 if run is not None and self._stranger(run, node_id, lead=True):
                     return Rejection("a job result for a job the node does not lead", job_id)
-                self._background.spawn(self._job_finished(node_id, job_id, result))
+                self._ctx.background.spawn(self._job_finished(node_id, job_id, result))
             case _:
                 assert_never(message)
         return None
@@ -105,11 +84,11 @@ class JobRelay:
         return not ours and node_id not in run.past_nodes
 
     async def _worker_status(self, node_id: str, status: WorkerStatus) -> None:
-        run = self._runs.get(status.job_id)
+        run = self._ctx.runs.get(status.job_id)
         future = run.worker_futures.get(node_id) if run else None
         if status.started:
             await quietly(
-                self._app.rpc_worker_started, node_id, status.job_id, status.host, status.port
+                self._ctx.app.rpc_worker_started, node_id, status.job_id, status.host, status.port
             )
         if future is not None and not future.done():
             future.set_result(
@@ -124,7 +103,7 @@ class JobRelay:
             )
 
     def _setup_reported(self, node_id: str, job_id: str, outcome: SetupOutcome) -> Rejection | None:
-        run = self._runs.get(job_id)
+        run = self._ctx.runs.get(job_id)
         if run is None or node_id != run.primary:
             if run is not None and self._stranger(run, node_id, lead=True):
                 return Rejection("a setup result for a job the node does not lead", job_id)
@@ -139,7 +118,7 @@ class JobRelay:
         The primary streams as soon as it has validated; until JOB_SETUP_VALIDATED is
         recorded the deltas are relayed but held back from the recorder.
         """
-        run = self._runs.get(job_id)
+        run = self._ctx.runs.get(job_id)
         if run is None:
             log.debug("tokens for ended job %s from node %s dropped", job_id, node_id)
             return None
@@ -157,12 +136,12 @@ class JobRelay:
         run.queue.put_nowait(StreamItem("deltas", deltas=tuple(deltas)))
         now = time.monotonic()
         if run.last_token_at is None:
-            self._metrics.observe_time_to_first_token(now - run.submitted_at)
+            self._ctx.metrics.observe_time_to_first_token(now - run.submitted_at)
         else:
-            self._metrics.observe_inter_token(now - run.last_token_at)
+            self._ctx.metrics.observe_inter_token(now - run.last_token_at)
         run.last_token_at = now
         if run.validated.is_set():
-            self._recorder.add(job_id, deltas)
+            self._ctx.recorder.add(job_id, deltas)
         else:
             run.held.extend(deltas)
         return None
@@ -182,14 +161,14 @@ class JobRelay:
         return fresh
 
     async def _job_finished(self, node_id: str, job_id: str, result: AgentJobResult) -> None:
-        run = self._runs.get(job_id)
+        run = self._ctx.runs.get(job_id)
         if run is None or node_id != run.primary:
             return  # cancelled meanwhile, or not this node's job
         try:
-            await asyncio.wait_for(run.validated.wait(), self._settings.setup_timeout)
+            await asyncio.wait_for(run.validated.wait(), self._ctx.settings.setup_timeout)
         except TimeoutError:
             log.warning("job %s ended before its setup was recorded", job_id)
-        if self._runs.pop(job_id) is None:
+        if self._ctx.runs.pop(job_id) is None:
             return
         if result.ok:
             outcome = JobOutcome(
@@ -208,17 +187,18 @@ class JobRelay:
                 # answer), but the next plan gives that device less.
                 node = result.failed_node_id if result.failed_node_id in run.nodes else node_id
                 oom = out_of_memory_in(run.plan, node, result.failed_device, result.failed_bytes)
-                self._scheduler.budgets.lower(
+                self._ctx.scheduler.budgets.lower(
                     oom.node_id, oom.device, oom.planned_bytes, oom.asked_bytes
                 )
-                error = f"{oom.describe(node_label(self._app, oom.node_id))}: {error}"
+                error = f"{oom.describe(node_label(self._ctx.app, oom.node_id))}: {error}"
             item = StreamItem(
                 "error", error=error, error_code=result.error_code or "execution_failed"
             )
         tell = functools.partial(run.queue.put_nowait, item)
         if result.ok:
-            await self._endings.record(job_id, self._app.complete, item.outcome, tell=tell)
+            await self._endings.record(job_id, self._ctx.app.complete, item.outcome, tell=tell)
         else:
             # A request the node refused as invalid is the client's error, not the node's.
-            end = self._app.reject if result.error_code in CLIENT_ERROR_CODES else self._app.fail
+            app = self._ctx.app
+            end = app.reject if result.error_code in CLIENT_ERROR_CODES else app.fail
             await self._endings.record(job_id, end, item.error, result.error_code, tell=tell)
