@@ -64,20 +64,14 @@ def decide(
     return None
 
 
+@dataclass(frozen=True, slots=True)
 class HealthMonitor:
-    def __init__(
-        self,
-        app: Controller,
-        read_model: ReadModel,
-        live: LiveState,
-        limits: HealthThresholds,
-        started_at: float,
-    ) -> None:
-        self.app = app
-        self.read_model = read_model
-        self.live = live
-        self.limits = limits
-        self.started_at = started_at
+    app: Controller
+    read_model: ReadModel
+    live: LiveState
+    limits: HealthThresholds
+    #: When this controller started: the last heartbeat of a node it never heard from.
+    started_at: float
 
     def sweep(self, now: float) -> list[tuple[str, Action]]:
         """Records what the heartbeats call for; returns the actions taken."""
