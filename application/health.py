@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 from application.controller import Controller
 from application.errors import NotFound
-from application.ports import LiveNode, LiveState
-from application.read_models import ReadModel
+from application.ports import LiveNode, LiveState, ReadModel
 from domain.errors import DomainError
 from domain.states import NodeState
 

@@ -35,7 +35,8 @@ from typing import Any, Protocol
 
 from application.controller import Controller
 from application.errors import NotFound
-from application.read_models import ReadModel, model_facts, proves
+from application.ports import ReadModel
+from application.read_models import model_facts, proves
 from application.store_guard import StoreUnavailable
 from domain.errors import DomainError
 from domain.model import RegisteredModel

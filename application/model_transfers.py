@@ -25,8 +25,8 @@ from typing import Any
 from application.commands import FetchRequest, TransferReport, TransferSource
 from application.controller import Controller
 from application.errors import NotFound
-from application.ports import AgentGateway
-from application.read_models import ReadModel, model_facts, proven_holders
+from application.ports import AgentGateway, ReadModel
+from application.read_models import model_facts, proven_holders
 from common.contract import TRANSFER_PORT_LABEL
 from common.transfer_ticket import CONTROLLER_SOURCE_ID
 from domain.errors import DomainError

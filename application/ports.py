@@ -4,8 +4,9 @@ and ``interfaces``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from application.agent_messages import Rejection
 from application.commands import FetchRequest, JobInput, JobParams, Prompt
 
 
@@ -146,6 +147,74 @@ class AgentGateway(Protocol):
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool: ...
 
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool: ...
+
+    def drain(self, node_id: str) -> bool:
+        """Tells the node its drain was requested (``Drain``): it takes no new work."""
+        ...
+
+    def resume(self, node_id: str) -> bool:
+        """Tells the node it accepts work again (``Resume``)."""
+        ...
+
+    def revoke(self, node_id: str) -> bool:
+        """Ends the revoked node's stream from this side and tells every other connected node
+        (``NodesRevoked``: their model file servers refuse it from now on); True when the
+        node had a stream here."""
+        ...
+
+
+#: What an uplink handler receives from agents: the adapter's own message type (protobuf for
+#: the control channel's servicer).
+MessageT = TypeVar("MessageT", contravariant=True)
+
+
+class UplinkHandler(Protocol[MessageT]):
+    """Receives the job-related messages agents send up: what the control channel's servicer
+    calls (``interfaces/grpc/agent_bridge.py: JobUplink`` turns them into the job manager's
+    typed messages)."""
+
+    async def on_agent_message(self, node_id: str, message: MessageT) -> Rejection | None: ...
+
+    async def on_node_disconnected(self, node_id: str) -> None: ...
+
+    async def on_node_gone(self, node_id: str, reason: str = "") -> None:
+        """The node is lost for good (``reason``: why its agent stopped, when it said so)."""
+
+    async def messages_handled(self) -> None:
+        """Returns once the messages handed over so far are handled (or gave up waiting)."""
+
+    def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]: ...
+
+
+class ReadModel(Protocol):
+    """The query port over the projections (``application/read_models.py``), implemented in
+    ``infrastructure``."""
+
+    def get_node(self, node_id: str) -> dict[str, Any] | None: ...
+
+    def list_nodes(self) -> list[dict[str, Any]]: ...
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None: ...
+
+    def list_jobs(
+        self,
+        *,
+        state: str | None = None,
+        model: str | None = None,
+        node_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]: ...
+
+    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
+        """The ids of the jobs whose (dashed) id begins with ``prefix``, at most ``limit``."""
+        ...
+
+    def eligibility(self) -> list[dict[str, Any]]: ...
+
+    def get_model(self, name: str) -> dict[str, Any] | None: ...
+
+    def list_models(self) -> list[dict[str, Any]]: ...
 
 
 class ModelFetcher(Protocol):

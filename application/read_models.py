@@ -1,4 +1,5 @@
-"""The read side (CQRS): pure functions from events to read-model rows, and the query port.
+"""The read side (CQRS): pure functions from events to read-model rows (the query port over
+them is :class:`application.ports.ReadModel`).
 
 Rows are plain JSON-safe dicts derived from events only (times come from the events, never
 from a clock), so rebuilding from position zero yields identical rows.
@@ -6,7 +7,7 @@ from a clock), so rebuilding from position zero yields identical rows.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from domain.access_refusal import AccessRefusal
 from domain.catalog import code_of
@@ -298,6 +299,7 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "queue_position": None,
             "planned_at": None,
             "dispatched_at": None,
+            "route": None,
             "validated_at": None,
             "first_token_at": None,
             "ended_at": None,
@@ -329,6 +331,7 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
         new["plan"], new["replans"] = event.plan, row["replans"] + 1
     elif isinstance(event, Job.Dispatched):
         new["nodes"], new["dispatched_at"] = list(event.nodes), at
+        new["route"] = event.route
     elif isinstance(event, Job.SetupValidated):
         new["validated_at"] = at
     elif isinstance(event, Job.TokenStreamChunk):
@@ -426,36 +429,6 @@ def project_model(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
             "updated_at": at,
         }
     return None
-
-
-class ReadModel(Protocol):
-    """The query port over the projections (implemented in ``infrastructure``)."""
-
-    def get_node(self, node_id: str) -> dict[str, Any] | None: ...
-
-    def list_nodes(self) -> list[dict[str, Any]]: ...
-
-    def get_job(self, job_id: str) -> dict[str, Any] | None: ...
-
-    def list_jobs(
-        self,
-        *,
-        state: str | None = None,
-        model: str | None = None,
-        node_id: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-    ) -> list[dict[str, Any]]: ...
-
-    def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
-        """The ids of the jobs whose (dashed) id begins with ``prefix``, at most ``limit``."""
-        ...
-
-    def eligibility(self) -> list[dict[str, Any]]: ...
-
-    def get_model(self, name: str) -> dict[str, Any] | None: ...
-
-    def list_models(self) -> list[dict[str, Any]]: ...
 
 
 def project_refusal(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:

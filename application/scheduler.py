@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from application.device_budgets import DeviceBudgets
-from application.ports import LiveNode, LiveState
-from application.read_models import ReadModel, eligibility_of, model_facts, proves
+from application.ports import LiveNode, LiveState, ReadModel
+from application.read_models import eligibility_of, model_facts, proves
 from application.slot_ledger import SlotLedger
 from domain.placement import (
     DEVICE_GPU,

@@ -24,8 +24,7 @@ from typing import Any
 
 from application.controller import Controller
 from application.errors import NotFound
-from application.ports import AgentGateway
-from application.read_models import ReadModel
+from application.ports import AgentGateway, ReadModel
 from domain.errors import DomainError
 from domain.runtimes import runtime_key
 

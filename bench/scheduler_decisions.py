@@ -17,7 +17,8 @@ from typing import Any
 
 from application.commands import Enrollment
 from application.controller import Controller
-from application.read_models import ReadModel, project_node
+from application.ports import ReadModel
+from application.read_models import project_node
 from application.scheduler import Scheduler, SchedulerConfig
 from bench import stats
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from common.contract import DEVICE_CPU as _DEVICE_CPU
 from common.contract import DEVICE_GPU as _DEVICE_GPU
 from common.contract import HOST_DEVICE as _HOST_DEVICE
+from domain.prefix_index import PrefixRoute
 from domain.states import NodeState
 
 MIB = 1024 * 1024
@@ -174,7 +174,8 @@ class Candidate:
 class PlacementRequest:
     needs: ModelNeeds
     context_size: int
-    allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
+    #: Where a plan's nodes may reach each other from: the controller's ALLOWED_PEER_CIDRS.
+    allowed_peer_cidrs: tuple[str, ...]
     max_nodes: int = DEFAULT_MAX_NODES
     exclude: frozenset[str] = frozenset()
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION
@@ -429,6 +430,8 @@ class PlacementResult:
     fallback_used: bool = False
     #: The plan reuses a running server (``domain.runtimes.warm_choice``): no setup to redo.
     warm: bool = False
+    #: The warm server was chosen for the prompt prefix it holds (``domain.prefix_index``).
+    route: PrefixRoute | None = None
 
     def __post_init__(self) -> None:
         if (self.plan is None) == (self.no_capacity is None):
@@ -480,7 +483,7 @@ def _allowed(address: str, cidrs: tuple[str, ...]) -> bool:
     return _address_in(address, parse_cidrs(cidrs))
 
 
-def address_allowed(address: str, cidrs: Iterable[str] = DEFAULT_ALLOWED_PEER_CIDRS) -> bool:
+def address_allowed(address: str, cidrs: Iterable[str]) -> bool:
     """True when ``address`` is an IP literal inside one of ``cidrs``.
 
     Host names and malformed strings are never allowed; an IPv4-mapped IPv6 address is judged

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from application.read_models import ReadModel, project_model, project_node
+from application.ports import ReadModel
+from application.read_models import project_model, project_node
 from domain.model import RegisteredModel, model_id
 from domain.node import Node
 from infrastructure.projection_follower import ProjectionFollower
@@ -88,7 +89,7 @@ class NodeRows:
 
 
 class NodeRowsReadModel:
-    """The :class:`~application.read_models.ReadModel` of the scheduler and the health sweep
+    """The :class:`~application.ports.ReadModel` of the scheduler and the health sweep
     (both read every node, often): nodes from :class:`NodeRows`, the rest from the views."""
 
     def __init__(self, views: ReadModel, nodes: NodeRows) -> None:
@@ -104,18 +105,9 @@ class NodeRowsReadModel:
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         return self._views.get_job(job_id)
 
-    def list_jobs(
-        self,
-        *,
-        state: str | None = None,
-        model: str | None = None,
-        node_id: str | None = None,
-        limit: int = 50,
-        offset: int = 0,
-    ) -> list[dict[str, Any]]:
-        return self._views.list_jobs(
-            state=state, model=model, node_id=node_id, limit=limit, offset=offset
-        )
+    def list_jobs(self, **filters: Any) -> list[dict[str, Any]]:
+        """The views' :meth:`~application.ports.ReadModel.list_jobs`, with its filters."""
+        return self._views.list_jobs(**filters)
 
     def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:
         return self._views.job_ids_starting(prefix, limit)

@@ -24,6 +24,7 @@ from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
 from application.model_claims import ModelClaims
 from application.model_transfers import TicketSigner, TransferCoordinator
+from application.node_steering import NodeSteering
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from application.worker_reaper import WorkerReaper
@@ -63,7 +64,6 @@ from interfaces.http.http_peer_log import PeerNamingProtocol
 from interfaces.http.http_peer_log import install as install_peer_naming
 from interfaces.model_store_server import start_store_server
 from interfaces.services import CoreServices, Services
-from wire import control_pb2 as pb
 from wire import control_pb2_grpc as pb_grpc
 from wire import keepalive
 
@@ -272,6 +272,7 @@ async def start_controller(settings: Settings) -> RunningController:
     recorder = TokenChunkRecorder(core.app, settings.token_record_interval)
     recorder.start()
     gateway = ProtoAgentGateway(core.connections)
+    steering = NodeSteering(core.app, gateway)
     scheduler = Scheduler(
         node_views,
         core.live,
@@ -344,7 +345,7 @@ async def start_controller(settings: Settings) -> RunningController:
     metrics.add_collector(cluster_collector(core, jobs, feed, servicer, metrics))
     history = metrics_history(core, jobs, node_views.list_nodes, metrics)
     core.follower.add_event_listener(claims.listener)
-    core.follower.add_event_listener(_revocations(core, jobs, loop, store_server))
+    core.follower.add_event_listener(_revocations(steering, jobs, loop, store_server))
     core.app.owner = str(uuid.uuid4())
     await asyncio.to_thread(core.live.renew_lease, core.app.owner, LEASE_TTL)
     orphans = await jobs.fail_orphans(lambda: asyncio.to_thread(_orphaned_jobs, core))
@@ -381,6 +382,7 @@ async def start_controller(settings: Settings) -> RunningController:
         metrics=metrics,
         feed=feed,
         history=history,
+        steering=steering,
         grpc_port=grpc_port,  # the port bound (GRPC_PORT=0: a free one)
     )
 
@@ -444,7 +446,7 @@ async def start_controller(settings: Settings) -> RunningController:
 
 
 def _revocations(
-    services: CoreServices,
+    steering: NodeSteering,
     jobs: JobManager,
     loop: asyncio.AbstractEventLoop,
     store_server: ModelFileServer | None,
@@ -456,14 +458,10 @@ def _revocations(
     background = BackgroundTasks("handling a revoked node")
 
     def revoked(node_id: str) -> None:
-        if services.connections.disconnect(node_id):
+        if steering.revoked(node_id):
             log.warning("node %s was revoked: its control stream is closed", node_id)
         if store_server is not None:
             store_server.revoke([node_id])
-        told = pb.ControllerMessage(nodes_revoked=pb.NodesRevoked(node_ids=[node_id]))
-        for other in services.connections.connected():
-            if other != node_id:
-                services.connections.send(other, told)
         background.spawn(jobs.node_gone(node_id))
 
     def listener(_position: int, event: object) -> None:

@@ -24,6 +24,7 @@ from application.job_manager import JobManager
 from application.metrics_history import MetricsHistory
 from application.model_claims import ModelClaims
 from application.model_transfers import TransferCoordinator
+from application.node_steering import NodeSteering
 from application.ports import LiveState
 from infrastructure.metrics import PrometheusMetrics
 from infrastructure.projection_follower import ProjectionFollower
@@ -67,6 +68,8 @@ class Services(CoreServices):
     metrics: PrometheusMetrics | None = None
     feed: EventFeed | None = None
     history: MetricsHistory | None = None
+    #: Drains, resumes and revokes nodes (records, then tells them).
+    steering: NodeSteering | None = None
     #: The gRPC port bound (GRPC_PORT=0: a free one); None: GRPC_PORT as configured.
     grpc_port: int | None = None
 
@@ -81,6 +84,7 @@ class Services(CoreServices):
         metrics: PrometheusMetrics,
         feed: EventFeed,
         history: MetricsHistory,
+        steering: NodeSteering,
         grpc_port: int,
     ) -> Services:
         """The running controller's services: ``core`` with every part."""
@@ -101,5 +105,6 @@ class Services(CoreServices):
             metrics=metrics,
             feed=feed,
             history=history,
+            steering=steering,
             grpc_port=grpc_port,
         )

@@ -135,6 +135,20 @@ class ProtoAgentGateway:
         message = pb.ControllerMessage(cancel_job=pb.CancelJob(job_id=job_id, reason=reason))
         return self.connections.send(node_id, message)
 
+    def drain(self, node_id: str) -> bool:
+        return self.connections.send(node_id, pb.ControllerMessage(drain=pb.Drain()))
+
+    def resume(self, node_id: str) -> bool:
+        return self.connections.send(node_id, pb.ControllerMessage(resume=pb.Resume()))
+
+    def revoke(self, node_id: str) -> bool:
+        had_stream = self.connections.disconnect(node_id)
+        told = pb.ControllerMessage(nodes_revoked=pb.NodesRevoked(node_ids=[node_id]))
+        for other in self.connections.connected():
+            if other != node_id:
+                self.connections.send(other, told)
+        return had_stream
+
 
 def _set_job(plan: pb.ExecutionPlan, prompt: JobInput, params: JobParams) -> None:
     """The plan's job (chat, completion or embeddings) and, for a generation, its sampling."""
@@ -180,7 +194,7 @@ _TRANSFER_STATES = {
 
 
 class JobUplink:
-    """The servicer's :class:`interfaces.grpc.grpc_server.UplinkHandler`: job messages up, and
+    """The servicer's :class:`application.ports.UplinkHandler`: job messages up, and
     model transfer reports."""
 
     def __init__(

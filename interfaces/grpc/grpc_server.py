@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import grpc
 
@@ -37,7 +37,7 @@ from application.background import BackgroundTasks
 from application.controller import Controller
 from application.enrollment import EnrollmentNotConfigured, EnrollmentService, Unauthenticated
 from application.errors import TokenAlreadyUsed, TokenRevoked
-from application.ports import LiveState
+from application.ports import LiveState, UplinkHandler
 from application.rejections import PendingGate, RateBudget, RejectionAudit
 from application.version import CONTROLLER_VERSION
 from common.contract import (
@@ -256,24 +256,6 @@ class AgentConnections:
         return False
 
 
-class UplinkHandler(Protocol):
-    """Receives the job-related messages agents send up (the job manager)."""
-
-    async def on_agent_message(
-        self, node_id: str, message: pb.AgentMessage
-    ) -> Rejection | None: ...
-
-    async def on_node_disconnected(self, node_id: str) -> None: ...
-
-    async def on_node_gone(self, node_id: str, reason: str = "") -> None:
-        """The node is lost for good (``reason``: why its agent stopped, when it said so)."""
-
-    async def messages_handled(self) -> None:
-        """Returns once the messages handed over so far are handled (or gave up waiting)."""
-
-    def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]: ...
-
-
 @dataclass
 class _Reports:
     """A node's resource reports: when the last was recorded (loop time), the one waiting."""
@@ -292,7 +274,7 @@ class ControlPlaneServicer(pb_grpc.ControlPlaneServicer):
         live: LiveState,
         connections: AgentConnections,
         heartbeat_interval: float,
-        uplink: UplinkHandler | None = None,
+        uplink: UplinkHandler[pb.AgentMessage] | None = None,
         clock: Callable[[], float] = time.time,
         allowed_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS,
         allow_nat: bool = False,

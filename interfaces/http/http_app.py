@@ -13,6 +13,7 @@ from application.job_manager import JobManager
 from application.metrics_history import MetricsHistory
 from application.model_claims import ModelClaims
 from application.model_transfers import TransferCoordinator
+from application.node_steering import NodeSteering
 from application.version import CONTROLLER_VERSION
 from infrastructure.metrics import PrometheusMetrics
 from infrastructure.settings import DEFAULT_MAX_REQUEST_BYTES
@@ -68,9 +69,12 @@ def dependencies(services: Services | None) -> dict[str, Provide]:
     def history() -> MetricsHistory | None:
         return services.history if services is not None else None
 
+    def steering() -> NodeSteering | None:
+        return services.steering if services is not None else None
+
     return {
         provider.__name__: Provide(provider, sync_to_thread=False)
-        for provider in (svc, jobs, transfers, claims, metrics, feed, history)
+        for provider in (svc, jobs, transfers, claims, metrics, feed, history, steering)
     }
 
 

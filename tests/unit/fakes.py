@@ -115,6 +115,11 @@ class FakeAgentGateway:
     worker_devices: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     #: Set on every RPC worker start.
     worker_asked: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Nodes told to drain, to resume, and revoked nodes announced (``Drain``, ``Resume``,
+    #: ``NodesRevoked``), in order.
+    drains: list[str] = field(default_factory=list)
+    resumes: list[str] = field(default_factory=list)
+    revocations: list[str] = field(default_factory=list)
 
     def is_connected(self, node_id: str) -> bool:
         return node_id not in self.disconnected
@@ -159,3 +164,15 @@ class FakeAgentGateway:
     def cancel_job(self, node_id: str, job_id: str, reason: str) -> bool:
         self.cancels.append((node_id, job_id))
         return True
+
+    def drain(self, node_id: str) -> bool:
+        self.drains.append(node_id)
+        return self.is_connected(node_id)
+
+    def resume(self, node_id: str) -> bool:
+        self.resumes.append(node_id)
+        return self.is_connected(node_id)
+
+    def revoke(self, node_id: str) -> bool:
+        self.revocations.append(node_id)
+        return self.is_connected(node_id)

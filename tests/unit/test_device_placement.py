@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.placement import (
     DEVICE_GPU,
     GIB,
@@ -57,6 +58,7 @@ def request(
     return PlacementRequest(
         needs=needs,
         context_size=4096,
+        allowed_peer_cidrs=DEFAULT_ALLOWED_PEER_CIDRS,
         max_nodes=max_nodes,
         headroom_fraction=0.0,
         overhead_bytes=0,
@@ -228,7 +230,9 @@ def test_a_split_that_only_mixed_protocols_could_hold_is_refused_by_name() -> No
 
 def test_more_slots_only_as_far_as_the_chosen_devices_hold_them() -> None:
     needs = ModelNeeds("m", SHA, "m.gguf", 4 * GIB, 32, 128 * 1024, 8192)
-    req = PlacementRequest(needs=needs, context_size=4096, headroom_fraction=0.0, overhead_bytes=0)
+    req = PlacementRequest(
+        needs, 4096, DEFAULT_ALLOWED_PEER_CIDRS, headroom_fraction=0.0, overhead_bytes=0
+    )
     plan = plan_placement(req, [node("a", 8 * GIB, model=True, slots=8)]).plan
     assert plan is not None and plan.tier == TIER_ONE_DEVICE
     # 4 GiB of weights plus 0.5 GiB of KV cache per slot in 7.5 GiB of room: 7 slots.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.runtime.llama_backend import CPU, CUDA
+from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.placement import (
     DEFAULT_DEVICE_RESERVE_BYTES,
     GIB,
@@ -56,7 +57,9 @@ def _plan(backend: str, limits: list[int]) -> PlanView:
         )
         for i, limit in enumerate(limits)
     ]
-    result = plan_placement(PlacementRequest(NEEDS, CONTEXT), candidates)
+    result = plan_placement(
+        PlacementRequest(NEEDS, CONTEXT, DEFAULT_ALLOWED_PEER_CIDRS), candidates
+    )
     assert result.plan is not None, result.no_capacity
     return PlanView.from_plan(result.plan.to_dict())
 
@@ -65,7 +68,7 @@ def _plan(backend: str, limits: list[int]) -> PlanView:
 def test_the_limits_make_the_planner_choose_one_device_then_a_split_over_both(
     backend: str,
 ) -> None:
-    required = PlacementRequest(NEEDS, CONTEXT).required_bytes
+    required = PlacementRequest(NEEDS, CONTEXT, DEFAULT_ALLOWED_PEER_CIDRS).required_bytes
     solo, split = memory_limits(required, backend)
     one, two = _plan(backend, [solo]), _plan(backend, [split, split])
     assert plan_problem(one, backend, 1) is None, one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import math
@@ -173,11 +174,11 @@ def test_model_needs_validation() -> None:
 
 def test_request_validation() -> None:
     with pytest.raises(ValueError, match="exceeds"):
-        PlacementRequest(NEEDS, context_size=NEEDS.context_length_max + 1)
+        PlacementRequest(NEEDS, NEEDS.context_length_max + 1, DEFAULT_ALLOWED_PEER_CIDRS)
     with pytest.raises(ValueError):
-        PlacementRequest(NEEDS, context_size=0)
+        PlacementRequest(NEEDS, 0, DEFAULT_ALLOWED_PEER_CIDRS)
     with pytest.raises(ValueError):
-        PlacementRequest(NEEDS, context_size=512, max_nodes=0)
+        PlacementRequest(NEEDS, 512, DEFAULT_ALLOWED_PEER_CIDRS, max_nodes=0)
     with pytest.raises(ValueError):
         PlacementRequest(NEEDS, context_size=512, allowed_peer_cidrs=())
     with pytest.raises(ValueError, match="invalid CIDR"):
@@ -191,9 +192,17 @@ def test_request_validation() -> None:
     assert coerced.allowed_peer_cidrs == ("10.0.0.0/8",)
     assert coerced.exclude == frozenset({"a"})
     hash(coerced)
-    ok = PlacementRequest(NEEDS, context_size=512)
+    ok = PlacementRequest(NEEDS, 512, ("10.1.0.0/16",))
     assert ok.required_bytes == required_bytes(NEEDS, 512)
-    assert ok.allowed_peer_cidrs == DEFAULT_ALLOWED_PEER_CIDRS
+    assert ok.allowed_peer_cidrs == ("10.1.0.0/16",)
+
+
+def test_the_allowed_networks_are_the_callers_not_a_default() -> None:
+    """Placement has no peer networks of its own: the controller's ALLOWED_PEER_CIDRS are
+    passed down to every request and address check."""
+    empty = inspect.Parameter.empty
+    assert inspect.signature(PlacementRequest).parameters["allowed_peer_cidrs"].default is empty
+    assert inspect.signature(address_allowed).parameters["cidrs"].default is empty
 
 
 @pytest.mark.parametrize(
@@ -212,7 +221,6 @@ def test_request_validation() -> None:
 )
 def test_default_cidrs_allow_private_addresses(address: str) -> None:
     assert address_allowed(address, DEFAULT_ALLOWED_PEER_CIDRS)
-    assert address_allowed(address)
 
 
 @pytest.mark.parametrize(
@@ -387,7 +395,7 @@ def test_exact_fit_single_node() -> None:
 
 
 def test_plan_fields_carry_model_and_context() -> None:
-    request = PlacementRequest(NEEDS, context_size=4096)
+    request = PlacementRequest(NEEDS, 4096, DEFAULT_ALLOWED_PEER_CIDRS)
     result = plan_placement(request, [cand("a", 64 * GIB, has_model=True)])
     plan = result.plan
     assert plan is not None

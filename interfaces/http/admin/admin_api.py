@@ -6,6 +6,7 @@ import asyncio
 import functools
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -20,6 +21,7 @@ from application.close_names import suggestion
 from application.enrollment import DEFAULT_TOKEN_TTL, MAX_TOKEN_TTL
 from application.errors import NotFound
 from application.feed_tickets import issue_ticket
+from application.node_steering import NodeSteering
 from application.version import CONTROLLER_VERSION
 from common.contract import PROTOCOL_VERSION
 from domain.bounded_text import NODE_NAME_MAX, node_name_problem
@@ -38,7 +40,7 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError
+from interfaces.http.http_errors import ApiError, not_running
 from interfaces.services import Provided, Services
 
 READ_YOUR_WRITES_TIMEOUT = 5.0
@@ -202,21 +204,22 @@ class AdminRoutes(Routes):
         view["inventory"] = row.get("inventory")
         return view
 
-    async def _steer(self, svc: Services, ident: str, command: str, who: str) -> dict[str, Any]:
+    async def _steer(
+        self,
+        svc: Services,
+        steering: NodeSteering | None,
+        ident: str,
+        command: Callable[[NodeSteering, str], int],
+    ) -> dict[str, Any]:
+        """Runs ``command`` (a :class:`NodeSteering` use case) on the node ``ident`` names, and
+        answers the node as the views show it once they hold what the command recorded."""
         node_id = canonical_id(ident, node_not_found(ident))
         if await asyncio.to_thread(svc.read_model.get_node, node_id) is None:
             raise node_not_found(ident)
-        fn = svc.app.request_drain if command == "drain" else svc.app.resume
-        position = await asyncio.to_thread(fn, node_id, who)
+        if steering is None:
+            raise not_running("node steering is not running")
+        position = await asyncio.to_thread(command, steering, node_id)
         await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
-        from wire import control_pb2 as pb
-
-        message = (
-            pb.ControllerMessage(drain=pb.Drain())
-            if command == "drain"
-            else (pb.ControllerMessage(resume=pb.Resume()))
-        )
-        svc.connections.send(node_id, message)
         row = await asyncio.to_thread(svc.read_model.get_node, node_id)
         assert row is not None
         return node_view(svc, row, time.time())
@@ -231,8 +234,10 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
         },
     )
-    async def drain(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
-        return await self._steer(svc, node_id, "drain", "admin-api")
+    async def drain(
+        self, svc: Provided[Services], steering: Provided[NodeSteering | None], node_id: NodeId
+    ) -> dict[str, Any]:
+        return await self._steer(svc, steering, node_id, lambda s, n: s.drain(n, "admin-api"))
 
     @post(
         "/nodes/{node_id:str}/resume",
@@ -244,8 +249,10 @@ class AdminRoutes(Routes):
             **errors(400, *ADMIN_KEY_ERRORS, (404, "Unknown node"), 409, 503),
         },
     )
-    async def resume(self, svc: Provided[Services], node_id: NodeId) -> dict[str, Any]:
-        return await self._steer(svc, node_id, "resume", "admin-api")
+    async def resume(
+        self, svc: Provided[Services], steering: Provided[NodeSteering | None], node_id: NodeId
+    ) -> dict[str, Any]:
+        return await self._steer(svc, steering, node_id, lambda s, n: s.resume(n, "admin-api"))
 
     @post(
         "/nodes/{node_id:str}/revoke",
@@ -258,17 +265,16 @@ class AdminRoutes(Routes):
         },
     )
     async def revoke(
-        self, svc: Provided[Services], node_id: NodeId, data: JSONBody[RevokeRequest | None] = None
+        self,
+        svc: Provided[Services],
+        steering: Provided[NodeSteering | None],
+        node_id: NodeId,
+        data: JSONBody[RevokeRequest | None] = None,
     ) -> dict[str, Any]:
-        key = canonical_id(node_id, node_not_found(node_id))
-        if await asyncio.to_thread(svc.read_model.get_node, key) is None:
-            raise node_not_found(node_id)
         reason = (data or RevokeRequest()).reason
-        position = await asyncio.to_thread(svc.app.revoke_node, key, reason, "admin-api")
-        await asyncio.to_thread(svc.follower.wait, position, READ_YOUR_WRITES_TIMEOUT)
-        row = await asyncio.to_thread(svc.read_model.get_node, key)
-        assert row is not None
-        return node_view(svc, row, time.time())
+        return await self._steer(
+            svc, steering, node_id, lambda s, n: s.revoke(n, reason, "admin-api")
+        )
 
     @get(
         "/enrollment-tokens",
