@@ -565,7 +565,9 @@ class Controller(Application[UUID]):
                     job.enqueue(new.position, new.reason)
                     continue
                 job.record_plan(new.plan)
-                for node in self._assign(job, new.plan, new.roles, new.allow_degraded, changed):
+                for node in self._assign(
+                    job, new.plan, new.roles, new.allow_degraded, changed, new.route
+                ):
                     changed[node.id] = node
             return list(changed.values())
 
@@ -581,6 +583,7 @@ class Controller(Application[UUID]):
         replan_reason: str | None = None,
         excluded_node: str = "",
         out_of_memory: dict[str, Any] | None = None,
+        route: dict[str, Any] | None = None,
     ) -> int:
         """Plans a submitted or queued job (or re-plans one whose setup failed, releasing its
         old nodes) and dispatches it, all or nothing, as :meth:`record_new_jobs` does."""
@@ -593,7 +596,7 @@ class Controller(Application[UUID]):
             else:
                 self._release_nodes(job, changed, outcome="replanned")
                 job.replan(plan, replan_reason, excluded_node, out_of_memory)
-            for node in self._assign(job, plan, roles, allow_degraded, changed):
+            for node in self._assign(job, plan, roles, allow_degraded, changed, route):
                 changed[node.id] = node
             return list(changed.values())
 
@@ -606,9 +609,10 @@ class Controller(Application[UUID]):
         roles: Mapping[str, str],
         allow_degraded: bool,
         loaded: Mapping[UUID, Aggregate] | None = None,
+        route: dict[str, Any] | None = None,
     ) -> list[Node]:
         """Assigns ``job`` to every node of ``roles``, on the server ``plan`` runs on, and
-        records JOB_DISPATCHED."""
+        records JOB_DISPATCHED (with how the server was chosen: ``route``)."""
         runtime = runtime_of(ExecutionPlan.from_dict(plan))
         nodes = []
         for node_id, role in roles.items():
@@ -619,7 +623,7 @@ class Controller(Application[UUID]):
             except IllegalTransition as e:
                 raise SlotTaken(str(e)) from e
             nodes.append(node)
-        job.dispatch(list(roles))
+        job.dispatch(list(roles), route)
         return nodes
 
     def release_nodes(self, job_id: UUID | str, outcome: str) -> int:
@@ -713,6 +717,8 @@ class NewDispatch:
     plan: dict[str, Any]
     roles: Mapping[str, str]
     allow_degraded: bool = False
+    #: How the server was chosen (JOB_DISPATCHED's ``route``).
+    route: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,10 @@ class DispatchBatcher:
         roles: Mapping[str, str],
         *,
         allow_degraded: bool = False,
+        route: dict[str, Any] | None = None,
     ) -> None:
         """Returns once the job's dispatch is stored; raises what writing it alone raised."""
-        await self._add(NewDispatch(submission, job_id, plan, dict(roles), allow_degraded))
+        await self._add(NewDispatch(submission, job_id, plan, dict(roles), allow_degraded, route))
 
     async def submit_and_queue(
         self, submission: Submission, job_id: UUID, position: int, reason: str

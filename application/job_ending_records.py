@@ -46,7 +46,7 @@ class EndingRecorder:
     def ended(self, job_id: str) -> None:
         """The job's ending (or release) is recorded: its slots are free for placement now."""
         self.release_workers(job_id, "job ended")
-        self._ctx.scheduler.ledger.released(job_id)
+        self._ctx.scheduler.release(job_id)
         self._ctx.queue.wake()
 
     def release_workers(self, job_id: str, reason: str) -> None:

@@ -188,7 +188,7 @@ class JobSetup:
             cancel_on_primary(self._gateway, run, f"re-planning: {reason}")
             self._endings.release_workers(run.job_id, "job re-planned")
             await in_thread(self._app.release_nodes, run.job_id, "replanning")
-            self._scheduler.ledger.released(run.job_id)
+            self._scheduler.release(run.job_id)
             log.warning(
                 "job %s setup failed (%s); re-planning without %s",
                 run.job_id,
@@ -315,6 +315,8 @@ class JobSetup:
         store's version check refuses a slot that another controller took meanwhile
         (:class:`SlotTaken`), which costs a fresh placement, never a re-plan or an event.
         """
+        router = self._scheduler.router
+        prefix = router.chain(run.submission.prompt)
         for _race in range(MAX_PLACEMENT_RACES):
             async with self._placing:
                 result = await self._decide(
@@ -322,6 +324,8 @@ class JobSetup:
                     run.model_row,
                     frozenset(run.excluded),
                     connected=self._gateway.is_connected,
+                    prefix=prefix,
+                    job_id=run.job_id,
                 )
                 for v in result.violations:
                     if v.node_id not in run.reported_violations:  # once per job and node
@@ -339,9 +343,10 @@ class JobSetup:
                 # and need not wait for this write: bursts of requests write side by side.
                 self._scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
             try:
-                await self._dispatch(run, plan, roles, result.fallback_used, failure)
+                route = router.route_of(run.submission.prompt, result.route)
+                await self._dispatch(run, plan, roles, result.fallback_used, failure, route)
             except SlotTaken as e:
-                self._scheduler.ledger.released(run.job_id)  # nothing was written
+                self._scheduler.release(run.job_id)  # nothing was written
                 log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
                 try:
                     await in_thread(self._scheduler.catch_up)  # learn who took it
@@ -360,13 +365,20 @@ class JobSetup:
         roles: dict[str, str],
         degraded: bool,
         failure: SetupFailure | None,
+        route: dict[str, Any] | None = None,
     ) -> None:
-        """Records the plan and the dispatch in one transaction (submitting the job too)."""
+        """Records the plan and the dispatch in one transaction (submitting the job too), with
+        how its server was chosen (``route``)."""
         if not run.recorded:
             await self._record_async(
                 run,
                 self._dispatches.submit_and_dispatch(
-                    run.submission, run.uid, plan.to_dict(), roles, allow_degraded=degraded
+                    run.submission,
+                    run.uid,
+                    plan.to_dict(),
+                    roles,
+                    allow_degraded=degraded,
+                    route=route,
                 ),
             )
         else:
@@ -382,6 +394,7 @@ class JobSetup:
                 out_of_memory=failure.out_of_memory.to_dict()
                 if failure and failure.out_of_memory
                 else None,
+                route=route,
             )
 
     async def _unplaced(self, run: JobRun, reason: str) -> Unplaced:

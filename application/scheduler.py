@@ -15,6 +15,7 @@ from typing import Any
 
 from application.device_budgets import DeviceBudgets
 from application.ports import LiveNode, LiveState, ReadModel
+from application.prefix_routing import PrefixRouter
 from application.read_models import eligibility_of, model_facts, proves
 from application.slot_ledger import SlotLedger
 from domain.placement import (
@@ -31,7 +32,7 @@ from domain.placement import (
     PlacementRequest,
     PlacementResult,
 )
-from domain.runtimes import warm_choice
+from domain.runtimes import server_of, warm_choices
 from domain.split_planner import plan_placement
 from domain.states import NodeState
 
@@ -174,9 +175,12 @@ class Scheduler:
         catch_up: Callable[[], None] = lambda: None,
         ledger: SlotLedger | None = None,
         budgets: DeviceBudgets | None = None,
+        router: PrefixRouter | None = None,
     ) -> None:
         #: Device budgets lowered after an out-of-memory (application/device_budgets.py).
         self.budgets = budgets if budgets is not None else DeviceBudgets()
+        #: What each warm server's cache holds, and the choice by prompt prefix.
+        self.router = router if router is not None else PrefixRouter()
         self.read_model = read_model
         self.live = live
         self.config = config
@@ -186,6 +190,11 @@ class Scheduler:
         self.ledger = ledger if ledger is not None else SlotLedger()
         # node → ((row, live entry, model sha256 and basis), its candidate): see _candidate.
         self._candidates: dict[str, tuple[Any, LiveNode | None, str, Candidate | None]] = {}
+
+    def release(self, job_id: str) -> None:
+        """Job ``job_id`` ended, or its placement was undone: its slots are free again."""
+        self.ledger.released(job_id)
+        self.router.released(job_id)
 
     def _candidate(
         self,
@@ -254,8 +263,15 @@ class Scheduler:
         connected: Callable[[str], bool] | None = None,
         assume_idle: bool = False,
         pretend_holding: frozenset[str] = frozenset(),
+        prefix: tuple[int, ...] = (),
+        job_id: str = "",
     ) -> PlacementResult:
         """A plan for ``model`` now, or why there is none.
+
+        ``prefix`` is job ``job_id``'s prompt prefix chain (:meth:`PrefixRouter.chain`):
+        among warm servers the one holding the longest prefix takes the job, within the load
+        bound; a plan made for real (not ``assume_idle`` nor ``pretend_holding``) is
+        remembered as holding it (:meth:`release` when the job ends).
 
         ``pretend_holding`` plans as if those nodes held the model's file: whether fetching
         it there would let the job run.
@@ -298,7 +314,7 @@ class Scheduler:
 
         context_size = min(int(model["context_size"]), needs.context_length_max)
         if not assume_idle and not pretend_holding:
-            warm = warm_choice(
+            choices = warm_choices(
                 nodes,
                 model_name=model["name"],
                 model_sha256=model["sha256"],
@@ -307,8 +323,15 @@ class Scheduler:
                 reachable=reachable,
                 primary_holds=lambda node_id: proves(nodes[node_id], model["sha256"], basis),
             )
-            if warm is not None and not self._over_budget(warm.plan):
-                return PlacementResult(plan=warm.plan, fallback_used=warm.degraded, warm=True)
+            picked = self.router.choose(
+                prefix, [c for c in choices if not self._over_budget(c.plan)]
+            )
+            if picked is not None:
+                warm, route = picked
+                self.router.sent(job_id, warm.server, prefix, warm.plan.parallel)
+                return PlacementResult(
+                    plan=warm.plan, fallback_used=warm.degraded, warm=True, route=route
+                )
         candidates = []
         sha256 = model["sha256"]
         for node_id, node in nodes.items():
@@ -328,4 +351,8 @@ class Scheduler:
             max_nodes=self.config.max_nodes,
             exclude=exclude,
         )
-        return plan_placement(request, candidates)
+        result = plan_placement(request, candidates)
+        if result.plan is not None and not assume_idle and not pretend_holding:
+            plan = result.plan
+            self.router.sent(job_id, server_of(plan), prefix, plan.parallel)
+        return result

@@ -94,6 +94,10 @@ class Job(Aggregate):
         code: ClassVar[str] = "JOB_DISPATCHED"
         resulting_state: ClassVar[JobState] = JobState.DISPATCHED
         nodes: list[str]
+        #: How the server was chosen (``application/prefix_routing.py``): ``{"prefix": "hit" |
+        #: "miss", "matched_chars": n}``; None for jobs that are not routed by prefix
+        #: (embeddings) and in events recorded before routing.
+        route: dict[str, Any] | None = None
 
         def evolve(self, job: Job) -> None:
             job.nodes = list(self.nodes)
@@ -267,12 +271,12 @@ class Job(Aggregate):
             out_of_memory=out_of_memory,
         )
 
-    def dispatch(self, nodes: list[str]) -> None:
+    def dispatch(self, nodes: list[str], route: dict[str, Any] | None = None) -> None:
         if self.state != JobState.PLANNED:
             raise self._refuse("be dispatched", "only a planned job is dispatched")
         if not nodes:
             raise InvalidCommand("a dispatch needs at least one node")
-        self.trigger_event(self.Dispatched, nodes=nodes)
+        self.trigger_event(self.Dispatched, nodes=nodes, route=route)
 
     def validate_setup(self) -> None:
         if self.state != JobState.DISPATCHED:

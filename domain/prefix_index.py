@@ -17,9 +17,9 @@ caches; it remembers what it sent instead:
   the longest common prefix, and a named slot that is busy would make the request wait.
 * :func:`prefix_route` picks the server holding the longest prefix unless it is loaded beyond
   the bound of consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
-  2018): a server may take a job only while its running jobs stay within
-  ``ceil((1 + epsilon) * (running + 1) / servers)``, so no server takes more than
-  ``1 + epsilon`` times the average load because of where its caches are.
+  2018), plus one job of slack: a server may take a job only while its running jobs stay
+  within ``ceil((1 + epsilon) * (running + 1) / servers) + 1``, so no server takes more than
+  ``1 + epsilon`` times the average load, plus one job, because of where its caches are.
 
 Pure: no I/O and no clock; the caller holds the index and says what ran where.
 """
@@ -34,8 +34,11 @@ from dataclasses import dataclass
 #: Characters a prefix block covers: about 64 tokens of English, so a 6 KB system prompt is
 #: 24 blocks and a turn of a few sentences adds one or two.
 BLOCK_CHARS = 256
-#: The bound's slack: a server with the prefix may run up to 25 % more than the average.
+#: The bound's slack: a server with the prefix may run up to 25 % more than the average...
 DEFAULT_EPSILON = 0.25
+#: ... and one job more: with fewer jobs than servers (a LAN's usual load) the capacity alone
+#: is one job each, and two conversations that share a server could not both go back to it.
+SLACK = 1
 
 ServerId = str
 
@@ -81,27 +84,32 @@ class PrefixIndex:
         """The hashes kept, over every slot."""
         return self._size
 
-    def record(self, server: ServerId, chain: tuple[int, ...], slots: int) -> int:
-        """``server`` (with ``slots`` slots) was sent the prompt whose chain is ``chain``;
-        returns the slot that now holds it. The slot is the one llama-server picks among its
-        idle slots: the one sharing the longest prefix with the prompt, else the one used
-        longest ago (``get_available_slot`` in llama.cpp's ``server-context.cpp``)."""
-        held = {
-            slot: self._slots[(server, slot)]
-            for slot in range(slots)
-            if (server, slot) in self._slots
-        }
+    def record(
+        self,
+        server: ServerId,
+        chain: tuple[int, ...],
+        slots: int,
+        busy: Iterable[int] = (),
+    ) -> int:
+        """``server`` (with ``slots`` slots, those in ``busy`` running other jobs) was sent the
+        prompt whose chain is ``chain``; returns the slot that now holds it. The slot is the
+        one llama-server picks among its idle slots: the one sharing the longest prefix with
+        the prompt, else the one used longest ago (``get_available_slot`` in llama.cpp's
+        ``server-context.cpp``; its 10 % similarity threshold is left out)."""
+        taken = set(busy)
+        idle = [slot for slot in range(slots) if slot not in taken] or list(range(slots))
         best, best_blocks = None, 0
-        for slot, kept in held.items():
-            blocks = _common_blocks(kept, chain)
+        for slot in idle:
+            kept = self._slots.get((server, slot))
+            blocks = _common_blocks(kept, chain) if kept is not None else 0
             if blocks > best_blocks:
                 best, best_blocks = slot, blocks
         if best is None:
-            empty = [slot for slot in range(slots) if slot not in held]
+            empty = [slot for slot in idle if (server, slot) not in self._slots]
             if empty:
                 best = empty[0]
             else:  # the least recently recorded: the first in the index's order
-                best = next(k[1] for k in self._slots if k[0] == server and k[1] < slots)
+                best = next(k[1] for k in self._slots if k[0] == server and k[1] in idle)
         self.put(server, best, chain)
         return best
 
@@ -165,10 +173,11 @@ def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def load_bound(running: int, servers: int, epsilon: float = DEFAULT_EPSILON) -> int:
-    """The most jobs one server may run after taking the next one, under bounded loads."""
+    """The most jobs one server may run after taking the next one: the bounded-load capacity
+    ``ceil((1 + epsilon) * (running + 1) / servers)`` plus :data:`SLACK` jobs."""
     if servers <= 0:
         raise ValueError("load_bound needs at least one server")
-    return math.ceil((1 + epsilon) * (running + 1) / servers)
+    return math.ceil((1 + epsilon) * (running + 1) / servers) + SLACK
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,11 +42,33 @@ def runtime_capacity(runtime: Mapping[str, Any] | None, slots: int) -> int:
     return int(runtime["plan"].get("parallel", 1))
 
 
+def server_of(plan: ExecutionPlan) -> str:
+    """A server's name: its primary and its runtime (another runtime on the same node is
+    another server, with another cache)."""
+    return f"{plan.primary.node_id}/{plan.runtime_key}"
+
+
 @dataclass(frozen=True, slots=True)
 class WarmChoice:
     plan: ExecutionPlan
     free_slots: int
     degraded: bool
+
+    @property
+    def server(self) -> str:
+        """The server's name (:func:`server_of`)."""
+        return server_of(self.plan)
+
+    @property
+    def running(self) -> int:
+        """The jobs the server runs now."""
+        return self.plan.parallel - self.free_slots
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        """READY servers first, then the most free slots (spreading load), then the smallest
+        primary id."""
+        return (int(self.degraded), -self.free_slots, self.plan.primary.node_id)
 
 
 def _usable(row: Mapping[str, Any], key: str) -> bool:
@@ -57,7 +79,7 @@ def _usable(row: Mapping[str, Any], key: str) -> bool:
     return runtime_key(runtime) == key
 
 
-def warm_choice(
+def warm_choices(
     rows: Mapping[str, Mapping[str, Any]],
     *,
     model_name: str,
@@ -66,19 +88,18 @@ def warm_choice(
     exclude: frozenset[str] = frozenset(),
     reachable: Callable[[str], bool] = lambda _node_id: True,
     primary_holds: Callable[[str], bool] = lambda _node_id: True,
-) -> WarmChoice | None:
-    """The warm server that should take a job for the model, or None. A server runs one
+) -> list[WarmChoice]:
+    """Every warm server that could take a job for the model. A server runs one
     registered model: another name for the same file (an embedding model, say) is another
     server.
 
     ``rows`` are node read-model rows by node id (with this controller's own assignments
     applied); ``reachable`` says whether a node's heartbeat is fresh and its agent is connected
     here; ``primary_holds`` whether a primary still holds the model's file as proven (a
-    server whose primary's claim was refused since is not reused). Servers on READY nodes
-    only come first; among them the one with the most free slots
-    (spreading load over warm servers), then the smallest primary id.
+    server whose primary's claim was refused since is not reused). In the order of
+    :attr:`WarmChoice.rank`.
     """
-    best: tuple[tuple[int, int, str], WarmChoice] | None = None
+    found: list[WarmChoice] = []
     for node_id, row in rows.items():
         runtime = row.get("runtime")
         if not runtime:
@@ -107,7 +128,30 @@ def warm_choice(
         ):
             continue
         degraded = any(m is not None and m["state"] == _DEGRADED for m in members)
-        rank = (int(degraded), -free, node_id)
-        if best is None or rank < best[0]:
-            best = (rank, WarmChoice(plan, free, degraded))
-    return None if best is None else best[1]
+        found.append(WarmChoice(plan, free, degraded))
+    return sorted(found, key=lambda choice: choice.rank)
+
+
+def warm_choice(
+    rows: Mapping[str, Mapping[str, Any]],
+    *,
+    model_name: str,
+    model_sha256: str,
+    context_size: int,
+    exclude: frozenset[str] = frozenset(),
+    reachable: Callable[[str], bool] = lambda _node_id: True,
+    primary_holds: Callable[[str], bool] = lambda _node_id: True,
+) -> WarmChoice | None:
+    """The warm server that should take a job for the model, or None: the first of
+    :func:`warm_choices` (READY first, then the most free slots, then the smallest primary id).
+    """
+    choices = warm_choices(
+        rows,
+        model_name=model_name,
+        model_sha256=model_sha256,
+        context_size=context_size,
+        exclude=exclude,
+        reachable=reachable,
+        primary_holds=primary_holds,
+    )
+    return choices[0] if choices else None

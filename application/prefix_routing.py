@@ -1,0 +1,119 @@
+"""Routing a conversation's next turn back to the server whose cache holds its prefix.
+
+A chat client resends the whole history with every turn, and agent frameworks resend the same
+long system prompt and tools with every call. llama-server keeps each slot's KV cache, so a
+prompt that extends what a slot holds pays only for its new tokens, but only on the server
+that holds it. :class:`PrefixRouter` keeps :class:`domain.prefix_index.PrefixIndex` (what the
+controller sent where) and picks, among the warm servers that could take a job, the one with
+the longest prefix of the job's prompt within the bounded-load rule
+(:func:`domain.prefix_index.prefix_route`); a miss leaves the usual choice
+(:attr:`domain.runtimes.WarmChoice.rank`). Every job records its route (``JOB_DISPATCHED``'s
+``route``): ``{"prefix": "hit" | "miss", "matched_chars": n}``.
+
+The prompt's canonical text is what the model's chat template will see first: the tools, then
+each message's role and content, in order; a completion's prompt as it is. Embeddings are not
+routed: nothing of them is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from application.commands import ChatPrompt, JobInput, TextPrompt
+from domain.prefix_index import (
+    BLOCK_CHARS,
+    DEFAULT_EPSILON,
+    PrefixIndex,
+    PrefixRoute,
+    prefix_chain,
+    prefix_route,
+)
+from domain.runtimes import WarmChoice
+
+#: Separators no text of a message carries: a message's role and content cannot run together.
+_ROLE, _CONTENT = "\x1e", "\x1f"
+
+
+def prefix_text(job: JobInput) -> str | None:
+    """The text whose prefix a server's cache holds, or None for a job that is not routed."""
+    if isinstance(job, ChatPrompt):
+        parts = [orjson.dumps(job.tools, option=orjson.OPT_SORT_KEYS).decode()] if job.tools else []
+        for message in job.messages:
+            content = message.get("content")
+            text = content if isinstance(content, str) else _json(content)
+            rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+            parts.append(f"{_ROLE}{message.get('role', '')}{_CONTENT}{text}")
+            if rest:  # tool calls, names: part of what the template renders
+                parts.append(_json(rest))
+        return "".join(parts)
+    if isinstance(job, TextPrompt):
+        return job.text if isinstance(job.text, str) else " ".join(map(str, job.text))
+    return None
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+class PrefixRouter:
+    """The controller's memory of what each warm server's slots hold, and the choice it makes
+    from it. One per controller; placements take turns (``JobSetup``), so it needs no lock."""
+
+    def __init__(
+        self,
+        *,
+        block_chars: int = BLOCK_CHARS,
+        epsilon: float = DEFAULT_EPSILON,
+        capacity: int = 1_000_000,
+    ) -> None:
+        self.block_chars = block_chars
+        self.epsilon = epsilon
+        self.index = PrefixIndex(capacity)
+        # job → (server, slot) it runs in: a slot running a job takes no other prompt.
+        self._running: dict[str, tuple[str, int]] = {}
+
+    def chain(self, job: JobInput) -> tuple[int, ...]:
+        """The job's prefix chain; empty for a job that is not routed or is shorter than a
+        block."""
+        text = prefix_text(job)
+        return prefix_chain(text, self.block_chars) if text else ()
+
+    def choose(
+        self, chain: tuple[int, ...], choices: Sequence[WarmChoice]
+    ) -> tuple[WarmChoice, PrefixRoute | None] | None:
+        """The warm server for a job, and its prefix route when the prefix chose it; None when
+        there is no warm server."""
+        if not choices:
+            return None
+        if chain:
+            by_server = {choice.server: choice for choice in choices}
+            running = {server: choice.running for server, choice in by_server.items()}
+            route = prefix_route(self.index.match(chain), running, epsilon=self.epsilon)
+            if route is not None:
+                return by_server[route.server], route
+        return choices[0], None
+
+    def sent(self, job_id: str, server: str, chain: tuple[int, ...], slots: int) -> None:
+        """Job ``job_id``, whose prompt has ``chain``, was placed on ``server`` (``slots``
+        slots): it runs in the slot llama-server will give it until :meth:`released`."""
+        self.released(job_id)  # placed again (a slot taken meanwhile, a re-plan)
+        if not chain:
+            return
+        busy = [slot for s, slot in self._running.values() if s == server]
+        self._running[job_id] = (server, self.index.record(server, chain, slots, busy))
+
+    def released(self, job_id: str) -> None:
+        """The job ended, or its placement was undone: its slot is idle again."""
+        self._running.pop(job_id, None)
+
+    def route_of(self, job: JobInput, route: PrefixRoute | None) -> dict[str, Any] | None:
+        """What JOB_DISPATCHED records: hit or miss and the characters matched; None for a job
+        that is not routed (embeddings)."""
+        if prefix_text(job) is None:
+            return None
+        if route is None:
+            return {"prefix": "miss", "matched_chars": 0}
+        return {"prefix": "hit", "matched_chars": route.blocks * self.block_chars}

@@ -1,0 +1,104 @@
+"""application/prefix_routing.py: a prompt's canonical text, and conversations routed back to
+the server that holds their prefix, on the job manager's fake cluster (no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+from uuid import UUID, uuid4
+
+from application.commands import ChatPrompt, EmbeddingInputs, JobParams, Submission, TextPrompt
+from application.prefix_routing import PrefixRouter, prefix_text
+from domain.prefix_index import BLOCK_CHARS
+from tests.unit.job_cluster import GUARD, Cluster
+
+SYSTEM = "You are a careful assistant for the operators of a LAN cluster. " * 96  # ~6 KB
+
+
+def test_a_later_turn_extends_the_text_of_the_turn_before() -> None:
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "and?"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    first, second = prefix_text(ChatPrompt(turn1, tools)), prefix_text(ChatPrompt(turn2, tools))
+    assert first is not None and second is not None and second.startswith(first)
+    # a role is part of the text: the same words said by another role are another prompt
+    assert prefix_text(ChatPrompt([{"role": "user", "content": "x"}])) != prefix_text(
+        ChatPrompt([{"role": "system", "content": "x"}])
+    )
+    # multimodal content parts and tool calls count too
+    parts = ChatPrompt([{"role": "user", "content": [{"type": "text", "text": "p"}]}])
+    assert '"text":"p"' in (prefix_text(parts) or "")
+    assert prefix_text(TextPrompt("abc")) == "abc"
+    assert prefix_text(TextPrompt([1, 2])) == "1 2"
+    assert prefix_text(EmbeddingInputs(["x"])) is None
+
+
+def test_routes_are_recorded_as_hit_miss_or_not_routed() -> None:
+    router = PrefixRouter()
+    chat = ChatPrompt([{"role": "user", "content": "y" * (3 * BLOCK_CHARS)}])
+    assert router.route_of(chat, None) == {"prefix": "miss", "matched_chars": 0}
+    assert router.route_of(EmbeddingInputs(["x"]), None) is None
+    assert len(router.chain(chat)) == 3
+    assert router.chain(EmbeddingInputs(["x"])) == ()
+
+
+def ask(who: int, turn: int) -> str:
+    """A user's turn: a few sentences (longer than a prefix block, as real turns are)."""
+    return f"Question {turn} from conversation {who}: " + "what does the log say? " * 16
+
+
+def conversation_turn(history: list[dict[str, Any]]) -> Submission:
+    return Submission("m", ChatPrompt(list(history)), JobParams(max_tokens=4), True)
+
+
+async def run_turns(cluster: Cluster, turns: dict[UUID, Submission]) -> dict[UUID, str]:
+    """Starts every turn at once (in a random order), validates and finishes them all; returns
+    the node each job ran on."""
+    order = list(turns)
+    random.Random(len(order)).shuffle(order)
+    before = len(cluster.gateway.primaries)
+    tasks = [
+        asyncio.create_task(cluster.jobs.start(turns[job], cluster.model, job)) for job in order
+    ]
+    placed = await cluster.primary_assigned(before + len(order))
+    ran = {UUID(job): node for node, job in placed[before:]}
+    for node, job in placed[before:]:
+        await cluster.validate(node, job)
+    await asyncio.wait_for(asyncio.gather(*tasks), GUARD)
+    for node, job in placed[before:]:
+        await cluster.finish(node, job)
+    return ran
+
+
+async def test_each_conversation_goes_back_to_the_server_of_its_first_turn() -> None:
+    """4 nodes with 2 slots, 8 conversations resending a shared 6 KB system prompt and their
+    history, every turn of all of them at once: each later turn lands where its first did.
+    (Without routing by prefix, a turn goes to the server with the most free slots.)"""
+    cluster = Cluster(4, slots=2)
+    talks = {
+        uuid4(): [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask(i, 1)}]
+        for i in range(8)
+    }
+    opening = {uuid4(): talk for talk in talks}
+    first = await run_turns(
+        cluster, {job: conversation_turn(talks[talk]) for job, talk in opening.items()}
+    )
+    home = {talk: first[job] for job, talk in opening.items()}
+    assert sorted(first.values()) == sorted(cluster.node_ids * 2)  # two per node
+    for turn in range(2, 5):
+        jobs = {}
+        for talk, history in talks.items():
+            history += [
+                {"role": "assistant", "content": f"answer {turn}: " + "words " * 60},
+                {"role": "user", "content": ask(talk.int, turn)},
+            ]
+            jobs[uuid4()] = (talk, conversation_turn(history))
+        ran = await run_turns(cluster, {job: sub for job, (_, sub) in jobs.items()})
+        for job, (talk, _) in jobs.items():
+            assert ran[job] == home[talk], f"turn {turn} of a conversation moved"
+            row = cluster.read.get_job(str(job))
+            assert row is not None
+            route = row["route"]
+            assert route["prefix"] == "hit"
+            assert route["matched_chars"] >= len(SYSTEM) // BLOCK_CHARS * BLOCK_CHARS
