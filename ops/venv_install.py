@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 import venv
 from collections.abc import Sequence
 
-from ops.bootstrap import REPO, STAMP_NAME, VENV, _pyproject_digest
+from ops.bootstrap import REPO, STAMP_NAME, VENV, _pyproject_digest, output_lines
 
 LOG_NAME = "pip-install.log"
 PROGRESS_SECONDS = 5.0
@@ -70,16 +69,7 @@ def install(extra: str) -> int:
     last_name = ""
     last_print = time.monotonic()
     with log_path.open("w", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            bufsize=1,
-        )
+        proc = output_lines(command)
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
