@@ -32,6 +32,7 @@ import psutil
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from common.contract import CONTROLLER_TLS_NAME
@@ -154,33 +155,57 @@ def local_names() -> tuple[list[str], list[str]]:
     return sorted(names), sorted(addresses)
 
 
-def issue_server_cert(
-    ca_pem: bytes, ca_key_pem: bytes, dns_names: list[str], ip_addresses: list[str]
-) -> tuple[bytes, bytes]:
-    """A server certificate for the names and addresses, signed by the CA (PEM cert, key)."""
+def _load_ca(
+    ca_pem: bytes, ca_key_pem: bytes
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     ca = x509.load_pem_x509_certificate(ca_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise TlsError("the controller's CA key is not an EC key")
-    key = ec.generate_private_key(ec.SECP256R1())
+    return ca, ca_key
+
+
+def _issued_by(
+    ca: x509.Certificate,
+    name: str,
+    public_key: CertificatePublicKeyTypes,
+    validity: dt.timedelta,
+    alt: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+) -> x509.CertificateBuilder:
+    """A certificate the CA issues, to sign: ``name`` (its common name) for ``public_key``,
+    also known as ``alt``, for ``usages``, not a CA; valid from five minutes ago for
+    ``validity``, at most as long as the CA."""
     now = _now()
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + validity, ca.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
+
+
+def issue_server_cert(
+    ca_pem: bytes, ca_key_pem: bytes, dns_names: list[str], ip_addresses: list[str]
+) -> tuple[bytes, bytes]:
+    """A server certificate for the names and addresses, signed by the CA (PEM cert, key)."""
+    ca, ca_key = _load_ca(ca_pem, ca_key_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
     alt: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
     for address in ip_addresses:
         try:
             alt.append(x509.IPAddress(ipaddress.ip_address(address)))
         except ValueError:
             continue
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH]
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(min(now + SERVER_VALIDITY, ca.not_valid_after_utc))
-        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        _issued_by(ca, SERVER_NAME, key.public_key(), SERVER_VALIDITY, alt, usages)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
@@ -218,30 +243,10 @@ def issue_node_cert(ca_pem: bytes, ca_key_pem: bytes, node_id: str, csr_pem: byt
         raise TlsError(f"not a certificate signing request: {e}") from e
     if not csr.is_signature_valid:
         raise TlsError("the certificate signing request's signature is invalid")
-    ca = x509.load_pem_x509_certificate(ca_pem)
-    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise TlsError("the controller's CA key is not an EC key")
-    now = _now()
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca.subject)
-        .public_key(csr.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(min(now + NODE_VALIDITY, ca.not_valid_after_utc))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM)
+    ca, ca_key = _load_ca(ca_pem, ca_key_pem)
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    builder = _issued_by(ca, name, csr.public_key(), NODE_VALIDITY, [x509.DNSName(name)], usages)
+    return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def load_or_create(
