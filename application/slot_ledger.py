@@ -67,12 +67,9 @@ class SlotLedger:
     def _forget_hold(self, job_id: str, node_id: str) -> None:
         self._seen.discard((job_id, node_id))
         _discard(self._held_at, node_id, job_id)
-        nodes = self._held.get(job_id)
-        if nodes is not None:
-            nodes.discard(node_id)
-            if not nodes:
-                del self._held[job_id]
-                self._runtime.pop(job_id, None)
+        _discard(self._held, job_id, node_id)
+        if job_id not in self._held:
+            self._runtime.pop(job_id, None)
 
     def adjust_all(self, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """Rows by node id, each adjusted: only rows of nodes the ledger names cost work."""
@@ -110,11 +107,7 @@ class SlotLedger:
                     released.add(job)
                 else:  # the read model has caught up with this release
                     _discard(self._released_at, node_id, job)
-                    nodes = self._released.get(job)
-                    if nodes is not None:
-                        nodes.discard(node_id)
-                        if not nodes:
-                            del self._released[job]
+                    _discard(self._released, job, node_id)
         jobs = (listed - released) | held
         if jobs == listed and runtime is row.get("runtime"):
             return row
@@ -129,9 +122,10 @@ class SlotLedger:
             return len(self._held) + len(self._released)
 
 
-def _discard(index: dict[str, set[str]], node_id: str, job_id: str) -> None:
-    jobs = index.get(node_id)
-    if jobs is not None:
-        jobs.discard(job_id)
-        if not jobs:
-            del index[node_id]
+def _discard(index: dict[str, set[str]], key: str, member: str) -> None:
+    """Takes ``member`` out of ``index[key]``, and the key out once its set is empty."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(member)
+        if not members:
+            del index[key]
