@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from interfaces.http.http_errors import ApiError
+from interfaces.http.http_errors import ApiError, ErrorCode
 
 if TYPE_CHECKING:  # interfaces.services imports the feed, which these guards protect
     from interfaces.services import Services
@@ -43,7 +43,7 @@ def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str |
             403,
             "the admin API is disabled: set ADMIN_API_KEY on the controller",
             type_="permission_error",
-            code="admin_disabled",
+            code=ErrorCode.ADMIN_DISABLED,
         )
     if given is None:
         raise _refused(
@@ -53,14 +53,16 @@ def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str |
                 401,
                 "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
                 type_="authentication_error",
-                code="missing_api_key",
+                code=ErrorCode.MISSING_API_KEY,
             ),
         )
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise _refused(
             connection,
             "admin",
-            ApiError(403, "invalid admin key", type_="permission_error", code="invalid_api_key"),
+            ApiError(
+                403, "invalid admin key", type_="permission_error", code=ErrorCode.INVALID_API_KEY
+            ),
         )
 
 
@@ -81,7 +83,7 @@ def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
                 401,
                 "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
                 type_="invalid_request_error",
-                code="missing_api_key",
+                code=ErrorCode.MISSING_API_KEY,
             ),
         )
     if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -92,6 +94,6 @@ def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
                 401,
                 "Incorrect API key provided.",
                 type_="invalid_request_error",
-                code="invalid_api_key",
+                code=ErrorCode.INVALID_API_KEY,
             ),
         )

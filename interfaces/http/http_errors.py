@@ -1,7 +1,16 @@
-"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``, and the
+codes this HTTP layer names itself (:class:`ErrorCode`).
+
+The codes live here, not in ``common/contract.py``: that module holds what the controller and its
+agents both hold to, and only the controller answers HTTP clients; an agent never sees these.
+What an agent and the controller share is the code of a failed job
+(``common.contract.JobErrorCode``), which reaches a client as it is (``ApiError``'s ``code`` is
+then that code, or the controller's own failure code, as a ``str``).
+"""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from eventsourcing.persistence import DataError, PersistenceError
@@ -13,14 +22,51 @@ from application.store_guard import STORE_UNAVAILABLE, StoreUnavailable
 from domain.errors import IllegalTransition, InvalidCommand
 
 
+class ErrorCode(StrEnum):
+    """The ``code`` of an error the HTTP layer answers with itself (OpenAI's where it has one)."""
+
+    #: The request body: not JSON, too large, or a field missing, wrong, unknown or unsupported.
+    INVALID_JSON = "invalid_json"
+    INVALID_REQUEST = "invalid_request"
+    REQUEST_TOO_LARGE = "request_too_large"
+    MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    INVALID_VALUE = "invalid_value"
+    INVALID_COMBINATION = "invalid_combination"
+    UNKNOWN_PARAMETER = "unknown_parameter"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    INVALID_STATE = "invalid_state"
+    INVALID_NODE_NAME = "invalid_node_name"
+    #: A model source URL the controller will not fetch from.
+    SOURCE_REFUSED = "source_refused"
+    #: Keys.
+    MISSING_API_KEY = "missing_api_key"
+    INVALID_API_KEY = "invalid_api_key"
+    ADMIN_DISABLED = "admin_disabled"
+    ENROLLMENT_DISABLED = "enrollment_disabled"
+    INVALID_TICKET = "invalid_ticket"
+    #: What the request names is not there, or not for this endpoint.
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_NOT_SUPPORTED = "model_not_supported"
+    NODE_NOT_FOUND = "node_not_found"
+    TOKEN_NOT_FOUND = "token_not_found"
+    #: The command does not fit the state of what it acts on.
+    ILLEGAL_TRANSITION = "illegal_transition"
+    INVALID_COMMAND = "invalid_command"
+    NO_SOURCE = "no_source"
+    MODEL_IN_USE = "model_in_use"
+
+
 class ApiError(Exception):
+    """An error answer. ``code``: an :class:`ErrorCode`, or a code passed through as it is from
+    below (a failed job's, an application error's)."""
+
     def __init__(
         self,
         status: int,
         message: str,
         *,
         type_: str = "invalid_request_error",
-        code: str | None = None,
+        code: ErrorCode | str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -48,7 +94,7 @@ def not_running(message: str) -> ApiError:
 
 
 def error_body(
-    message: str, type_: str, code: str | None = None, param: str | None = None
+    message: str, type_: str, code: ErrorCode | str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -70,11 +116,13 @@ def _not_found(_: Request[Any, Any, Any], exc: NotFound) -> Response[dict[str, A
 
 
 def _conflict(_: Request[Any, Any, Any], exc: IllegalTransition) -> Response[dict[str, Any]]:
-    return error_response(ApiError(409, str(exc), type_="conflict", code="illegal_transition"))
+    return error_response(
+        ApiError(409, str(exc), type_="conflict", code=ErrorCode.ILLEGAL_TRANSITION)
+    )
 
 
 def _invalid(_: Request[Any, Any, Any], exc: InvalidCommand) -> Response[dict[str, Any]]:
-    return error_response(ApiError(400, str(exc), code="invalid_command"))
+    return error_response(ApiError(400, str(exc), code=ErrorCode.INVALID_COMMAND))
 
 
 def _validation(_: Request[Any, Any, Any], exc: ValidationException) -> Response[dict[str, Any]]:
@@ -85,7 +133,7 @@ def _validation(_: Request[Any, Any, Any], exc: ValidationException) -> Response
         message = f"{exc.detail}: {detail[0].get('message', '')}".strip(": ")
     else:
         message = str(exc.detail)
-    return error_response(ApiError(400, message, param=param, code="invalid_request"))
+    return error_response(ApiError(400, message, param=param, code=ErrorCode.INVALID_REQUEST))
 
 
 def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
@@ -95,7 +143,7 @@ def _http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[
             ApiError(
                 413,
                 f"the request body is larger than {limit:,} bytes (MAX_REQUEST_BYTES)",
-                code="request_too_large",
+                code=ErrorCode.REQUEST_TOO_LARGE,
             )
         )
     type_ = "not_found_error" if isinstance(exc, NotFoundException) else "invalid_request_error"

@@ -40,7 +40,7 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError, not_running
+from interfaces.http.http_errors import ApiError, ErrorCode, not_running
 from interfaces.services import Provided, Services
 
 READ_YOUR_WRITES_TIMEOUT = 5.0
@@ -101,7 +101,9 @@ def device_views(
 
 
 def node_not_found(node_id: str) -> ApiError:
-    return ApiError(404, f"unknown node {node_id}", type_="not_found_error", code="node_not_found")
+    return ApiError(
+        404, f"unknown node {node_id}", type_="not_found_error", code=ErrorCode.NODE_NOT_FOUND
+    )
 
 
 def canonical_id(ident: str, error: ApiError) -> str:
@@ -116,7 +118,7 @@ def canonical_id(ident: str, error: ApiError) -> str:
 
 #: A token's node name that Enroll would refuse (letters, digits and ``._-``: no pattern in the
 #: schema says "any script's letters").
-INVALID_NODE_NAME = "invalid_node_name"
+INVALID_NODE_NAME = ErrorCode.INVALID_NODE_NAME
 
 
 class EnrollmentTokenRequest(msgspec.Struct):
@@ -141,7 +143,7 @@ def token_not_found(token_id: str, hint: str = "") -> ApiError:
         404,
         f"unknown enrollment token {token_id!r}{hint}",
         type_="not_found_error",
-        code="token_not_found",
+        code=ErrorCode.TOKEN_NOT_FOUND,
     )
 
 
@@ -372,7 +374,7 @@ class AdminRoutes(Routes):
                 409,
                 "NODE_ENROLLMENT_SECRET is not set on the controller",
                 type_="conflict",
-                code="enrollment_disabled",
+                code=ErrorCode.ENROLLMENT_DISABLED,
             )
         problem = node_name_problem(req.node_name) if req.node_name else None
         if problem is not None:

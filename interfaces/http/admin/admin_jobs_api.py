@@ -31,7 +31,7 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError
+from interfaces.http.http_errors import ApiError, ErrorCode
 from interfaces.services import Provided, Services
 
 MAX_LIMIT = 200
@@ -103,7 +103,7 @@ def _not_found(kind: str, ident: str) -> ApiError:
 
 
 def _bad_filter(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
+    return ApiError(400, message, param=param, code=ErrorCode.INVALID_VALUE)
 
 
 def _job_state(given: str) -> str:
@@ -113,7 +113,7 @@ def _job_state(given: str) -> str:
             400,
             f"state must be one of {', '.join(JobState.__members__)}",
             param="state",
-            code="invalid_state",
+            code=ErrorCode.INVALID_STATE,
         )
     return wanted
 

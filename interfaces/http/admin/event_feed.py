@@ -47,7 +47,7 @@ from application.feed_tickets import session_end, ticket_valid
 from application.timeline import aggregate_kind, entry_of
 from interfaces.http.http_auth import bearer, check_admin_key, services_of
 from interfaces.http.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors
-from interfaces.http.http_errors import ApiError, not_running
+from interfaces.http.http_errors import ApiError, ErrorCode, not_running
 
 if TYPE_CHECKING:  # interfaces.services holds an EventFeed: the app resolves the name
     from interfaces.services import Provided, Services
@@ -290,7 +290,7 @@ def feed_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandl
             401,
             "the feed ticket is invalid or expired: get a new one (POST /api/admin/feed-tickets)",
             type_="authentication_error",
-            code="invalid_ticket",
+            code=ErrorCode.INVALID_TICKET,
         )
     check_admin_key(connection, bearer(connection))
 

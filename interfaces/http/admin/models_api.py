@@ -40,12 +40,11 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError, not_running
-from interfaces.http.openai.openai_fields import INVALID_COMBINATION
+from interfaces.http.http_errors import ApiError, ErrorCode, not_running
 from interfaces.services import Provided, Services
 
 #: The error code of a model source on a refused address.
-SOURCE_REFUSED = "source_refused"
+SOURCE_REFUSED = ErrorCode.SOURCE_REFUSED
 
 
 class ModelRegistration(msgspec.Struct):
@@ -120,7 +119,9 @@ async def _no_model(svc: Services, name: str) -> ApiError:
     """404 for the unknown model ``name``, naming the closest registered ones."""
     names = [str(m["name"]) for m in await asyncio.to_thread(svc.read_model.list_models)]
     return ApiError(
-        404, f"no model named {name}{suggestion('model', name, names)}", code="model_not_found"
+        404,
+        f"no model named {name}{suggestion('model', name, names)}",
+        code=ErrorCode.MODEL_NOT_FOUND,
     )
 
 
@@ -144,7 +145,9 @@ async def _transfer_targets(
         match = [n for n in nodes if ref in (n["node_id"], n["name"])]
         if not match:
             hint = suggestion("node", ref, [str(n["name"]) for n in nodes])
-            raise ApiError(404, f"no node named {ref}{hint}", param=param, code="node_not_found")
+            raise ApiError(
+                404, f"no node named {ref}{hint}", param=param, code=ErrorCode.NODE_NOT_FOUND
+            )
         ids.append(match[0]["node_id"])
     return transfers, model, ids
 
@@ -176,7 +179,7 @@ class AdminModelRoutes(Routes):
                 400,
                 "pooling is for embedding models only",
                 param="pooling",
-                code=INVALID_COMBINATION,
+                code=ErrorCode.INVALID_COMBINATION,
             )
         result = await asyncio.to_thread(
             svc.app.register_model,
@@ -238,7 +241,7 @@ class AdminModelRoutes(Routes):
         try:
             pulls = coordinator.pull(model, ids)
         except TransferRefused as e:
-            raise ApiError(409, str(e), code="no_source") from e
+            raise ApiError(409, str(e), code=ErrorCode.NO_SOURCE) from e
         return {
             "transfers": [
                 {"node_id": p.node_id, "transfer_id": p.transfer_id, "sources": list(p.sources)}
@@ -275,7 +278,7 @@ class AdminModelRoutes(Routes):
         try:
             file_name = await coordinator.evict(node_id, model)
         except TransferRefused as e:
-            raise ApiError(409, str(e), code="model_in_use") from e
+            raise ApiError(409, str(e), code=ErrorCode.MODEL_IN_USE) from e
         return {"node_id": node_id, "model": data.model, "file_name": file_name}
 
     @post(
@@ -326,7 +329,7 @@ class AdminModelRoutes(Routes):
             raise await _no_model(svc, data.model)
         if not add and data.url not in (model.get("sources") or []):
             raise ApiError(
-                404, f"model {data.model} has no source {data.url}", code="model_not_found"
+                404, f"model {data.model} has no source {data.url}", code=ErrorCode.MODEL_NOT_FOUND
             )
         if add:
             await _check_source(svc.settings.model_source_allowed_cidrs, data.url)
