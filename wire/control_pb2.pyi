@@ -289,7 +289,7 @@ class TokenChunk(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase", "output_json", "failed_node_id", "failed_device", "failed_bytes")
+    __slots__ = ("job_id", "ok", "finish_reason", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "tokens_per_second", "error", "error_code", "phase", "output_json", "failed_node_id", "failed_device", "failed_bytes", "cached_prompt_tokens")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class JobResult(_message.Message):
     FAILED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_DEVICE_FIELD_NUMBER: _ClassVar[int]
     FAILED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ok: bool
     finish_reason: str
@@ -318,7 +319,8 @@ class JobResult(_message.Message):
     failed_node_id: str
     failed_device: str
     failed_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ..., output_json: _Optional[str] = ..., failed_node_id: _Optional[str] = ..., failed_device: _Optional[str] = ..., failed_bytes: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., phase: _Optional[str] = ..., output_json: _Optional[str] = ..., failed_node_id: _Optional[str] = ..., failed_device: _Optional[str] = ..., failed_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)

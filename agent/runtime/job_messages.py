@@ -88,6 +88,8 @@ class GenerationStats:
     completion_tokens: int
     time_to_first_token_ms: float
     tokens_per_second: float
+    #: Of ``prompt_tokens``, those llama-server reused from its cache (0: none or not said).
+    cached_prompt_tokens: int = 0
 
 
 def generation_stats(
@@ -102,6 +104,8 @@ def generation_stats(
     timings_prompt_ms: float | None = None,
     timings_predicted_tokens: int | None = None,
     timings_predicted_ms: float | None = None,
+    usage_cached_tokens: int | None = None,
+    timings_cached_tokens: int | None = None,
 ) -> GenerationStats:
     """Usage and speed of one generation: llama-server's numbers when it sent them, else
     what the agent measured (``time.monotonic()`` seconds; ``pieces`` streamed text pieces)."""
@@ -111,6 +115,7 @@ def generation_stats(
     prompt = usage_prompt_tokens
     if prompt is None:
         prompt = timings_prompt_tokens or 0
+    cached = usage_cached_tokens if usage_cached_tokens is not None else timings_cached_tokens
     if timings_prompt_ms is not None and timings_prompt_ms > 0:
         ttft_ms = timings_prompt_ms
     elif first_piece is not None:
@@ -129,6 +134,7 @@ def generation_stats(
         completion_tokens=max(0, completion),
         time_to_first_token_ms=max(0.0, ttft_ms),
         tokens_per_second=max(0.0, tps),
+        cached_prompt_tokens=max(0, cached or 0),
     )
 
 

@@ -441,12 +441,16 @@ class LlamaHandler:
             timings_prompt_ms=timings.prompt_ms if timings else None,
             timings_predicted_tokens=timings.predicted_tokens if timings else None,
             timings_predicted_ms=timings.predicted_ms if timings else None,
+            usage_cached_tokens=usage.cached_tokens if usage else None,
+            timings_cached_tokens=timings.cached_tokens if timings else None,
         )
         log.info(
-            "job %s done (%s): %d prompt + %d completion tokens, ttft %.0f ms, %.1f tokens/s",
+            "job %s done (%s): %d prompt (%d cached) + %d completion tokens, ttft %.0f ms, "
+            "%.1f tokens/s",
             job.job_id,
             finish_reason or "stop",
             stats.prompt_tokens,
+            stats.cached_prompt_tokens,
             stats.completion_tokens,
             stats.time_to_first_token_ms,
             stats.tokens_per_second,
@@ -461,6 +465,7 @@ class LlamaHandler:
                     completion_tokens=stats.completion_tokens,
                     time_to_first_token_ms=stats.time_to_first_token_ms,
                     tokens_per_second=stats.tokens_per_second,
+                    cached_prompt_tokens=stats.cached_prompt_tokens,
                 )
             )
         )

@@ -115,6 +115,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    #: Of ``prompt_tokens``, those reused from the slot's cache
+    #: (``prompt_tokens_details.cached_tokens``; None: not said).
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class Timings:
     predicted_tokens: int
     predicted_ms: float
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: Prompt tokens taken from the slot's cache, not evaluated (``cache_n``; None: not said).
+    cached_tokens: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -139,6 +144,7 @@ class Timings:
             predicted_tokens=int(data.get("predicted_n", 0)),
             predicted_ms=float(data.get("predicted_ms", 0.0)),
             raw=dict(data),
+            cached_tokens=int(data["cache_n"]) if "cache_n" in data else None,
         )
 
 
@@ -404,12 +410,21 @@ def _parse_sse_line(line: bytes) -> ChatDelta | _Done | None:
             prompt_tokens=int(usage_json.get("prompt_tokens", 0)),
             completion_tokens=int(usage_json.get("completion_tokens", 0)),
             total_tokens=int(usage_json.get("total_tokens", 0)),
+            cached_tokens=_cached_tokens(usage_json),
         )
     timings_json = chunk.get("timings")
     timings = Timings.from_json(timings_json) if isinstance(timings_json, dict) else None
     if not text and not extra and finish_reason is None and usage is None and timings is None:
         return None
     return ChatDelta(text, finish_reason, usage, timings, extra.decode() if extra else "")
+
+
+def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, or None where it is not said."""
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
 
 
 def _refusal(status: int, body: str) -> type[GenerationError]:

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -17,6 +18,7 @@ from agent.agent_config import AgentConfig
 from agent.control.control_client import AgentSession
 from agent.control.control_handler import NullHandler
 from agent.control.job_traffic import Connection
+from agent.runtime import llama_server
 from agent.runtime.job_messages import (
     INVALID_PLAN,
     MODEL_NOT_FOUND,
@@ -27,7 +29,9 @@ from agent.runtime.job_messages import (
     parse_messages,
 )
 from agent.runtime.llama_binaries import RuntimeBinaries
-from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.llama_handler import LlamaHandler, _Job
+from agent.runtime.llama_server import ChatDelta, ChatRequest, LlamaServer
+from tests.unit.test_runtime_paths import FINAL_CHUNK
 from wire import control_pb2 as pb
 
 
@@ -114,6 +118,24 @@ def test_stats_prefer_llama_server_numbers() -> None:
     assert (stats.prompt_tokens, stats.completion_tokens) == (20, 10)
     assert stats.time_to_first_token_ms == 40.0
     assert stats.tokens_per_second == pytest.approx(100.0)
+
+
+def test_cached_prompt_tokens_come_from_usage_else_from_timings() -> None:
+    both = generation_stats(
+        started=0.0,
+        first_piece=None,
+        last_piece=None,
+        pieces=0,
+        usage_cached_tokens=1536,
+        timings_cached_tokens=1500,
+    )
+    assert both.cached_prompt_tokens == 1536
+    timings_only = generation_stats(
+        started=0.0, first_piece=None, last_piece=None, pieces=0, timings_cached_tokens=12
+    )
+    assert timings_only.cached_prompt_tokens == 12
+    neither = generation_stats(started=0.0, first_piece=None, last_piece=None, pieces=0)
+    assert neither.cached_prompt_tokens == 0
 
 
 def test_stats_are_measured_when_llama_server_sends_none() -> None:
@@ -233,3 +255,31 @@ async def test_closed_handler_refuses_plans(handler: LlamaHandler) -> None:
     await handler.on_plan(plan("j1"), sent)
     result = only_setup_result(sent)
     assert (result.ok, result.error_code) == (False, "AGENT_STOPPING")
+
+
+class StreamingServer:
+    """A warm llama-server stand-in whose stream is the given SSE lines, parsed as the real one."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.lines = lines
+
+    async def stream_chat(
+        self, request: ChatRequest, *, client: object
+    ) -> AsyncIterator[ChatDelta]:
+        for line in self.lines:
+            delta = llama_server._parse_sse_line(line)
+            if isinstance(delta, ChatDelta):
+                yield delta
+
+
+async def test_job_result_carries_the_cached_prompt_tokens(handler: LlamaHandler) -> None:
+    content = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    lines = [b"data: " + json.dumps(content).encode(), b"data: " + json.dumps(finish).encode()]
+    server = StreamingServer([*lines, FINAL_CHUNK])
+    sent = Collect()
+    request = ChatRequest(messages=[{"role": "user", "content": "x"}])
+    await handler._execute(_Job("j"), cast(LlamaServer, server), request, sent)
+    result = sent.sent[-1].job_result
+    assert (result.job_id, result.ok, result.finish_reason) == ("j", True, "stop")
+    assert (result.prompt_tokens, result.cached_prompt_tokens) == (1600, 1536)

@@ -259,6 +259,42 @@ def test_sse_final_chunks() -> None:
     assert delta.timings is not None and delta.timings.tokens_per_second == pytest.approx(80.0)
 
 
+#: The last chunk of a streamed chat as the pinned llama-server sends it with
+#: ``stream_options.include_usage`` (server-task.cpp, ``usage_json_oaicompat`` and
+#: server-common.cpp, ``server_slot_stats::to_json``): a second turn that reused 1536 tokens.
+FINAL_CHUNK = (
+    b'data: {"choices":[],"created":1765000000,"id":"chatcmpl-x","model":"m.gguf",'
+    b'"system_fingerprint":"b7000-abc","object":"chat.completion.chunk",'
+    b'"usage":{"completion_tokens":8,"prompt_tokens":1600,"total_tokens":1608,'
+    b'"prompt_tokens_details":{"cached_tokens":1536}},'
+    b'"timings":{"cache_n":1536,"prompt_n":64,"prompt_ms":12.5,"prompt_per_token_ms":0.19,'
+    b'"prompt_per_second":5120.0,"predicted_n":8,"predicted_ms":40.0,'
+    b'"predicted_per_token_ms":5.0,"predicted_per_second":200.0}}'
+)
+
+
+def test_sse_final_chunk_gives_the_cached_prompt_tokens() -> None:
+    delta = llama_server._parse_sse_line(FINAL_CHUNK)
+    assert isinstance(delta, ChatDelta)
+    assert delta.usage is not None and delta.timings is not None
+    assert (delta.usage.prompt_tokens, delta.usage.cached_tokens) == (1600, 1536)
+    assert (delta.timings.prompt_tokens, delta.timings.cached_tokens) == (64, 1536)
+
+
+def test_sse_usage_without_details_says_nothing_of_the_cache() -> None:
+    line = sse(
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            "timings": {"prompt_n": 3},
+        }
+    )
+    delta = llama_server._parse_sse_line(line)
+    assert isinstance(delta, ChatDelta)
+    assert delta.usage is not None and delta.usage.cached_tokens is None
+    assert delta.timings is not None and delta.timings.cached_tokens is None
+
+
 @pytest.mark.parametrize("line", [b"", b": ping", b"event: message", sse({"choices": []})])
 def test_sse_lines_without_content_are_skipped(line: bytes) -> None:
     assert llama_server._parse_sse_line(line) is None
