@@ -36,7 +36,7 @@ from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
 from interfaces.http.http_auth import inference_guard
 from interfaces.http.http_docs import ApiOperation, errors, success
-from interfaces.http.http_errors import ApiError, not_running
+from interfaces.http.http_errors import ApiError, ErrorCode, not_running
 from interfaces.http.openai.openai_docs import (
     ChatCompletion,
     ChatCompletionOperation,
@@ -161,7 +161,7 @@ async def get_model(
         404,
         f"The model `{name}` does not exist or you do not have access to it.",
         param="model",
-        code="model_not_found",
+        code=ErrorCode.MODEL_NOT_FOUND,
     )
 
 
@@ -302,7 +302,9 @@ async def _body(request: Request[Any, Any, Any]) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        raise ApiError(
+            400, f"the request body is not valid JSON: {e}", code=ErrorCode.INVALID_JSON
+        ) from e
 
 
 async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
@@ -315,7 +317,7 @@ async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
             404,
             f"The model `{name}` does not exist or you do not have access to it.",
             param="model",
-            code="model_not_found",
+            code=ErrorCode.MODEL_NOT_FOUND,
         )
     if (model.get("kind") or CHAT) != kind:
         use = "/v1/embeddings" if kind == CHAT else "/v1/chat/completions or /v1/completions"
@@ -325,7 +327,7 @@ async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
             f"The model `{name}` is {'an embedding' if kind == CHAT else 'a chat'} model: "
             f"use it with {use}",
             param="model",
-            code="model_not_supported",
+            code=ErrorCode.MODEL_NOT_SUPPORTED,
         )
     return model
 

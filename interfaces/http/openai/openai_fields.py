@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from application.commands import Caller
-from interfaces.http.http_errors import ApiError
+from interfaces.http.http_errors import ApiError, ErrorCode
 
 MAX_STOP = 4
 #: The largest ``max_tokens`` accepted (a context no model here reaches).
@@ -28,10 +28,10 @@ MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: The code of a 400 for fields that disagree (see :func:`mismatch`).
-INVALID_COMBINATION = "invalid_combination"
+INVALID_COMBINATION = ErrorCode.INVALID_COMBINATION
 
 
-def bad(message: str, param: str, code: str = "invalid_value") -> ApiError:
+def bad(message: str, param: str, code: ErrorCode = ErrorCode.INVALID_VALUE) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
@@ -42,7 +42,7 @@ def mismatch(message: str, param: str) -> ApiError:
 
 
 def unsupported(param: str, why: str) -> ApiError:
-    return bad(f"{param} is not supported: {why}", param, "unsupported_parameter")
+    return bad(f"{param} is not supported: {why}", param, ErrorCode.UNSUPPORTED_PARAMETER)
 
 
 def refuse_unknown(body: Mapping[str, Any], known: Iterable[str]) -> None:
@@ -50,7 +50,9 @@ def refuse_unknown(body: Mapping[str, Any], known: Iterable[str]) -> None:
     extra = sorted(set(body) - set(known))
     if extra:
         raise bad(
-            f"Unrecognized request argument supplied: {extra[0]}", extra[0], "unknown_parameter"
+            f"Unrecognized request argument supplied: {extra[0]}",
+            extra[0],
+            ErrorCode.UNKNOWN_PARAMETER,
         )
 
 
@@ -197,12 +199,12 @@ def model_name(body: Mapping[str, Any]) -> str:
             400,
             "you must provide a model parameter",
             param="model",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     return model
 
 
 def json_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        raise ApiError(400, "the request body must be a JSON object", code=ErrorCode.INVALID_JSON)
     return body

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from application.commands import EmbeddingInputs, JobParams, Prompt, Submission, TextPrompt
+from interfaces.http.http_errors import ErrorCode
 from interfaces.http.openai.openai_fields import (
     MAX_CONTEXT,
     SEED_MAX,
@@ -89,7 +90,7 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     """One prompt: a string or a list of token ids (a one-element batch of either)."""
     prompt = body.get("prompt")
     if prompt is None:
-        raise bad("you must provide a prompt", "prompt", "missing_required_parameter")
+        raise bad("you must provide a prompt", "prompt", ErrorCode.MISSING_REQUIRED_PARAMETER)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         if len(prompt) > 1:
             raise unsupported("prompt", "one prompt per request; send several requests instead")
@@ -136,7 +137,7 @@ def parse_completion_request(body: Any, max_context: int = MAX_CONTEXT) -> Submi
 def _inputs(body: dict[str, Any]) -> list[str] | list[list[int]]:
     value = body.get("input")
     if value is None:
-        raise bad("you must provide an input", "input", "missing_required_parameter")
+        raise bad("you must provide an input", "input", ErrorCode.MISSING_REQUIRED_PARAMETER)
     if isinstance(value, str) or _tokens(value) is not None:
         value = [value]
     if not isinstance(value, list) or not value or len(value) > MAX_EMBEDDING_INPUTS:

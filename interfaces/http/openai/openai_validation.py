@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from application.commands import ChatPrompt, JobParams, Submission
-from interfaces.http.http_errors import ApiError
+from interfaces.http.http_errors import ApiError, ErrorCode
 from interfaces.http.openai import openai_tools
 from interfaces.http.openai.openai_fields import (
     MAX_CONTEXT,
@@ -55,7 +55,7 @@ MESSAGE_FIELDS: dict[str, frozenset[str]] = {
 def _keys(value: dict[str, Any], allowed: set[str] | frozenset[str], param: str) -> None:
     extra = sorted(set(value) - allowed)
     if extra:
-        raise bad(f"unknown field {extra[0]!r}", f"{param}.{extra[0]}", "unknown_parameter")
+        raise bad(f"unknown field {extra[0]!r}", f"{param}.{extra[0]}", ErrorCode.UNKNOWN_PARAMETER)
 
 
 #: Fields we cannot honour, and why (a non-null value is a 400 naming the field).
@@ -298,7 +298,11 @@ def parse_chat_request(body: Any, max_context: int = MAX_CONTEXT) -> Submission:
             400,
             "messages must be a non-empty array",
             param="messages",
-            code="missing_required_parameter" if raw_messages is None else "invalid_value",
+            code=(
+                ErrorCode.MISSING_REQUIRED_PARAMETER
+                if raw_messages is None
+                else ErrorCode.INVALID_VALUE
+            ),
         )
     messages = [_message(m, i) for i, m in enumerate(raw_messages)]
     refuse_unknown(body, CHAT_FIELDS)
