@@ -19,6 +19,7 @@ import pytest
 from infrastructure.persistence import persistence_env
 from infrastructure.settings import Settings
 from infrastructure.storage import Storage, ensure_postgres_schema, open_storage
+from tests.faults.services import OwnPostgres
 
 # No test reads or writes the operator's own config file or state directory: each test gets
 # its own XDG_CONFIG_HOME (see `_own_config`), and the session one is a fresh directory too.
@@ -72,6 +73,14 @@ def storage(store_env: dict[str, str]) -> Iterator[Storage]:
     s = open_storage(store_env, poll_interval=0.2).start()
     yield s
     s.close()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[OwnPostgres]:
+    """A private PostgreSQL cluster (tests/faults/services.py) a test may stop and pause."""
+    server = OwnPostgres().init().start()
+    yield server
+    server.close()
 
 
 @pytest.fixture

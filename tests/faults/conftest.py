@@ -1,4 +1,5 @@
-"""Fixtures of the fault suite: private PostgreSQL and Redis servers (tests/faults/services)."""
+"""Fixtures of the fault suite: private Redis servers (tests/faults/services; the private
+PostgreSQL, ``own_postgres``, is in tests/conftest.py: a security test stops it too)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.services import OwnPostgres, OwnRedis
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[OwnPostgres]:
-    server = OwnPostgres().init().start()
-    yield server
-    server.close()
+from tests.faults.services import OwnRedis
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """What the fault scenarios share: a streamed completion as a client sees it, a job's
-recorded token sequence numbers, and an agent handler that streams words slowly (no
-llama.cpp)."""
+recorded token sequence numbers, an agent handler that streams words slowly (no
+llama.cpp), and a fake agent serving model ``m`` asked for one completion."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from agent.control.control_client import AgentSession
 from agent.control.control_handler import ControlHandler, NullHandler, Send
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController
+from tests.faults.waiting import until
+from tests.integration.fake_agent import FakeAgent, register_model_m
 from wire import control_pb2 as pb
 
 AI = {"Authorization": "Bearer test-ai-key"}
@@ -149,3 +151,26 @@ def serves_model(ctl: RunningController) -> bool:
     """Whether a node can take a job for model ``m``: eligible, with the file reported (the
     report lands a moment after the node is READY)."""
     return any(row["local_models"] for row in ctl.services.read_model.eligibility())
+
+
+async def serving_model_m(ctl: RunningController, agent: FakeAgent) -> None:
+    """Once ``agent`` is READY, registers the model it holds as ``m`` and waits until it can
+    take jobs for it."""
+    await until(lambda: ctl.services.app.get_node(agent.node_id).state == "READY")
+    async with http_client(ctl) as client:
+        await register_model_m(client, agent.holds)
+    await until(lambda: serves_model(ctl))
+
+
+def http_client(ctl: RunningController, timeout: float = 30) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=timeout)
+
+
+async def ask(ctl: RunningController, timeout: float = 30) -> httpx.Response:
+    """One chat completion for ``m`` (not streamed), however it is answered."""
+    async with http_client(ctl, timeout) as client:
+        return await client.post(
+            "/v1/chat/completions",
+            headers=AI,
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )

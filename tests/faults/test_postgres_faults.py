@@ -16,21 +16,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from uuid import UUID
 
-import httpx
 import pytest
 
 from domain.catalog import code_of
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
+from tests.faults.streams import ask, http_client, serving_model_m
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token
 
 SHA = "ab" * 32
-AI = {"Authorization": "Bearer test-ai-key"}
-ADMIN = {"Authorization": "Bearer test-admin-key"}
 SILENCE = {"HEARTBEAT_TIMEOUT", "NODE_OFFLINE"}
 OFFLINE_AFTER = 2.0
 #: A request while the store is down must be answered within this (fail fast).
@@ -58,21 +56,9 @@ async def ctl(
 async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
     target = control_target(ctl)
     started = await FakeAgent(target, token(), "a", holds=SHA, memory=4 << 30).start()
-    await until(lambda: _state(ctl, started) == "READY")
-    async with _http(ctl) as client:
-        r = await client.post(
-            "/api/admin/models",
-            headers=ADMIN,
-            json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
-        )
-        assert r.status_code == 201, r.text
-    await until(lambda: bool(ctl.services.read_model.eligibility()[0]["local_models"]))
+    await serving_model_m(ctl, started)
     yield started
     await started.stop()
-
-
-def _http(ctl: RunningController) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=30)
 
 
 def _state(ctl: RunningController, agent: FakeAgent) -> str:
@@ -83,26 +69,17 @@ def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
     return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
 
 
-async def _ask(ctl: RunningController) -> httpx.Response:
-    async with _http(ctl) as client:
-        return await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
-
-
 async def _outage_answers(ctl: RunningController) -> None:
     """What a client sees while the store is away: a quick 503 with Retry-After."""
     started = time.monotonic()
-    r = await _ask(ctl)
+    r = await ask(ctl)
     took = time.monotonic() - started
     assert r.status_code == 503, r.text
     assert r.headers.get("retry-after"), r.headers
     assert r.json()["error"]["code"] == "store_unavailable", r.text
     assert took < FAST, f"took {took:.1f}s"
     assert ctl.jobs.queue.depths() in ({}, {"m": 0})  # nothing queued
-    async with _http(ctl) as client:
+    async with http_client(ctl) as client:
         started = time.monotonic()
         health = await client.get("/health")
         assert time.monotonic() - started < FAST
@@ -114,7 +91,7 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
     """Works again without a restart, and nobody was recorded as silent; returns how long
     after the store was back the first request succeeded."""
     while True:
-        r = await _ask(ctl)
+        r = await ask(ctl)
         if r.status_code == 200:
             break
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
@@ -126,7 +103,7 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
     assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
     await until(lambda: not ctl.services.follower.error)  # the views caught up again
     await asyncio.to_thread(ctl.services.follower.wait, ctl.services.app.position(), 5.0)
-    async with _http(ctl) as client:
+    async with http_client(ctl) as client:
         health = (await client.get("/health")).json()
     assert health["status"] == "ok" and health["read_model_lag"] == 0, health
     assert health["projection_skipped_events"] == []
@@ -137,7 +114,7 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
 async def test_postgres_down_for_twice_offline_after(
     ctl: RunningController, agent: FakeAgent, own_postgres: OwnPostgres
 ) -> None:
-    assert (await _ask(ctl)).status_code == 200
+    assert (await ask(ctl)).status_code == 200
     own_postgres.stop()
     down_at = time.monotonic()
     await _outage_answers(ctl)
@@ -150,12 +127,12 @@ async def test_postgres_down_for_twice_offline_after(
 async def test_postgres_frozen_does_not_block_heartbeats(
     ctl: RunningController, agent: FakeAgent, own_postgres: OwnPostgres
 ) -> None:
-    assert (await _ask(ctl)).status_code == 200
+    assert (await ask(ctl)).status_code == 200
     # A job that finishes while the store is frozen: its ending waits for the store, the
     # node's heartbeats must not wait behind it.
     words = tuple(f" w{i}" for i in range(20))
     agent.words, agent.word_delay = words, 0.05
-    streaming = asyncio.ensure_future(_ask(ctl))
+    streaming = asyncio.ensure_future(ask(ctl))
     await until(lambda: len(agent.plans) == 2)
     seen_before = ctl.services.live.get(agent.node_id)
     assert seen_before is not None

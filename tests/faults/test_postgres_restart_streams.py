@@ -19,12 +19,11 @@ from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
 from tests.faults.streams import events, recorded_seqs, stream_completion
 from tests.integration.control_client import control_target
-from tests.integration.fake_agent import FakeAgent
+from tests.integration.fake_agent import FakeAgent, register_model_m
 from tests.integration.test_control_plane import token
 
 SHA = "ab" * 32
 AI = {"Authorization": "Bearer test-ai-key"}
-ADMIN = {"Authorization": "Bearer test-admin-key"}
 STREAMS = 20
 WORDS = tuple(f" w{i}" for i in range(40))
 TERMINAL = {"JOB_COMPLETED", "JOB_FAILED", "JOB_CANCELLED"}
@@ -53,12 +52,7 @@ async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
     for agent in agents:
         agent.words, agent.word_delay = WORDS, 0.05
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}") as client:
-        r = await client.post(
-            "/api/admin/models",
-            headers=ADMIN,
-            json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
-        )
-        assert r.status_code == 201, r.text
+        await register_model_m(client, SHA)
     deadline = time.monotonic() + 10
     while len(ctl.services.read_model.eligibility()) < len(agents):
         assert time.monotonic() < deadline

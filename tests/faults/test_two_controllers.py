@@ -21,12 +21,11 @@ from interfaces.controller_main import RECONCILE_INTERVAL, RunningController, co
 from tests.conftest import controller_settings
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
-from tests.integration.fake_agent import FakeAgent
+from tests.integration.fake_agent import FakeAgent, register_model_m
 from tests.integration.test_control_plane import token
 
 SHA = "ab" * 32
 AI = {"Authorization": "Bearer test-ai-key"}
-ADMIN = {"Authorization": "Bearer test-admin-key"}
 WORDS = tuple(f" w{i}" for i in range(40))
 
 
@@ -44,12 +43,7 @@ async def test_a_second_controller_leaves_the_first_ones_jobs_alone(
         agent.words, agent.word_delay = WORDS, 0.05
         base = f"http://127.0.0.1:{first.http_port}"
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-            r = await client.post(
-                "/api/admin/models",
-                headers=ADMIN,
-                json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
-            )
-            assert r.status_code == 201, r.text
+            await register_model_m(client, SHA)
             await until(lambda: bool(first.services.read_model.eligibility()))
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
             answer = asyncio.ensure_future(

@@ -10,10 +10,24 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
+
 from bench.synthetic_agents import proof_of
 from common.contract import SLOTS_LABEL
 from tests.integration.control_client import RawSession, Target, as_target, enroll, inventory
 from wire import control_pb2 as pb
+
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+async def register_model_m(client: httpx.AsyncClient, sha: str) -> None:
+    """Registers model ``m`` (file ``m.gguf``) with the sha256 a FakeAgent ``holds``."""
+    r = await client.post(
+        "/api/admin/models",
+        headers=ADMIN,
+        json={"name": "m", "sha256": sha, "file_name": "m.gguf"},
+    )
+    assert r.status_code == 201, r.text
 
 
 class FakeAgent:

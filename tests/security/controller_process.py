@@ -16,7 +16,7 @@ from application.enrollment import enrollment_key, mint_enrollment_token
 from common.contract import CONTROLLER_TLS_NAME
 from infrastructure.tls import fingerprint_of
 from tests.integration.control_client import ControlTarget
-from tests.integration.fake_agent import FakeAgent
+from tests.integration.fake_agent import FakeAgent, register_model_m
 from tests.security.conftest import AI_KEY, ENROLLMENT_SECRET
 from tests.security.netns import Namespace
 
@@ -92,12 +92,7 @@ async def serving_agent(env: dict[str, str], namespace: Namespace) -> FakeAgent:
         address=namespace.outside,
     ).start()
     async with https(env) as client:
-        r = await client.post(
-            "/api/admin/models",
-            headers=ADMIN,
-            json={"name": "m", "sha256": MODEL_SHA, "file_name": "m.gguf"},
-        )
-        assert r.status_code == 201, r.text
+        await register_model_m(client, MODEL_SHA)
     return agent
 
 

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-import httpx
 import pytest
 
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.faults.services import OwnPostgres
+from tests.faults.streams import ask, serving_model_m
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
@@ -35,8 +35,6 @@ from wire import control_pb2 as pb
 pytestmark = pytest.mark.timeout(120)
 
 SHA = "cd" * 32
-AI = {"Authorization": "Bearer test-ai-key"}
-ADMIN = {"Authorization": "Bearer test-admin-key"}
 #: After the store is back, the ending must be recorded and the slot free within this.
 RECOVERY = 10.0
 
@@ -60,13 +58,6 @@ class SetupOnCue(FakeAgent):
 
 
 @pytest.fixture
-def own_postgres() -> Iterator[OwnPostgres]:
-    server = OwnPostgres().init().start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
 async def ctl(
     pg_schema: str, tmp_path: Path, own_postgres: OwnPostgres
 ) -> AsyncIterator[RunningController]:
@@ -87,30 +78,9 @@ async def ctl(
 async def agent(ctl: RunningController) -> AsyncIterator[SetupOnCue]:
     started = SetupOnCue(control_target(ctl), token(), "one-slot", holds=SHA, memory=4 << 30)
     await started.start()
-    await until(lambda: ctl.services.app.get_node(started.node_id).state == "READY")
-    async with _http(ctl) as client:
-        r = await client.post(
-            "/api/admin/models",
-            headers=ADMIN,
-            json={"name": "m", "sha256": SHA, "file_name": "m.gguf"},
-        )
-        assert r.status_code == 201, r.text
-    await until(lambda: bool(ctl.services.read_model.eligibility()[0]["local_models"]))
+    await serving_model_m(ctl, started)
     yield started
     await started.stop()
-
-
-def _http(ctl: RunningController) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=60)
-
-
-async def _ask(ctl: RunningController) -> httpx.Response:
-    async with _http(ctl) as client:
-        return await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
 
 
 def _job_state(ctl: RunningController, job_id: str) -> str:
@@ -125,7 +95,7 @@ def _slot_free(ctl: RunningController, node_id: str) -> bool:
 async def test_a_setup_that_ends_during_a_store_outage_is_ended_once_the_store_is_back(
     ctl: RunningController, agent: SetupOnCue, own_postgres: OwnPostgres, answer: str
 ) -> None:
-    request = asyncio.ensure_future(_ask(ctl))
+    request = asyncio.ensure_future(ask(ctl, timeout=60))
     await asyncio.wait_for(agent.planned.wait(), 20)  # JOB_DISPATCHED is recorded
     [job_id] = agent.job_ids
     own_postgres.stop()
@@ -153,7 +123,7 @@ async def test_a_setup_that_ends_during_a_store_outage_is_ended_once_the_store_i
     # The node's only slot serves the next request, without a controller restart.
     agent.fail_setup = None
     while True:
-        r = await _ask(ctl)
+        r = await ask(ctl, timeout=60)
         if r.status_code == 200:
             break
         assert time.monotonic() - back_at < RECOVERY, f"still {r.status_code}: {r.text}"
