@@ -17,11 +17,14 @@ import ssl
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from infrastructure.config_file import URL_ENV, Configuration, load_configuration
 from infrastructure.settings import Settings
+
+if TYPE_CHECKING:
+    from application.controller import Controller
 
 
 class CliError(Exception):
@@ -118,6 +121,21 @@ class CliEnv:
 def load_cli_env(environ: Mapping[str, str] | None = None) -> CliEnv:
     environ = os.environ if environ is None else environ
     return CliEnv(load_configuration(environ), environ)
+
+
+def open_app(args: argparse.Namespace, env: CliEnv | None = None) -> Controller:
+    """The event store's application, as the configuration names it (said on stderr)."""
+    from application.controller import Controller
+    from infrastructure.persistence import persistence_env
+    from infrastructure.storage import ensure_postgres_schema
+
+    env = env or load_cli_env()
+    settings = env.settings()
+    given = getattr(args, "database_url", None)
+    env.using_store(given)
+    store = persistence_env(given or settings.database_url, var_dir=settings.var_dir)
+    ensure_postgres_schema(store)
+    return Controller(env=store)
 
 
 def store_flag(command: argparse.ArgumentParser) -> None:

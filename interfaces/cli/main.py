@@ -15,7 +15,6 @@ import sqlite3
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import orjson
 import psycopg
@@ -28,10 +27,14 @@ from application.enrollment import (
 )
 from common import event_loop
 from infrastructure.settings import Settings, SettingsError
-from interfaces.cli.cli_target import CliEnv, CliError, load_cli_env, store_flag, take_used
-
-if TYPE_CHECKING:
-    from application.controller import Controller
+from interfaces.cli.cli_target import (
+    CliEnv,
+    CliError,
+    load_cli_env,
+    open_app,
+    store_flag,
+    take_used,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +170,7 @@ def _mint_in_store(args: argparse.Namespace, env: CliEnv) -> dict[str, object]:
     settings = env.settings()
     ca = _controller_ca(settings)
     service = EnrollmentService(
-        _open_app(args, env),
+        open_app(args, env),
         settings.node_enrollment_secret,
         ca_fingerprint=fingerprint_of(ca) if ca is not None else None,
     )
@@ -189,21 +192,6 @@ def _mint_in_store(args: argparse.Namespace, env: CliEnv) -> dict[str, object]:
     return dict(minted.__dict__)
 
 
-def _open_app(args: argparse.Namespace, env: CliEnv | None = None) -> Controller:
-    """The event store's application, as the configuration names it (said on stderr)."""
-    from application.controller import Controller
-    from infrastructure.persistence import persistence_env
-    from infrastructure.storage import ensure_postgres_schema
-
-    env = env or load_cli_env()
-    settings = env.settings()
-    given = getattr(args, "database_url", None)
-    env.using_store(given)
-    store = persistence_env(given or settings.database_url, var_dir=settings.var_dir)
-    ensure_postgres_schema(store)
-    return Controller(env=store)
-
-
 def _cmd_models_register(args: argparse.Namespace) -> int:
     from domain.errors import DomainError
 
@@ -219,7 +207,7 @@ def _cmd_models_register(args: argparse.Namespace) -> int:
         }
         env.admin().call("POST", "/api/admin/models/", body, 201)
     else:
-        app = _open_app(args, env)
+        app = open_app(args, env)
         try:
             app.register_model(
                 args.name, args.sha256, args.file_name, args.context_size, args.kind, args.pooling
@@ -249,7 +237,7 @@ def _cmd_models_source(args: argparse.Namespace) -> int:
                 check_url(args.url, allowed)
             except SourceRefused as e:
                 raise CliError(f"cannot add the source of {args.name}: {e}") from e
-        app = _open_app(args, env)
+        app = open_app(args, env)
         try:
             if args.action == "add":
                 app.add_model_source(args.name, args.url)

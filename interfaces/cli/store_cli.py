@@ -57,8 +57,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
         validate_use,
     )
     from infrastructure.model_store import ControllerModelStore, StoredFile, StoreError
-    from interfaces.cli.cli_target import CliError
-    from interfaces.cli.main import _open_app
+    from interfaces.cli.cli_target import CliError, open_app
 
     source = Path(args.path).expanduser()
     if not source.is_file():
@@ -79,7 +78,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
         raise CliError(f"cannot add {source}: {e}") from e
     env = load_cli_env()
     store = ControllerModelStore(env.settings().model_store_dir)
-    app = _open_app(args, env)  # the event store answers before a byte is copied
+    app = open_app(args, env)  # the event store answers before a byte is copied
     stored: StoredFile | None = None
     try:
         try:
@@ -130,10 +129,9 @@ def _cmd_unstore(args: argparse.Namespace) -> int:
     from domain.errors import DomainError
     from domain.model import model_id
     from infrastructure.model_store import ControllerModelStore
-    from interfaces.cli.cli_target import CliError
-    from interfaces.cli.main import _open_app
+    from interfaces.cli.cli_target import CliError, open_app
 
-    app = _open_app(args)
+    app = open_app(args)
     try:
         app.unstore_model(args.name)
         sha256: str = app.repository.get(model_id(args.name)).sha256

@@ -18,6 +18,7 @@ from domain.catalog import code_of
 from domain.model import model_id
 from infrastructure import model_store
 from infrastructure.persistence import persistence_env
+from interfaces.cli import cli_target
 from interfaces.cli import main as cli
 from tests.unit.fakes import FakeReadModel
 from tests.unit.test_agent_model_store import write_tiny_gguf
@@ -284,7 +285,7 @@ def test_an_event_store_error_is_one_line_not_a_traceback(
     def unreachable(args: object) -> object:
         raise PersistenceError("couldn't get a connection after 2.00 sec")
 
-    monkeypatch.setattr(cli, "_open_app", unreachable)
+    monkeypatch.setattr(cli_target, "open_app", unreachable)
     assert unstore("m") == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line == "dacp: cannot use the event store: couldn't get a connection after 2.00 sec"
