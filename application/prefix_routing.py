@@ -68,7 +68,11 @@ class PrefixRouter:
         block_chars: int = BLOCK_CHARS,
         epsilon: float = DEFAULT_EPSILON,
         capacity: int = 1_000_000,
+        enabled: bool = True,
     ) -> None:
+        #: False (``PREFIX_ROUTING=off``): no prompt is routed by its prefix, none is
+        #: remembered, and no route is recorded: every job takes the usual choice.
+        self.enabled = enabled
         self.block_chars = block_chars
         self.epsilon = epsilon
         self.index = PrefixIndex(capacity)
@@ -77,7 +81,9 @@ class PrefixRouter:
 
     def chain(self, job: JobInput) -> tuple[int, ...]:
         """The job's prefix chain; empty for a job that is not routed or is shorter than a
-        block."""
+        block, and for every job when routing is off."""
+        if not self.enabled:
+            return ()
         text = prefix_text(job)
         return prefix_chain(text, self.block_chars) if text else ()
 
@@ -111,8 +117,8 @@ class PrefixRouter:
 
     def route_of(self, job: JobInput, route: PrefixRoute | None) -> dict[str, Any] | None:
         """What JOB_DISPATCHED records: hit or miss and the characters matched; None for a job
-        that is not routed (embeddings)."""
-        if prefix_text(job) is None:
+        that is not routed (embeddings, or any job when routing is off)."""
+        if not self.enabled or prefix_text(job) is None:
             return None
         if route is None:
             return {"prefix": "miss", "matched_chars": 0}

@@ -71,6 +71,7 @@ SETTING_NAMES = (
     "OFFLINE_AFTER",
     "OPEN_API",
     "PORT",
+    "PREFIX_ROUTING",
     "QUEUE_MAX",
     "QUEUE_TIMEOUT",
     "RECORD_CONTENT",
@@ -220,6 +221,9 @@ class Settings:
     #: Networks a model's http(s) source may be on although they are refused by default
     #: (loopback, link-local, metadata: common/model_sources.py); agents get them in FetchModel.
     model_source_allowed_cidrs: tuple[str, ...] = ()
+    #: A conversation's next turn goes to the warm server holding its prompt's prefix
+    #: (application/prefix_routing.py); PREFIX_ROUTING=off places every job as if it had none.
+    prefix_routing: bool = True
 
     @property
     def model_store_dir(self) -> Path:
@@ -296,6 +300,7 @@ class Settings:
             model_source_allowed_cidrs=tuple(
                 c.strip() for c in env.get("MODEL_SOURCE_ALLOWED_CIDRS", "").split(",") if c.strip()
             ),
+            prefix_routing=_bool(env, "PREFIX_ROUTING", base.prefix_routing),
         )
         try:
             settings.deadlines()

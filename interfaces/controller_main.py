@@ -25,6 +25,7 @@ from application.job_manager import JobManager
 from application.model_claims import ModelClaims
 from application.model_transfers import TicketSigner, TransferCoordinator
 from application.node_steering import NodeSteering
+from application.prefix_routing import PrefixRouter
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from application.worker_reaper import WorkerReaper
@@ -278,6 +279,7 @@ async def start_controller(settings: Settings) -> RunningController:
         core.live,
         SchedulerConfig(settings.allowed_peer_cidrs),
         catch_up=lambda: core.follower.wait(core.app.position(), timeout=5),
+        router=PrefixRouter(enabled=settings.prefix_routing),
     )
 
     def primary_if_held(model: dict[str, Any], nodes: frozenset[str]) -> str | None:

@@ -43,6 +43,19 @@ def test_routes_are_recorded_as_hit_miss_or_not_routed() -> None:
     assert router.chain(EmbeddingInputs(["x"])) == ()
 
 
+def test_a_router_turned_off_routes_nothing_and_records_no_route() -> None:
+    """PREFIX_ROUTING=off: no chain, so no server is chosen by prefix and nothing is kept."""
+    router = PrefixRouter(enabled=False)
+    chat = ChatPrompt([{"role": "user", "content": "y" * (3 * BLOCK_CHARS)}])
+    assert router.chain(chat) == ()
+    assert router.route_of(chat, None) is None
+    router.sent("job", "server", router.chain(chat), slots=2)
+    assert len(router.index) == 0
+    on = PrefixRouter()
+    on.sent("job", "server", on.chain(chat), slots=2)
+    assert len(on.index) > 0 and on.route_of(chat, None) == {"prefix": "miss", "matched_chars": 0}
+
+
 def ask(who: int, turn: int) -> str:
     """A user's turn: a few sentences (longer than a prefix block, as real turns are)."""
     return f"Question {turn} from conversation {who}: " + "what does the log say? " * 16

@@ -22,6 +22,13 @@ def test_open_api_and_the_feed_session_from_the_environment() -> None:
     assert given.open_api is True and given.feed_session_seconds == 30.0
 
 
+@pytest.mark.parametrize("off", ["0", "off", "false", "OFF"])
+def test_prefix_routing_is_on_unless_turned_off(off: str) -> None:
+    assert Settings.from_env({}).prefix_routing is True
+    assert Settings.from_env({"PREFIX_ROUTING": "on"}).prefix_routing is True
+    assert Settings.from_env({"PREFIX_ROUTING": off}).prefix_routing is False
+
+
 def test_deadlines_from_the_environment() -> None:
     env = {"FIRST_TOKEN_TIMEOUT": "20", "STREAM_IDLE_TIMEOUT": "5", "REQUEST_TIMEOUT": "600"}
     assert Settings.from_env(env).deadlines() == Deadlines(20.0, 5.0, 600.0)
