@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity
+.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity bench-prefix-routing
 
 # First-run set-up (venv, llama.cpp build, model, browser) runs its steps side by side, with
 # the system python3, before the venv exists; see ops/bootstrap.py. Cached steps are no-ops.
@@ -68,6 +68,12 @@ bench:
 bench-capacity:
 	@$(BOOTSTRAP) test --only venv
 	$(PY) -m bench.capacity
+
+# Cache-aware routing on and off (PREFIX_ROUTING), side by side: where conversations' later
+# turns land, prefix hits, queue wait, latency. Postgres + Redis as for bench-capacity.
+bench-prefix-routing:
+	@$(BOOTSTRAP) test --only venv
+	$(PY) -m bench.prefix_routing
 
 controller: venv
 	$(VENV)/bin/dacp controller
