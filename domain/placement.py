@@ -59,17 +59,22 @@ DEVICE_CPU = _DEVICE_CPU
 HOST_DEVICE = _HOST_DEVICE
 
 #: Plan tiers, best first (``ExecutionPlan.tier``): the order of preference the planner applies.
+#: Every plan of one node comes before any split over several: a split over llama.cpp RPC
+#: decodes slower than one node does, so where one node holds the model, more load gets
+#: another replica on another node instead of a split.
 TIER_ONE_DEVICE = "one_device"
 TIER_ONE_NODE_GPUS = "one_node_gpus"
-TIER_GPUS_OVER_RPC = "gpus_over_rpc"
 TIER_GPUS_AND_HOST = "gpus_and_host"
 TIER_CPU = "cpu"
+TIER_GPUS_OVER_RPC = "gpus_over_rpc"
+TIER_CPU_OVER_RPC = "cpu_over_rpc"
 TIERS: tuple[str, ...] = (
     TIER_ONE_DEVICE,
     TIER_ONE_NODE_GPUS,
-    TIER_GPUS_OVER_RPC,
     TIER_GPUS_AND_HOST,
     TIER_CPU,
+    TIER_GPUS_OVER_RPC,
+    TIER_CPU_OVER_RPC,
 )
 
 _IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

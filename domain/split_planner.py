@@ -24,14 +24,19 @@ Rules, in the order they apply:
    excluded and reported as a :class:`PeerViolation`.
 3. Plans are first sought among READY nodes only; DEGRADED nodes join the pool only when no plan
    exists without them (``fallback_used``).
-4. Within a pool, the first tier (:data:`TIERS`) that has a plan wins:
+4. Within a pool, the first tier (:data:`TIERS`) that has a plan wins. Every plan of one node
+   comes first: a split over llama.cpp RPC decodes slower than one node, so where one node
+   holds the model a second replica (another job's plan on another node) serves more load than
+   a split would:
 
    1. ``one_device``: one GPU of the primary holds everything;
    2. ``one_node_gpus``: several GPUs of the primary;
-   3. ``gpus_over_rpc``: GPUs of several nodes, the workers' reached over RPC;
-   4. ``gpus_and_host``: the primary's GPUs take the last ``n_gpu_layers`` layers and its host
+   3. ``gpus_and_host``: the primary's GPUs take the last ``n_gpu_layers`` layers and its host
       memory the rest (one node: a box with a small GPU and much RAM);
-   5. ``cpu``: host memory only, one node or split over several nodes' ``ggml-rpc-server``.
+   4. ``cpu``: the primary's host memory only;
+   5. ``gpus_over_rpc``: GPUs of several nodes, the workers' reached over RPC (the primary may
+      have none);
+   6. ``cpu_over_rpc``: host memory split over several nodes' ``ggml-rpc-server``.
 
 5. Within a tier the plan uses the fewest nodes (at most ``max_nodes`` and at most the model's
    layer count), and all of them speak one RPC protocol (``Candidate.rpc_protocol``). Among
@@ -74,10 +79,12 @@ from domain.placement import (
     RPC_VERSION_MISMATCH,
     SPLIT_RESOLUTION,
     TIER_CPU,
+    TIER_CPU_OVER_RPC,
     TIER_GPUS_AND_HOST,
     TIER_GPUS_OVER_RPC,
     TIER_ONE_DEVICE,
     TIER_ONE_NODE_GPUS,
+    TIERS,
     Candidate,
     ExecutionPlan,
     NoCapacity,
@@ -268,10 +275,12 @@ def _fit_host(
 _TIERS = (
     _Tier(TIER_ONE_DEVICE, False, True, _gpu_units, _fit_one_device, True),
     _Tier(TIER_ONE_NODE_GPUS, False, True, _gpu_units, _fit_gpus, True),
-    _Tier(TIER_GPUS_OVER_RPC, True, False, _gpu_units, _fit_gpus, True),
     _Tier(TIER_GPUS_AND_HOST, False, True, _gpu_units, _fit_gpus_and_host, True),
-    _Tier(TIER_CPU, True, True, _host_weight, _fit_host, False),
+    _Tier(TIER_CPU, False, True, _host_weight, _fit_host, False),
+    _Tier(TIER_GPUS_OVER_RPC, True, False, _gpu_units, _fit_gpus, True),
+    _Tier(TIER_CPU_OVER_RPC, True, False, _host_weight, _fit_host, False),
 )
+assert tuple(t.name for t in _TIERS) == TIERS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,14 +470,15 @@ def _gpu_layout(
         lines.append(f"{name}: no single GPU holds it; {len(picked)} GPUs of one node do: {shares}")
     elif name == TIER_GPUS_OVER_RPC:
         lines.append(
-            f"{name}: no node's GPUs hold it alone; {len(picked)} GPUs of {len(choice.nodes)} "
-            f"nodes do, the workers' over RPC: {shares}"
+            f"{name}: no node with the model file holds it alone (in its GPUs, its GPUs and "
+            f"host memory, or its host memory); {len(picked)} GPUs of {len(choice.nodes)} nodes "
+            f"do, the workers' over RPC: {shares}"
         )
     else:
         host = required - gpu_bytes
         node_bytes[primary.node_id] += host
         lines.append(
-            f"{name}: no set of GPUs holds it; {labels[primary.node_id]}'s GPUs take the last "
+            f"{name}: no node's GPUs hold it alone; {labels[primary.node_id]}'s GPUs take the last "
             f"{n_gpu_layers} of {layers} layers ({shares}) and its host memory the other "
             f"{layers - (n_gpu_layers or 0)} ({_fmt(host)} of {_fmt(primary.usable_memory_bytes)})"
         )
@@ -484,11 +494,13 @@ def _host_layout(
     node_units = {c.node_id: u for c, u in zip(nodes, units, strict=True)}
     node_bytes = {c.node_id: _share_bytes(u, required) for c, u in zip(nodes, units, strict=True)}
     gpus = any(_gpus(c, request.device_reserve_bytes) for c in nodes)
-    why = "no GPU plan holds it" if gpus else "no GPU takes part"
     if len(nodes) == 1:
         # One node's host memory: no --device list; its GPUs (if any) take no layers.
         only = nodes[0]
         has_gpu = any(d.kind == DEVICE_GPU for d in only.devices)
+        why = (
+            "no node's GPUs hold it, alone or with its host memory" if gpus else "no GPU takes part"
+        )
         return _Layout(
             (),
             node_units,
@@ -514,8 +526,9 @@ def _host_layout(
         node_bytes,
         None,
         (
-            f"{TIER_CPU}: {why}; the host memory of {len(nodes)} nodes, each through its RPC "
-            f"worker: {shares}",
+            f"{TIER_CPU_OVER_RPC}: no node with the model file holds it alone and "
+            f"{'no GPU plan does' if gpus else 'no GPU takes part'}; the host memory of "
+            f"{len(nodes)} nodes, each through its RPC worker: {shares}",
         ),
     )
 
@@ -523,7 +536,7 @@ def _host_layout(
 def _build_plan(request: PlacementRequest, choice: _Choice) -> ExecutionPlan:
     parallel, required = _most_slots(request, choice)
     labels = {c.node_id: c.name or c.node_id for c in choice.nodes}
-    if choice.tier.name == TIER_CPU:
+    if choice.tier.name in (TIER_CPU, TIER_CPU_OVER_RPC):
         layout = _host_layout(choice, required, request, labels)
     else:
         layout = _gpu_layout(choice, required, request, labels)

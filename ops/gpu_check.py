@@ -20,12 +20,15 @@ announced with the time since the start:
    ``one_device`` on one node (``cpu`` with ``--backend cpu``), checked through the admin API.
    Beside it runs a direct ``llama-server`` with the very command line that agent ran (read
    from its log), on another port;
-5. two agents on the same machine, each offering (``--memory-limit``) :data:`SPLIT_SHARE` of
-   what the model needs plus a GPU's compute reserve, so that no one GPU may hold it: the plan
-   must split it over both (tier ``gpus_over_rpc``: the primary's GPU and the worker's through
-   its ``ggml-rpc-server``). Beside it runs a direct ``llama-server`` with the primary's command
-   line and its own ``ggml-rpc-server`` exposing the worker's devices (``--rpc``, the same
-   ``--device`` and ``--tensor-split``);
+5. two agents on the same machine, the primary (which holds the file) offering
+   (``--memory-limit``) :data:`PRIMARY_SHARE` of what the model needs and the worker
+   :data:`WORKER_SHARE`, each plus a GPU's compute reserve, so that the primary cannot hold it
+   alone, not even in its GPU and host memory together (a plan of one node comes before any
+   split): the plan must split it over both (tier ``gpus_over_rpc``: the primary's GPU and the
+   worker's through its ``ggml-rpc-server``; ``cpu_over_rpc`` with ``--backend cpu``).
+   Beside it runs a direct ``llama-server`` with the primary's command line and its own
+   ``ggml-rpc-server`` exposing the worker's devices (``--rpc``, the same ``--device`` and
+   ``--tensor-split``);
 6. ``--requests`` streamed chat completions of ``--max-tokens`` tokens on each of the four runs,
    interleaved (the order reversed on every other request, so drifts hit every run alike),
    then the table: decode tokens/s and time to first token per run, each controller run beside
@@ -74,6 +77,7 @@ from bench import stats
 from domain.placement import (
     DEFAULT_DEVICE_RESERVE_BYTES,
     TIER_CPU,
+    TIER_CPU_OVER_RPC,
     TIER_GPUS_OVER_RPC,
     TIER_ONE_DEVICE,
     ModelNeeds,
@@ -102,9 +106,12 @@ DEFAULT_REQUESTS = 8
 DEFAULT_MAX_TOKENS = 128
 #: What the issue allows the whole check on a fresh 16-core GPU machine.
 BUDGET_SECONDS = 9 * 60
-#: Each agent of the split offers this share of what the model needs (plus a GPU's reserve):
-#: less than all of it, so no one device holds it; two shares hold it.
-SPLIT_SHARE = 0.6
+#: The split's primary offers this share of what the model needs (plus a GPU's reserve) and its
+#: worker the other: the primary's GPU and host memory together (twice its share, under one
+#: --memory-limit) hold less than the model when the reserve is under half of it, so no plan
+#: of one node exists; the two GPUs together hold it.
+PRIMARY_SHARE = 0.25
+WORKER_SHARE = 0.85
 #: The one-agent cluster's agent offers this many times what the model needs.
 SOLO_FACTOR = 4
 REQUEST_TIMEOUT = 300.0
@@ -173,19 +180,19 @@ def say(text: str) -> None:
 # --- plans and memory -------------------------------------------------------------------
 
 
-def memory_limits(required: int, backend: str) -> tuple[int, int]:
-    """(what the one agent offers, what each agent of the split offers) for a model that
+def memory_limits(required: int, backend: str) -> tuple[int, tuple[int, int]]:
+    """(what the one agent offers, what the split's primary and worker offer) for a model that
     needs ``required`` bytes: a GPU keeps its compute reserve beyond its share."""
     reserve = DEFAULT_DEVICE_RESERVE_BYTES if backend != CPU else 0
     solo = SOLO_FACTOR * (required + reserve)
-    split = reserve + math.ceil(SPLIT_SHARE * required)
-    return solo, split
+    split = tuple(reserve + math.ceil(s * required) for s in (PRIMARY_SHARE, WORKER_SHARE))
+    return solo, (split[0], split[1])
 
 
 def expected_plan(backend: str, agents: int) -> tuple[str, int, int]:
     """(tier, nodes, devices reached over RPC) the run with ``agents`` agents must plan."""
     if backend == CPU:
-        return TIER_CPU, agents, 0
+        return (TIER_CPU, 1, 0) if agents == 1 else (TIER_CPU_OVER_RPC, 2, 0)
     return (TIER_ONE_DEVICE, 1, 0) if agents == 1 else (TIER_GPUS_OVER_RPC, 2, 1)
 
 
@@ -614,18 +621,17 @@ def run_check(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
         "bytes": model.path.stat().st_size,
         "required_bytes_one_slot": model.required,
         "memory_limit_one_agent": solo,
-        "memory_limit_each_of_two": split,
+        "memory_limits_of_two": list(split),
     }
     result["runs"] = {}
     try:
         with contextlib.ExitStack() as stack:
             client = stack.enter_context(httpx.Client(timeout=REQUEST_TIMEOUT))
 
-            def set_up(agents: int, controller: Run, direct: Run, limit: int) -> None:
+            def set_up(controller: Run, direct: Run, limits: Sequence[int]) -> None:
+                agents = len(limits)
                 var_dir = work / controller.key
-                cluster = start_cluster(
-                    stack, controller, var_dir, [limit] * agents, backend, model
-                )
+                cluster = start_cluster(stack, controller, var_dir, limits, backend, model)
                 warm_up(client, controller, model.name, args.max_tokens)
                 check_plan(cluster, controller, backend, agents)
                 recorded = logged_argv(var_dir, "llama-server*.log")
@@ -636,11 +642,13 @@ def run_check(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
             title = f"one agent offering {solo >> 20} MiB, and direct llama-server"
             steps.begin(4, "one-agent", title)
             one, direct = runs["one-agent"], runs["direct"]
-            stage([one, direct], lambda: set_up(1, one, direct, solo))
-            title = f"two agents offering {split >> 20} MiB each, and direct --rpc"
+            stage([one, direct], lambda: set_up(one, direct, [solo]))
+            title = (
+                f"two agents offering {split[0] >> 20} and {split[1] >> 20} MiB, and direct --rpc"
+            )
             steps.begin(5, "two-agents", title)
             two, direct_rpc = runs["two-agents"], runs["direct-rpc"]
-            stage([two, direct_rpc], lambda: set_up(2, two, direct_rpc, split))
+            stage([two, direct_rpc], lambda: set_up(two, direct_rpc, split))
             title = f"{args.requests} requests x {args.max_tokens} tokens per run, interleaved"
             steps.begin(6, "measure", title)
             usable = [run for run in runs.values() if run.usable]

@@ -22,6 +22,7 @@ from domain.placement import (
     RPC_VERSION_MISMATCH,
     SPLIT_RESOLUTION,
     TIER_CPU,
+    TIER_CPU_OVER_RPC,
     TIER_GPUS_AND_HOST,
     TIER_GPUS_OVER_RPC,
     TIER_ONE_DEVICE,
@@ -155,8 +156,9 @@ def test_three_nodes_with_mixed_cards_split_over_rpc() -> None:
 
 
 def test_a_node_without_a_gpu_may_be_the_primary_of_a_gpu_split() -> None:
-    """The file is on a CPU box; the layers go to a GPU box's card, over RPC."""
-    result = plan_placement(request(20 * GIB), [node("a", model=True), node("b", 24 * GIB)])
+    """The file is on a CPU box too small for it; the layers go to a GPU box's card, over RPC."""
+    nodes = [node("a", ram=8 * GIB, model=True), node("b", 24 * GIB)]
+    result = plan_placement(request(20 * GIB), nodes)
     plan = result.plan
     assert plan is not None and plan.tier == TIER_GPUS_OVER_RPC
     assert devices_of(result) == [("b", "CUDA0", True)]
@@ -176,10 +178,10 @@ def test_a_small_gpu_and_large_ram_keep_the_first_layers_in_host_memory() -> Non
     assert plan.primary.assigned_bytes == 32 * GIB + RESERVE
 
 
-def test_gpus_over_rpc_come_before_gpus_and_host_memory() -> None:
+def test_gpus_and_host_memory_come_before_gpus_over_rpc() -> None:
     nodes = [node("a", 8 * GIB, ram=64 * GIB, model=True), node("b", 40 * GIB)]
     plan = plan_placement(request(32 * GIB), nodes).plan
-    assert plan is not None and plan.tier == TIER_GPUS_OVER_RPC
+    assert plan is not None and plan.tier == TIER_GPUS_AND_HOST
 
 
 def test_cpu_only_when_no_gpu_plan_fits_and_the_gpu_node_keeps_its_gpu_out() -> None:
@@ -194,7 +196,7 @@ def test_a_cpu_split_names_each_nodes_host_through_its_rpc_worker() -> None:
     nodes = [node("a", ram=20 * GIB, model=True), node("b", ram=20 * GIB)]
     result = plan_placement(request(32 * GIB), nodes)
     plan = result.plan
-    assert plan is not None and plan.tier == TIER_CPU
+    assert plan is not None and plan.tier == TIER_CPU_OVER_RPC
     assert devices_of(result) == [("a", HOST_DEVICE, True), ("b", HOST_DEVICE, True)]
     assert plan.n_gpu_layers is None
 
@@ -208,7 +210,7 @@ def test_a_cpu_only_node_has_no_device_list_and_all_layers() -> None:
 
 def test_nodes_of_another_rpc_protocol_are_never_mixed_in() -> None:
     nodes = [
-        node("a", 24 * GIB, model=True),
+        node("a", 24 * GIB, ram=16 * GIB, model=True),
         node("b", 80 * GIB, protocol="6.0.0"),
         node("c", 24 * GIB),
     ]
@@ -317,6 +319,8 @@ def _tier_fits(tier: str, nodes: tuple[Candidate, ...], req: PlacementRequest) -
             ):
                 return True
         return False
+    if (tier == TIER_CPU) != (len(nodes) == 1):
+        return False  # cpu: one node; cpu_over_rpc: several
     return sum(_units(c.usable_memory_bytes, required) for c in nodes) >= RES
 
 

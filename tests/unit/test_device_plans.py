@@ -21,7 +21,7 @@ from application.agent_messages import (
 from application.commands import Delta
 from application.job_run import StreamItem
 from common.contract import OUT_OF_MEMORY
-from domain.placement import HOST_DEVICE, TIER_CPU, TIER_ONE_DEVICE
+from domain.placement import HOST_DEVICE, TIER_CPU_OVER_RPC, TIER_ONE_DEVICE
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
 MIB = 1 << 20
@@ -113,7 +113,7 @@ async def test_a_cpu_split_names_each_nodes_cpu_for_its_rpc_worker() -> None:
     await cluster.validate(primary, job_id)
     await task
     plan = cluster.app.get_job(job_id).plan
-    assert plan is not None and plan["tier"] == TIER_CPU
+    assert plan is not None and plan["tier"] == TIER_CPU_OVER_RPC
 
 
 async def test_an_out_of_memory_at_load_lowers_that_device_and_replans_on_the_same_node() -> None:

@@ -70,21 +70,23 @@ def test_the_limits_make_the_planner_choose_one_device_then_a_split_over_both(
 ) -> None:
     required = PlacementRequest(NEEDS, CONTEXT, DEFAULT_ALLOWED_PEER_CIDRS).required_bytes
     solo, split = memory_limits(required, backend)
-    one, two = _plan(backend, [solo]), _plan(backend, [split, split])
+    one, two = _plan(backend, [solo]), _plan(backend, list(split))
     assert plan_problem(one, backend, 1) is None, one
     assert plan_problem(two, backend, 2) is None, two
     if backend == CUDA:
         assert (one.tier, one.devices) == ("one_device", ("CUDA0",))
         assert (two.tier, two.devices) == ("gpus_over_rpc", ("CUDA0", "CUDA0 via RPC"))
     else:
-        assert (one.tier, one.nodes, two.tier, two.nodes) == ("cpu", 1, "cpu", 2)
+        assert (one.tier, one.nodes, two.tier, two.nodes) == ("cpu", 1, "cpu_over_rpc", 2)
 
 
 def test_a_gpu_keeps_its_compute_reserve_beyond_its_share() -> None:
-    solo, split = memory_limits(1000 * MIB, CUDA)
-    assert split == DEFAULT_DEVICE_RESERVE_BYTES + math.ceil(gpu_check.SPLIT_SHARE * 1000 * MIB)
+    solo, (primary, worker) = memory_limits(1000 * MIB, CUDA)
+    share = DEFAULT_DEVICE_RESERVE_BYTES + math.ceil(gpu_check.PRIMARY_SHARE * 1000 * MIB)
+    assert primary == share
+    assert worker == DEFAULT_DEVICE_RESERVE_BYTES + math.ceil(gpu_check.WORKER_SHARE * 1000 * MIB)
     assert solo == gpu_check.SOLO_FACTOR * (1000 * MIB + DEFAULT_DEVICE_RESERVE_BYTES)
-    assert memory_limits(1000 * MIB, CPU) == (4000 * MIB, math.ceil(0.6 * 1000 * MIB))
+    assert memory_limits(1000 * MIB, CPU) == (4000 * MIB, (250 * MIB, 850 * MIB))
 
 
 def test_a_plan_that_is_not_the_expected_one_is_named() -> None:
