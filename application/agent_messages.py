@@ -32,6 +32,8 @@ class AgentJobResult:
     completion_tokens: int = 0
     time_to_first_token_ms: float = 0.0
     tokens_per_second: float = 0.0
+    #: Of ``prompt_tokens``, those llama-server reused from its cache (0: none or not said).
+    cached_prompt_tokens: int = 0
     error: str = ""
     error_code: str = ""
     #: A result that is not a token stream, as JSON (embeddings).

@@ -51,6 +51,8 @@ class JobOutcome:
     tokens_per_second: float
     #: A result that is not a token stream, as JSON (embeddings); relayed, never recorded.
     output: str = ""
+    #: Of ``prompt_tokens``, those llama-server reused from its cache (0: none or not said).
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

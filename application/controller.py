@@ -672,6 +672,7 @@ class Controller(Application[UUID]):
                 completion_tokens=outcome.completion_tokens,
                 time_to_first_token_ms=outcome.time_to_first_token_ms,
                 tokens_per_second=outcome.tokens_per_second,
+                cached_prompt_tokens=outcome.cached_prompt_tokens,
             )
 
         return self._ending(job_id, act, "completed")

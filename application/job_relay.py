@@ -171,12 +171,14 @@ class JobRelay:
         if self._ctx.runs.pop(job_id) is None:
             return
         if result.ok:
+            self._ctx.metrics.count_prompt_tokens(result.prompt_tokens, result.cached_prompt_tokens)
             outcome = JobOutcome(
                 finish_reason=result.finish_reason or "stop",
                 prompt_tokens=result.prompt_tokens,
                 completion_tokens=result.completion_tokens,
                 time_to_first_token_ms=result.time_to_first_token_ms,
                 tokens_per_second=result.tokens_per_second,
+                cached_prompt_tokens=result.cached_prompt_tokens,
                 output=result.output,
             )
             item = StreamItem("done", outcome=outcome)

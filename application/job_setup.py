@@ -345,6 +345,8 @@ class JobSetup:
             try:
                 route = router.route_of(run.submission.prompt, result.route)
                 await self._dispatch(run, plan, roles, result.fallback_used, failure, route)
+                if route is not None:
+                    self._metrics.count_prefix_route(str(route.get("prefix")))
             except SlotTaken as e:
                 self._scheduler.release(run.job_id)  # nothing was written
                 log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)

@@ -255,6 +255,16 @@ class Metrics(Protocol):
 
     def observe_queue_wait(self, seconds: float) -> None: ...
 
+    def count_prefix_route(self, result: str) -> None:
+        """A job dispatched to a server chosen by its prompt prefix (a re-planned job again):
+        ``result`` is the route's ``"hit"`` or ``"miss"``."""
+        ...
+
+    def count_prompt_tokens(self, prompt: int, cached: int) -> None:
+        """A completed job's prompt tokens, and of them those llama-server took from its
+        cache rather than evaluated again."""
+        ...
+
 
 class NullMetrics:
     def observe_time_to_first_token(self, seconds: float) -> None:
@@ -267,4 +277,10 @@ class NullMetrics:
         pass
 
     def observe_queue_wait(self, seconds: float) -> None:
+        pass
+
+    def count_prefix_route(self, result: str) -> None:
+        pass
+
+    def count_prompt_tokens(self, prompt: int, cached: int) -> None:
         pass

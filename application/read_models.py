@@ -311,6 +311,7 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "completion_tokens": None,
             "time_to_first_token_ms": None,
             "tokens_per_second": None,
+            "cached_prompt_tokens": None,
             "failure_phase": None,
             "failure_reason": None,
             "error_code": None,
@@ -348,6 +349,7 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             completion_tokens=event.completion_tokens,
             time_to_first_token_ms=event.time_to_first_token_ms,
             tokens_per_second=event.tokens_per_second,
+            cached_prompt_tokens=event.cached_prompt_tokens,
         )
     elif isinstance(event, Job.Failed):
         new.update(

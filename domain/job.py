@@ -132,6 +132,10 @@ class Job(Aggregate):
         completion_tokens: int
         time_to_first_token_ms: float
         tokens_per_second: float
+        #: Of ``prompt_tokens``, those llama-server reused from its cache rather than evaluated
+        #: again (its ``prompt_tokens_details.cached_tokens``); 0 when none, when not said, and in
+        #: events recorded before it was.
+        cached_prompt_tokens: int = 0
 
         def evolve(self, job: Job) -> None:
             job.finish_reason = self.finish_reason
@@ -304,6 +308,7 @@ class Job(Aggregate):
         completion_tokens: int,
         time_to_first_token_ms: float,
         tokens_per_second: float,
+        cached_prompt_tokens: int = 0,
     ) -> None:
         if self.state not in EXECUTION_PHASE_STATES:
             raise self._refuse("complete", "only an executing job completes")
@@ -314,6 +319,7 @@ class Job(Aggregate):
             completion_tokens=completion_tokens,
             time_to_first_token_ms=time_to_first_token_ms,
             tokens_per_second=tokens_per_second,
+            cached_prompt_tokens=cached_prompt_tokens,
         )
 
     def fail(self, reason: str, error_code: str = "") -> FailurePhase:

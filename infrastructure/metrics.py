@@ -47,6 +47,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+#: The results of a prefix route (``application/prefix_routing.py``), the only labels of
+#: ``dacp_prefix_routes_total``.
+ROUTE_RESULTS = ("hit", "miss")
+
 TERMINAL_CODES = {
     "JOB_COMPLETED": "COMPLETED",
     "JOB_FAILED": "FAILED",
@@ -88,6 +92,24 @@ class PrometheusMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.prefix_routes = Counter(
+            "dacp_prefix_routes",
+            "Jobs dispatched to a server chosen by their prompt prefix, by result: hit (the "
+            "server holds part of the prompt) or miss (a re-planned job counts again).",
+            ["result"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dacp_prompt_tokens",
+            "Prompt tokens of completed jobs, as llama-server counted them.",
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "dacp_cached_prompt_tokens",
+            "Of dacp_prompt_tokens, those llama-server took from its cache (a warm slot's "
+            "matching prefix) rather than evaluated again.",
+            registry=r,
+        )
         self.jobs_submitted = Counter(
             "dacp_jobs_submitted", "Jobs submitted (JOB_SUBMITTED).", registry=r
         )
@@ -115,6 +137,8 @@ class PrometheusMetrics:
             self.jobs_finished.labels(state)
         for phase in ("setup", "execution"):
             self.jobs_failed.labels(phase)
+        for result in ROUTE_RESULTS:
+            self.prefix_routes.labels(result)
         self._since = 0
         #: Also told every time to first token (the dashboard's history: its percentiles).
         self.first_token_observers: list[Callable[[float], None]] = []
@@ -134,6 +158,15 @@ class PrometheusMetrics:
 
     def observe_queue_wait(self, seconds: float) -> None:
         self.queue_wait.observe(max(0.0, seconds))
+
+    def count_prefix_route(self, result: str) -> None:
+        if result in ROUTE_RESULTS:  # bounded labels, whatever a route says
+            self.prefix_routes.labels(result).inc()
+
+    def count_prompt_tokens(self, prompt: int, cached: int) -> None:
+        prompt = max(0, prompt)
+        self.prompt_tokens.inc(prompt)
+        self.cached_prompt_tokens.inc(min(prompt, max(0, cached)))  # the ratio stays <= 1
 
     # ------------------------------------------------------------ event counters
 

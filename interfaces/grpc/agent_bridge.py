@@ -329,6 +329,7 @@ def job_message(message: pb.AgentMessage) -> AgentJobMessage | Rejection | None:
             completion_tokens=r.completion_tokens,
             time_to_first_token_ms=r.time_to_first_token_ms,
             tokens_per_second=r.tokens_per_second,
+            cached_prompt_tokens=int(r.cached_prompt_tokens),
             error=r.error,
             error_code=r.error_code,
             output=r.output_json,

@@ -262,6 +262,15 @@ class JobFailure(TypedDict):
     reason: str | None
 
 
+class JobRoute(TypedDict):
+    """How the job's server was chosen (``application/prefix_routing.py``)."""
+
+    #: hit: the server held part of the prompt; miss: none did, or each was too busy.
+    prefix: Literal["hit", "miss"]
+    #: Characters of the prompt the chosen server held (in 256-character blocks).
+    matched_chars: int
+
+
 class JobView(TypedDict):
     """A job's read-model row (more fields than listed), its failure and its timings."""
 
@@ -271,6 +280,10 @@ class JobView(TypedDict):
     model: str
     failure: JobFailure | None
     timings: dict[str, float | None]
+    #: Null for embeddings, for jobs not yet dispatched and for jobs recorded before routing.
+    route: JobRoute | None
+    #: Of ``prompt_tokens``, those llama-server took from its cache (null until completed).
+    cached_prompt_tokens: int | None
 
 
 class JobViews(TypedDict):

@@ -12,6 +12,7 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from application.commands import ChatPrompt, JobOutcome, JobParams, Submission
 from application.context_guard import ContextGuard
 from application.enrollment import EnrollmentService
 from application.timeline import job_timeline
@@ -25,6 +26,8 @@ from interfaces.http.admin.admin_jobs_api import AdminJobRoutes
 from interfaces.http.http_app import create_app
 from interfaces.services import Services
 from tests.integration.incident import Incident, script_incident
+from tests.integration.store_builders import enroll_ready
+from tests.plans import one_node_plan
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 
@@ -97,6 +100,33 @@ def test_list_filters(client: TestClient[Any], incident: Incident) -> None:
     assert ids(on_b_failed) == [str(incident.execution_failed_job)]
     assert ids(client.get("/api/admin/jobs?model=smollm2", headers=ADMIN).json()) != []
     assert ids(client.get("/api/admin/jobs?model=other", headers=ADMIN).json()) == []
+
+
+def test_a_job_shows_its_route_and_cached_prompt_tokens(
+    storage: Storage, client: TestClient[Any], incident: Incident
+) -> None:
+    """A job dispatched to the server holding its prefix, which took 1,536 of its 1,600
+    prompt tokens from its cache: in the list and in the job, as the dashboard reads them."""
+    app = storage.app
+    submitted = app.submit(
+        Submission("smollm2", ChatPrompt([{"role": "user", "content": "again"}]), JobParams(), True)
+    )
+    job = submitted.aggregate_id
+    assert job is not None
+    route = {"prefix": "hit", "matched_chars": 6144}
+    node = enroll_ready(app, "node-c")
+    app.plan_and_dispatch(job, one_node_plan(node), {str(node): "primary"}, route=route)
+    app.validate_setup(job)
+    done = app.complete(job, JobOutcome("stop", 1600, 8, 12.5, 40.0, cached_prompt_tokens=1536))
+    storage.follower.wait(done, timeout=10)
+    one = client.get(f"/api/admin/jobs/{job}", headers=ADMIN).json()
+    assert (one["route"], one["cached_prompt_tokens"]) == (route, 1536)
+    listed = client.get("/api/admin/jobs", params={"state": "COMPLETED"}, headers=ADMIN).json()
+    rows = {row["job_id"]: row for row in listed["data"]}
+    assert (rows[str(job)]["route"], rows[str(job)]["cached_prompt_tokens"]) == (route, 1536)
+    # Dispatched without a route (as before routing): none said.
+    older = rows[str(incident.completed_job)]
+    assert (older["route"], older["cached_prompt_tokens"]) == (None, 0)
 
 
 def test_pagination(client: TestClient[Any]) -> None:

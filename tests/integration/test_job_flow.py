@@ -117,7 +117,12 @@ async def test_one_node_plan_when_the_model_fits(ctl: RunningController) -> None
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["content"] == "Hello world"
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     jid = job_id(body["id"])
     codes = job_codes(ctl, jid)
     collapsed = [c for i, c in enumerate(codes) if i == 0 or c != codes[i - 1]]

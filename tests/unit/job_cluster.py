@@ -17,6 +17,7 @@ from application.commands import ChatPrompt, Enrollment, JobParams, Submission
 from application.controller import Controller
 from application.job_manager import JobManager
 from application.job_run import JobRun
+from application.ports import Metrics
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
@@ -52,6 +53,7 @@ class Cluster:
         queue_timeout: float = 60.0,
         slots: int = 1,
         ram: int = 8 * GIB,
+        metrics: Metrics | None = None,
     ) -> None:
         self.slots = slots
         self.ram = ram
@@ -80,6 +82,7 @@ class Cluster:
             TokenChunkRecorder(self.app),
             queue=AdmissionQueue(queue_max),
             queue_timeout=queue_timeout,
+            metrics=metrics,
         )
         self.app.register_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], 2048)
         self.node_ids = [self.add_node(f"n{i:02d}") for i in range(nodes)]

@@ -12,7 +12,8 @@ from typing import Any
 
 import orjson
 import pytest
-from openai.types import completion_create_params, embedding_create_params
+from openai.types import Completion, completion_create_params, embedding_create_params
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat import completion_create_params as chat_params
 
 from agent.runtime import llama_server
@@ -40,6 +41,7 @@ from interfaces.http.openai.openai_responses import (
     Answer,
     ChatStream,
     Collected,
+    CompletionStream,
     chat_message,
     completion,
     embeddings,
@@ -308,6 +310,29 @@ def test_streamed_extras_become_their_own_chunks() -> None:
     choice = orjson.loads(rich[0][6:])["choices"][0]
     assert choice["delta"] == {"content": "c"}
     assert choice["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+def test_cached_prompt_tokens_are_in_the_usage_as_openai_gives_them() -> None:
+    """Non-streamed and streamed, chat and legacy: the SDK's own models read them back."""
+    outcome = JobOutcome("stop", 1600, 8, 10.0, 50.0, cached_prompt_tokens=1536)
+    chat_answer = Answer("chatcmpl-x", 1, "m", include_usage=True)
+    legacy_answer = Answer("cmpl-x", 1, "m", include_usage=True)
+    whole: list[ChatCompletion | Completion] = [
+        ChatCompletion.model_validate(chat_message(chat_answer, Collected(None), outcome)),
+        Completion.model_validate(completion(legacy_answer, Collected(None), outcome)),
+    ]
+    chat_last = list(ChatStream(chat_answer).ending(None, outcome))[-1]
+    legacy_last = list(CompletionStream(legacy_answer).ending(None, outcome))[-1]
+    usages = [
+        *(answer.usage for answer in whole),
+        ChatCompletionChunk.model_validate(orjson.loads(chat_last[6:])).usage,
+        Completion.model_validate(orjson.loads(legacy_last[6:])).usage,
+    ]
+    for usage in usages:
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (1600, 1536)
+    uncached = chat_message(chat_answer, Collected(None), OUTCOME)["usage"]
+    assert uncached["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_legacy_completion_logprobs_and_base64_embeddings() -> None:

@@ -194,6 +194,19 @@ def test_a_node_documents_its_failed_transfers(schema: dict[str, Any]) -> None:
     assert {"type": "null"} in entry["properties"]["file_name"]["oneOf"]
 
 
+def test_a_job_documents_its_route_and_cached_tokens(schema: dict[str, Any]) -> None:
+    """The job view's prefix route and cached prompt tokens; the OpenAI usage's cached tokens."""
+    components = schema["components"]["schemas"]
+    job = components["JobView"]
+    assert {"route", "cached_prompt_tokens"} <= set(job["required"])
+    assert {"$ref": "#/components/schemas/JobRoute"} in job["properties"]["route"]["oneOf"]
+    assert components["JobRoute"]["properties"]["prefix"]["enum"] == ["hit", "miss"]
+    usage = components["Usage"]
+    assert "prompt_tokens_details" in usage["required"]
+    details = components["PromptTokensDetails"]
+    assert details["properties"]["cached_tokens"] == {"type": "integer"}
+
+
 def test_a_node_documents_its_devices_and_its_llama_cpp_build(schema: dict[str, Any]) -> None:
     components = schema["components"]["schemas"]
     node = components["NodeView"]

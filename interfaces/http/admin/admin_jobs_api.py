@@ -83,6 +83,9 @@ def job_view(row: dict[str, Any], *, full: bool) -> dict[str, Any]:
     view = {"object": "admin.job", **row}
     if not full:
         view.pop("text", None)
+    # How its server was chosen, and what llama-server's cache saved: null in older rows.
+    view.setdefault("route", None)
+    view.setdefault("cached_prompt_tokens", None)
     state = row.get("state")
     view["failure"] = (
         {"phase": row.get("failure_phase"), "reason": row.get("failure_reason")}

@@ -86,10 +86,16 @@ class ChatChoice(TypedDict):
     finish_reason: str | None
 
 
+class PromptTokensDetails(TypedDict):
+    #: Prompt tokens llama-server took from its cache (a warm slot's matching prefix).
+    cached_tokens: int
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatCompletion(TypedDict):

@@ -35,12 +35,15 @@ DONE = b"data: [DONE]\n\n"
 CHAT_CHUNK = "chat.completion.chunk"
 
 
-def _usage_of(outcome: JobOutcome) -> dict[str, int]:
+def _usage_of(outcome: JobOutcome) -> dict[str, Any]:
+    """A generation's usage as OpenAI gives it, with the prompt tokens llama-server took from
+    its cache in ``prompt_tokens_details.cached_tokens`` (0 when none)."""
     prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_prompt_tokens},
     }
 
 
