@@ -144,7 +144,7 @@ def test_streaming_split_across_two_agents(cluster: LocalCluster, store: Control
     assert len(job.plan["workers"]) == 1  # a two-node split
     assert job.plan["tensor_split"][0] > 0 and job.plan["tensor_split"][1] > 0
     # The split names its devices: each node's CPU, through its ggml-rpc-server.
-    assert job.plan["tier"] == "cpu" and job.plan["reasons"]
+    assert job.plan["tier"] == "cpu_over_rpc" and job.plan["reasons"]
     devices = job.plan["devices"]
     assert [(d["device"], d["via_rpc"]) for d in devices] == [("CPU", True), ("CPU", True)]
     assert [d["node_id"] for d in devices] == [
