@@ -4,28 +4,15 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from application.commands import ChatPrompt, Delta, Enrollment, JobOutcome, JobParams, Submission
+from application.commands import ChatPrompt, Delta, JobOutcome, JobParams, Submission
 from application.controller import Controller
+from tests.enrollments import ready_node
 from tests.plans import one_node_plan
 
 
 def enroll_ready(app: Controller, name: str = "n1", ram: int = 8 << 30) -> UUID:
-    result = app.enroll(
-        Enrollment(
-            name=name,
-            inventory={"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []},
-            agent_version="0.1.0",
-            address="127.0.0.1",
-            rpc_port=50052,
-            labels={"rack": "a"},
-            credential_sha256="c" * 64,
-            token_id=f"tok-{name}",
-            single_use_token=False,
-        )
-    )
-    assert result.aggregate_id is not None
-    app.mark_ready(result.aggregate_id)
-    return result.aggregate_id
+    """A READY node of agent version 0.1.0 in rack ``a``."""
+    return UUID(ready_node(app, name, ram=ram, agent_version="0.1.0", labels={"rack": "a"}))
 
 
 def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:

@@ -13,7 +13,7 @@ from uuid import UUID
 
 from application.admission import AdmissionQueue
 from application.agent_messages import AgentJobResult, JobFinished, SetupOutcome, SetupReported
-from application.commands import ChatPrompt, Enrollment, JobParams, Submission
+from application.commands import ChatPrompt, JobParams, Submission
 from application.controller import Controller
 from application.job_manager import JobManager
 from application.job_run import JobRun
@@ -24,6 +24,7 @@ from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from domain.catalog import code_of
 from domain.model_claims import STORE, ByteRange, Samples, facts_of
 from infrastructure.live_state import InProcessLiveState
+from tests.enrollments import ready_node
 from tests.unit.fakes import FakeAgentGateway, FakeReadModel
 
 GIB = 1 << 30
@@ -122,23 +123,7 @@ class Cluster:
 
     def add_node(self, name: str, *, holds_model: bool = True, ram: int | None = None) -> str:
         ram = self.ram if ram is None else ram
-        result = self.app.enroll(
-            Enrollment(
-                name=name,
-                inventory={"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []},
-                agent_version="test",
-                address="127.0.0.1",
-                rpc_port=50052,
-                labels={},
-                credential_sha256="c" * 64,
-                token_id=f"tok-{name}",
-                single_use_token=False,
-                slots=self.slots,
-            )
-        )
-        assert result.aggregate_id is not None
-        node_id = str(result.aggregate_id)
-        self.app.mark_ready(node_id)
+        node_id = ready_node(self.app, name, ram=ram, slots=self.slots)
         self._held[node_id] = []
         self._resources[node_id] = {"ram_total_bytes": ram, "ram_free_bytes": ram, "gpus": []}
         if holds_model:

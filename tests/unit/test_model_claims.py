@@ -16,7 +16,6 @@ import pytest
 
 from agent.models.model_proof import answer as agent_answer
 from agent.models.model_store import ModelStore
-from application.commands import Enrollment
 from application.controller import Controller
 from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.read_models import eligibility_of, model_facts, proves
@@ -44,6 +43,7 @@ from domain.model_claims import (
 from domain.placement import MAX_NODE_MEMORY_BYTES, MAX_SLOTS
 from infrastructure.live_state import InProcessLiveState
 from infrastructure.model_store import ControllerModelStore
+from tests.enrollments import ready_node
 from tests.unit.domain_builders import new_node
 from tests.unit.fakes import FakeReadModel
 from wire import control_pb2 as pb
@@ -278,22 +278,10 @@ class Cluster:
         return [data[r.offset : r.offset + r.length] for r in ranges]
 
     def node(self, name: str, *, claims: list[dict[str, Any]] | None = None) -> str:
-        result = self.app.enroll(
-            Enrollment(
-                name=name,
-                inventory={"ram_total_bytes": 8 * GIB, "gpus": []},
-                agent_version="test",
-                address="10.0.0.1",
-                rpc_port=50052,
-                labels={},
-                credential_sha256="c" * 64,
-                token_id=f"t-{name}",
-                single_use_token=False,
-                slots=1,
-            )
+        inventory = {"ram_total_bytes": 8 * GIB, "gpus": []}
+        node_id = ready_node(
+            self.app, name, inventory=inventory, address="10.0.0.1", token_id=f"t-{name}"
         )
-        node_id = str(result.aggregate_id)
-        self.app.mark_ready(node_id)
         resources = {"ram_total_bytes": 8 * GIB, "ram_free_bytes": 8 * GIB, "gpus": []}
         self.app.report_resources(node_id, resources, claims if claims is not None else [claim()])
         return node_id

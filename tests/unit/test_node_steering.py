@@ -10,13 +10,13 @@ from uuid import UUID
 
 import pytest
 
-from application.commands import Enrollment
 from application.controller import Controller
 from application.node_steering import NodeSteering
 from domain.catalog import code_of
 from domain.errors import DomainError
 from interfaces.grpc.agent_bridge import ProtoAgentGateway
 from interfaces.grpc.grpc_server import AgentConnections, Outbox
+from tests.enrollments import ready_node
 from tests.unit.fakes import FakeAgentGateway
 from wire import control_pb2 as pb
 
@@ -42,27 +42,6 @@ class WitnessGateway(FakeAgentGateway):
 
 def codes(app: Controller, node_id: str) -> list[str]:
     return [code_of(e) for e in app.events.get(UUID(node_id))]
-
-
-def ready_node(app: Controller, name: str = "n1") -> str:
-    result = app.enroll(
-        Enrollment(
-            name=name,
-            inventory={"ram_total_bytes": 1 << 30, "ram_free_bytes": 1 << 30, "gpus": []},
-            agent_version="test",
-            address="127.0.0.1",
-            rpc_port=50052,
-            labels={},
-            credential_sha256="c" * 64,
-            token_id=f"tok-{name}",
-            single_use_token=False,
-            slots=1,
-        )
-    )
-    assert result.aggregate_id is not None
-    node_id = str(result.aggregate_id)
-    app.mark_ready(node_id)
-    return node_id
 
 
 def steering() -> tuple[NodeSteering, Controller, WitnessGateway]:
