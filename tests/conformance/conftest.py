@@ -14,31 +14,23 @@ import pytest
 
 from common.gguf_metadata import read_gguf_metadata
 from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, admin, started_cluster
 
-MIB = 1 << 20
 CHAT_MODEL = MODEL_NAME
 EMBED_MODEL = "smollm2-135m-embed"
 
 
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
-    config = ClusterConfig(
-        var_dir=tmp_path_factory.mktemp("conformance"),
-        port=0,
-        grpc_port=0,
-        agents=(
-            AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-            AgentSpec("agent-b", 0, memory_limit=1024 * MIB, holds_model=True),
-        ),
-        quiet=True,
-    )
-    with LocalCluster(config) as running:
+    with started_cluster(
+        tmp_path_factory.mktemp("conformance"),
+        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+        AgentSpec("agent-b", 0, memory_limit=1024 * MIB, holds_model=True),
+    ) as running:
         registered = httpx.post(
             f"{running.url}/api/admin/models",
-            headers={"Authorization": f"Bearer {running.admin_api_key}"},
+            headers=admin(running),
             json={
                 "name": EMBED_MODEL,
                 "sha256": paths.MODEL_SHA256,

@@ -31,6 +31,7 @@ from bench.synthetic_agents import proof_of
 from common.contract import SLOTS_LABEL
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
+from tests.e2e.playground import watch_replies
 from tests.e2e.test_dashboard_browser import ARTIFACTS, WAIT_MS, sign_in
 from tests.e2e.test_dashboard_browser import browser as browser  # the fixture
 from tests.integration.control_client import control_target, inventory
@@ -393,16 +394,7 @@ async def test_the_playground_streams_a_reply(ctl: RunningController, browser: B
     await page.get_by_label("AI API key").fill("test-ai-key")
     await page.get_by_label("AI API key").dispatch_event("change")
     await page.get_by_label("Message").fill("Say twelve words")
-    await page.evaluate(
-        """() => {
-          window.__replies = [];
-          new MutationObserver(() => {
-            const reply = document.querySelector('#chat-log .msg.assistant .text');
-            if (reply) window.__replies.push(reply.textContent);
-          }).observe(document.getElementById('chat-log'),
-                     { childList: true, characterData: true, subtree: true });
-        }"""
-    )
+    await watch_replies(page)
     await page.get_by_role("button", name="Send").click()
     reply = page.locator("#chat-log .msg.assistant .text")
     await expect(reply).to_have_text("".join(words))

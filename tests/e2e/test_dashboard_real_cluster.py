@@ -12,6 +12,7 @@ from playwright.async_api import Browser, expect
 
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
 from tests.e2e.clusters import MIB, local_cluster
+from tests.e2e.playground import watch_replies
 from tests.e2e.test_dashboard_browser import ARTIFACTS, WAIT_MS, sign_in
 from tests.e2e.test_dashboard_browser import browser as browser  # the fixture
 
@@ -47,16 +48,7 @@ async def test_the_dashboard_runs_a_real_cluster(cluster: LocalCluster, browser:
     await page.get_by_label("AI API key").fill(cluster.ai_api_key)
     await page.get_by_label("AI API key").dispatch_event("change")
     await page.locator("#playground-model").select_option(MODEL_NAME)
-    await page.evaluate(
-        """() => {
-          window.__replies = [];
-          new MutationObserver(() => {
-            const reply = document.querySelector('#chat-log .msg.assistant .text');
-            if (reply) window.__replies.push(reply.textContent);
-          }).observe(document.getElementById('chat-log'),
-                     { childList: true, characterData: true, subtree: true });
-        }"""
-    )
+    await watch_replies(page)
     await page.get_by_label("Message").fill("Name three colours.")
     await page.get_by_role("button", name="Send").click()
     status = page.locator("#playground-status")

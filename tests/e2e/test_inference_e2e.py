@@ -12,64 +12,41 @@ from typing import Any
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from application.controller import Controller
 from domain.catalog import code_of
 from domain.placement import ExecutionPlan
-from infrastructure.persistence import persistence_env
-from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
-from tests.conftest import TEST_DATABASE_URL, _drop_schema
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, admin, cluster_on_own_schema, event_store, running
 
 pytestmark = pytest.mark.timeout(900)
-MIB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
-    schema = f"t_e2e_{uuid.uuid4().hex[:8]}"
-    config = ClusterConfig(
-        var_dir=tmp_path_factory.mktemp("cluster"),
-        port=0,
-        grpc_port=0,
-        agents=(
-            # a + b hold the model with four 2,048-token slots; a alone cannot hold it.
-            AgentSpec("agent-a", 0, memory_limit=200 * MIB, holds_model=True),
-            AgentSpec("agent-b", 0, memory_limit=200 * MIB),
-            AgentSpec("agent-c", 0, memory_limit=160 * MIB),
-        ),
-        database_url=f"{TEST_DATABASE_URL}?schema={schema}",
+    yield from cluster_on_own_schema(
+        tmp_path_factory.mktemp("cluster"),
+        # a + b hold the model with four 2,048-token slots; a alone cannot hold it.
+        AgentSpec("agent-a", 0, memory_limit=200 * MIB, holds_model=True),
+        AgentSpec("agent-b", 0, memory_limit=200 * MIB),
+        AgentSpec("agent-c", 0, memory_limit=160 * MIB),
         extra_env={
             "RPC_WORKER_START_TIMEOUT": "4",
             "DEGRADED_AFTER": "30",
             "OFFLINE_AFTER": "60",
         },
-        quiet=True,
     )
-    with LocalCluster(config) as running:
-        running.schema = schema  # type: ignore[attr-defined]
-        yield running
-    _drop_schema(schema)
 
 
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[Controller]:
-    env = persistence_env(TEST_DATABASE_URL, schema=cluster.schema)  # type: ignore[attr-defined]
-    app = Controller(env=env)
-    yield app
-    app.close()
+    with event_store(cluster) as app:
+        yield app
 
 
 def client(cluster: LocalCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0)
-
-
-def admin(cluster: LocalCluster) -> dict[str, str]:
-    return {"Authorization": f"Bearer {cluster.admin_api_key}"}
 
 
 def job_id_of(completion_id: str) -> str:
@@ -97,19 +74,6 @@ def wait_job(store: Controller, job_id: str, states: set[str], timeout: float = 
 
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Name three colours of the rainbow."}]
-
-
-def _running(binary: str, marker: str) -> list[list[str]]:
-    """The command lines of this test's processes running ``binary`` with ``marker``."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-        except psutil.Error:
-            continue
-        if cmdline and os.path.basename(cmdline[0]) == binary and marker in cmdline:
-            found.append(cmdline)
-    return found
 
 
 def _flag(cmdline: list[str], flag: str) -> str:
@@ -157,14 +121,14 @@ def test_streaming_split_across_two_agents(cluster: LocalCluster, store: Control
     # --rpc order (RPC0, RPC1), each worker exposes what -d gave it.
     servers = [
         cmdline
-        for cmdline in _running("llama-server", "--rpc")
+        for cmdline in running("llama-server", "--rpc")
         if [float(x) for x in _flag(cmdline, "--tensor-split").split(",")]
         == pytest.approx(shares, abs=1e-6)
     ]
-    assert servers, _running("llama-server", "--rpc")
+    assert servers, running("llama-server", "--rpc")
     assert all(_flag(server, "--device") == "RPC0,RPC1" for server in servers)
     assert all(_flag(server, "--n-gpu-layers") == "99" for server in servers)
-    workers = _running("ggml-rpc-server", "--port")
+    workers = running("ggml-rpc-server", "--port")
     assert len(workers) >= 2 and all(_flag(w, "--device") == "CPU" for w in workers)
     codes = [code for _, code, _ in job_timeline(store, job_id)]
     order = ["JOB_DISPATCHED", "RPC_WORKER_STARTED", "TOKEN_STREAM_CHUNK", "JOB_COMPLETED"]

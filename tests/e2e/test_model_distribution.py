@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
@@ -18,41 +17,21 @@ import httpx
 import openai
 import pytest
 
-from application.controller import Controller
 from domain.catalog import code_of
-from infrastructure.persistence import persistence_env
 from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
-from tests.conftest import TEST_DATABASE_URL, _drop_schema
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, admin, cluster_on_own_schema, event_store
 
 pytestmark = pytest.mark.timeout(600)
-MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
-    schema = f"t_dist_{uuid.uuid4().hex[:8]}"
-    config = ClusterConfig(
-        var_dir=tmp_path_factory.mktemp("distribution"),
-        port=0,
-        grpc_port=0,
-        agents=(
-            AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-            AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
-        ),
-        database_url=f"{TEST_DATABASE_URL}?schema={schema}",
-        quiet=True,
+    yield from cluster_on_own_schema(
+        tmp_path_factory.mktemp("distribution"),
+        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+        AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
     )
-    with LocalCluster(config) as running:
-        running.schema = schema  # type: ignore[attr-defined]
-        yield running
-    _drop_schema(schema)
-
-
-def admin(cluster: LocalCluster) -> dict[str, str]:
-    return {"Authorization": f"Bearer {cluster.admin_api_key}"}
 
 
 def nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
@@ -94,12 +73,8 @@ def test_a_pulled_model_is_fetched_verified_and_served(cluster: LocalCluster) ->
     assert fetched.is_file() and fetched.stat().st_size == paths.MODEL_SIZE
     assert not fetched.with_name(fetched.name + ".partial").exists()
 
-    env = persistence_env(TEST_DATABASE_URL, schema=cluster.schema)  # type: ignore[attr-defined]
-    store = Controller(env=env)
-    try:
+    with event_store(cluster) as store:
         codes = [code_of(e) for e in store.events.get(UUID(b_id))]
-    finally:
-        store.close()
     started = codes.index("MODEL_TRANSFER_STARTED")
     completed = codes.index("MODEL_TRANSFER_COMPLETED")
     assert started < completed and "MODEL_TRANSFER_PROGRESS" in codes[started:completed]
@@ -145,11 +120,8 @@ def test_a_pulled_model_is_fetched_verified_and_served(cluster: LocalCluster) ->
     assert f"deleted {paths.MODEL_FILE_NAME} from node agent-b" in evicted.stdout
     assert not fetched.exists()
     wait_for(lambda: not holds())
-    store = Controller(env=env)
-    try:
+    with event_store(cluster) as store:
         assert "MODEL_EVICTED" in [code_of(e) for e in store.events.get(UUID(b_id))]
-    finally:
-        store.close()
 
 
 def test_a_pull_that_cannot_happen_says_why(cluster: LocalCluster) -> None:

@@ -18,20 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from application.controller import Controller
 from common.contract import HOST_DEVICE, OUT_OF_MEMORY
 from domain.catalog import code_of
-from infrastructure.persistence import persistence_env
 from ops import paths
-from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
-from tests.conftest import TEST_DATABASE_URL, _drop_schema
+from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
+from tests.e2e.clusters import MIB, cluster_on_own_schema, event_store, get
 
 pytestmark = pytest.mark.timeout(600)
-MIB = 1024 * 1024
 #: The tight worker's address space (KiB): its idle process takes about 9 MiB; its share of the
 #: weights alone is over 50 MiB.
 TIGHT_ADDRESS_SPACE_KIB = 40 * 1024
@@ -56,41 +53,27 @@ def tight_build(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()
-    paths.ensure_model()
+    paths.ensure_llama()  # the tight build links its binaries
     var = tmp_path_factory.mktemp("oom-cluster")
     build = tmp_path_factory.mktemp("tight-build")  # the cluster empties its own folder
-    schema = f"t_oom_{uuid.uuid4().hex[:8]}"
-    config = ClusterConfig(
-        var_dir=var,
-        port=0,
-        grpc_port=0,
-        agents=(
-            AgentSpec("primary", 0, memory_limit=150 * MIB, holds_model=True),
-            AgentSpec(
-                "tight",
-                0,
-                memory_limit=200 * MIB,
-                extra_args=("--llama-bin-dir", str(tight_build(build))),
-            ),
-            AgentSpec("roomy", 0, memory_limit=180 * MIB),
+    yield from cluster_on_own_schema(
+        var,
+        AgentSpec("primary", 0, memory_limit=150 * MIB, holds_model=True),
+        AgentSpec(
+            "tight",
+            0,
+            memory_limit=200 * MIB,
+            extra_args=("--llama-bin-dir", str(tight_build(build))),
         ),
-        database_url=f"{TEST_DATABASE_URL}?schema={schema}",
+        AgentSpec("roomy", 0, memory_limit=180 * MIB),
         extra_env={"RPC_WORKER_START_TIMEOUT": "8"},
-        quiet=True,
     )
-    with LocalCluster(config) as running:
-        running.schema = schema  # type: ignore[attr-defined]
-        yield running
-    _drop_schema(schema)
 
 
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[Controller]:
-    env = persistence_env(TEST_DATABASE_URL, schema=cluster.schema)  # type: ignore[attr-defined]
-    app = Controller(env=env)
-    yield app
-    app.close()
+    with event_store(cluster) as app:
+        yield app
 
 
 def events_of(store: Controller, job_id: str) -> list[tuple[str, Any]]:
@@ -103,8 +86,7 @@ def events_of(store: Controller, job_id: str) -> list[tuple[str, Any]]:
 
 
 def node_ids(cluster: LocalCluster) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {cluster.admin_api_key}"}
-    rows = httpx.get(f"{cluster.url}/api/admin/nodes", headers=headers, timeout=10).json()["data"]
+    rows = get(cluster, "/api/admin/nodes")["data"]
     return {row["name"]: row["node_id"] for row in rows}
 
 

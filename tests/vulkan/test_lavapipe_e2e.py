@@ -22,12 +22,12 @@ from collections.abc import Iterator
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from agent.runtime.llama_backend import VULKAN
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
+from tests.e2e.clusters import running
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.timeout(3600)]
 MIB = 1024 * 1024
@@ -66,18 +66,6 @@ def admin_get(cluster: LocalCluster, path: str) -> object:
     return httpx.get(f"{cluster.url}/api/admin{path}", headers=headers, timeout=30).json()
 
 
-def running(binary: str) -> list[list[str]]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-        except psutil.Error:
-            continue
-        if cmdline and os.path.basename(cmdline[0]) == binary:
-            found.append(cmdline)
-    return found
-
-
 def test_a_split_over_two_vulkan_devices_streams_through_the_controller(
     cluster: LocalCluster,
 ) -> None:
@@ -107,7 +95,7 @@ def test_a_split_over_two_vulkan_devices_streams_through_the_controller(
         ("vk-a", "Vulkan0", False),
         ("vk-b", "Vulkan0", True),
     ]
-    [server] = [c for c in running("llama-server") if "--rpc" in c]
+    [server] = running("llama-server", "--rpc")
     assert server[server.index("--device") + 1] == "Vulkan0,RPC0"
-    workers = [c for c in running("ggml-rpc-server") if "--device" in c]
+    workers = running("ggml-rpc-server", "--device")
     assert any(w[w.index("--device") + 1] == "Vulkan0" for w in workers)
