@@ -81,8 +81,16 @@ async def test_dashboard_shows_the_cluster_live(ctl: RunningController, browser:
     assert agent.session is not None
     read = ctl.services.read_model
     await wait_for(lambda: (read.get_node(agent.node_id) or {}).get("state") == "READY")
+    # The same long chat twice: the second goes back to the server holding its prefix.
+    agent.prompt_tokens, agent.cached_prompt_tokens = 1600, 1536
+    long_chat = {"model": "m", "messages": [{"role": "user", "content": "tell me " * 800}]}
     async with httpx.AsyncClient(base_url=base, timeout=20) as client:
         await register(ctl, client)
+        turns = []
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", headers=AI, json=long_chat)
+            assert r.status_code == 200, r.text
+            turns.append(str(uuid.UUID(r.json()["id"].removeprefix("chatcmpl-"))))
         r = await client.post(
             "/v1/chat/completions",
             headers=AI,
@@ -112,7 +120,10 @@ async def test_dashboard_shows_the_cluster_live(ctl: RunningController, browser:
     assert await page.evaluate("sessionStorage.getItem('dacp.adminKey')") == "test-admin-key"
     assert "test-admin-key" not in await page.content()
 
-    # The finished job, and its timeline on click.
+    # The finished jobs, with their route and cached tokens, and a timeline on click.
+    first, second = (page.locator(f'#recent-jobs tr[data-job-id="{t}"] td.cache') for t in turns)
+    await expect(first).to_have_text("miss · 1,536 cached")
+    await expect(second).to_have_text(re.compile(r"^hit · 6\.\dk chars · 1,536 cached$"))
     job = page.locator(f'#recent-jobs tr[data-job-id="{job_id}"]')
     await expect(job).to_contain_text("COMPLETED")
     await job.click()

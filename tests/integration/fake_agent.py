@@ -55,6 +55,9 @@ class FakeAgent:
         self.unresponsive = False
         self.fail_setup: pb.SetupResult | None = None
         self.word_delay = 0.0
+        #: What its job results say of the prompt: its tokens, and those from the cache.
+        self.prompt_tokens = 7
+        self.cached_prompt_tokens = 0
         self.session: RawSession | None = None
         self.node_id = ""
         self.plans: list[pb.ExecutionPlan] = []
@@ -166,7 +169,8 @@ class FakeAgent:
                         job_id=plan.job_id,
                         ok=True,
                         finish_reason="stop",
-                        prompt_tokens=7,
+                        prompt_tokens=self.prompt_tokens,
+                        cached_prompt_tokens=self.cached_prompt_tokens,
                         completion_tokens=len(self.words),
                         time_to_first_token_ms=5.0,
                         tokens_per_second=100.0,

@@ -541,6 +541,24 @@ function timing(job) {
   return parts.join(" · ");
 }
 
+// How the job's server was chosen and what llama-server's cache saved it, e.g.
+// "hit · 6.1k chars · 1,536 cached" (empty for jobs without a route or a count).
+function cacheUse(job) {
+  const parts = [];
+  const route = job.route;
+  if (route?.prefix) {
+    parts.push(route.prefix);
+    const chars = Number(route.matched_chars) || 0;
+    if (chars > 0) {
+      parts.push(chars < 1000 ? `${chars} chars` : `${(chars / 1000).toFixed(1)}k chars`);
+    }
+  }
+  if (job.cached_prompt_tokens != null) {
+    parts.push(`${Number(job.cached_prompt_tokens).toLocaleString("en-US")} cached`);
+  }
+  return parts.join(" · ");
+}
+
 function jobRow(job) {
   const id = job.job_id;
   const tokens = job.completion_tokens ?? job.tokens_streamed ?? 0;
@@ -567,6 +585,7 @@ function jobRow(job) {
     }),
     el("td", { text: clock(job.submitted_at) }),
     el("td", { text: String(tokens) }),
+    el("td", { class: "cache muted", text: cacheUse(job) }),
     el("td", { class: "muted", text: timing(job) }),
   );
 }
