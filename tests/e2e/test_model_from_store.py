@@ -92,3 +92,35 @@ def test_a_prompt_over_the_context_is_refused_before_any_node_sees_it(
     assert after == before
     fits = client.completions.create(model=MODEL_NAME, prompt=[7] * 2047, max_tokens=1)
     assert fits.choices[0].finish_reason == "length"
+
+
+def test_a_second_identical_chat_is_served_from_llama_servers_cache(
+    cluster: LocalCluster,
+) -> None:
+    """The same long chat twice: the second goes back to the warm server holding its prefix,
+    and llama-server's own count of the prompt tokens it took from its cache reaches the client
+    (``usage.prompt_tokens_details.cached_tokens``, streamed) and the job's row."""
+    client = openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key, max_retries=0, timeout=300
+    )
+    messages: list[Any] = [
+        {"role": "system", "content": "You answer about camelids. " * 120},  # ~800 tokens
+        {"role": "user", "content": "Which one spits?"},
+    ]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
+    assert first.usage is not None and first.usage.prompt_tokens > 700
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 700 < cached <= usage.prompt_tokens
+    job = get(cluster, f"/api/admin/jobs/{uuid.UUID(chunks[0].id.removeprefix('chatcmpl-'))}")
+    assert job["cached_prompt_tokens"] == cached
+    assert job["route"]["prefix"] == "hit" and job["route"]["matched_chars"] >= 2048
