@@ -17,6 +17,7 @@ routed: nothing of them is kept.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +61,9 @@ def _json(value: Any) -> str:
 
 class PrefixRouter:
     """The controller's memory of what each warm server's slots hold, and the choice it makes
-    from it. One per controller; placements take turns (``JobSetup``), so it needs no lock."""
+    from it. One per controller. Placements take turns (``JobSetup``, in the scheduler's
+    decision thread), so the index needs no lock; jobs end on the event loop's thread, so the
+    slots they free are guarded by one."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class PrefixRouter:
         self.index = PrefixIndex(capacity)
         # job → (server, slot) it runs in: a slot running a job takes no other prompt.
         self._running: dict[str, tuple[str, int]] = {}
+        self._running_lock = threading.Lock()
 
     def chain(self, job: JobInput) -> tuple[int, ...]:
         """The job's prefix chain; empty for a job that is not routed or is shorter than a
@@ -108,12 +112,16 @@ class PrefixRouter:
         self.released(job_id)  # placed again (a slot taken meanwhile, a re-plan)
         if not chain:
             return
-        busy = [slot for s, slot in self._running.values() if s == server]
-        self._running[job_id] = (server, self.index.record(server, chain, slots, busy))
+        with self._running_lock:
+            busy = [slot for s, slot in self._running.values() if s == server]
+        slot = self.index.record(server, chain, slots, busy)
+        with self._running_lock:
+            self._running[job_id] = (server, slot)
 
     def released(self, job_id: str) -> None:
         """The job ended, or its placement was undone: its slot is idle again."""
-        self._running.pop(job_id, None)
+        with self._running_lock:
+            self._running.pop(job_id, None)
 
     def route_of(self, job: JobInput, route: PrefixRoute | None) -> dict[str, Any] | None:
         """What JOB_DISPATCHED records: hit or miss and the characters matched; None for a job
