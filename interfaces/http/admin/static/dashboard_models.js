@@ -5,7 +5,14 @@
 const POLL_MS = 5000;
 
 export function createModels({ api, failed, toast, el, short, size, nodes, root }) {
-  const state = { models: [], timer: null, visible: false, busy: false };
+  // picked: the nodes the operator ticked to pull each model onto, kept across the re-renders
+  // that polls and events cause, so a refresh never unticks a box.
+  const state = { models: [], timer: null, visible: false, busy: false, picked: new Map() };
+
+  function picked(model) {
+    if (!state.picked.has(model)) state.picked.set(model, new Set());
+    return state.picked.get(model);
+  }
 
   const post = (path, body) =>
     api(path, { method: "POST", body: JSON.stringify(body) });
@@ -49,7 +56,16 @@ export function createModels({ api, failed, toast, el, short, size, nodes, root 
       el(
         "label",
         { class: "pick" },
-        el("input", { type: "checkbox", value: n.name, dataset: { node: n.name } }),
+        el("input", {
+          type: "checkbox",
+          value: n.name,
+          dataset: { node: n.name },
+          checked: picked(model.name).has(n.name),
+          onchange: (event) => {
+            if (event.currentTarget.checked) picked(model.name).add(n.name);
+            else picked(model.name).delete(n.name);
+          },
+        }),
         ` ${n.name || short(n.node_id)}`,
       ),
     );
@@ -61,7 +77,8 @@ export function createModels({ api, failed, toast, el, short, size, nodes, root 
           event.preventDefault();
           const chosen = boxes.map((b) => b.querySelector("input")).filter((i) => i.checked).map((i) => i.value);
           if (!chosen.length) return toast("Choose the nodes to pull onto.", true);
-          act(`pull ${model.name} onto ${chosen.join(", ")}`, "/api/admin/models/pull", { model: model.name, nodes: chosen });
+          act(`pull ${model.name} onto ${chosen.join(", ")}`, "/api/admin/models/pull", { model: model.name, nodes: chosen })
+            .then((answer) => answer && state.picked.delete(model.name));
         },
       },
       ...boxes,
@@ -123,21 +140,27 @@ export function createModels({ api, failed, toast, el, short, size, nodes, root 
     }
   }
 
+  // One action at a time: busy only while its request is in flight (not while the table
+  // refreshes after it), and a click meanwhile says so instead of doing nothing.
   async function act(what, path, body) {
-    if (state.busy) return;
+    if (state.busy) {
+      toast(`${what}: wait for the action in progress`, true);
+      return null;
+    }
     state.busy = true;
+    let answer;
     try {
-      const answer = await post(path, body);
-      const pulls = answer?.transfers;
-      toast(pulls ? `${what}: ${pulls.length} transfer${pulls.length === 1 ? "" : "s"} started` : `${what}: done`);
-      await refresh();
-      return answer;
+      answer = await post(path, body);
     } catch (error) {
       failed(error);
       return null;
     } finally {
       state.busy = false;
     }
+    const pulls = answer?.transfers;
+    toast(pulls ? `${what}: ${pulls.length} transfer${pulls.length === 1 ? "" : "s"} started` : `${what}: done`);
+    await refresh();
+    return answer;
   }
 
   function field(form, name) {
