@@ -62,7 +62,7 @@ from agent.runtime.endpoints import free_loopback_port
 from agent.runtime.llama_backend import choose_backend
 from agent.runtime.rpc_filter import PeerFilter
 from bench import stats
-from ops import paths
+from ops import artifacts, paths
 from ops.local_cluster import (
     DEFAULT_MEMORY_LIMIT,
     MODEL_NAME,
@@ -869,8 +869,8 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
         f"seed {args.seed}, paths {','.join(args.path_keys)}"
     )
     backend = choose_backend(None)  # as the agents choose theirs: $LLAMA_BACKEND, else auto
-    paths.ensure_llama(backend.backend)
-    paths.ensure_model()
+    artifacts.ensure_llama(backend.backend)
+    artifacts.ensure_model()
     binaries = llama_binaries.find_binaries(None, backend.backend)
     machine["llama_backend"] = binaries.backend
     why = f" ({backend.why})" if binaries.backend == backend.backend else ""

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from ops import paths
+from ops import artifacts, paths
 from ops.local_cluster import (
     MODEL_NAME,
     ClusterConfig,
@@ -37,8 +37,8 @@ def _job_id(completion_id: str) -> str:
 
 def run_demo(config: ClusterConfig | None = None) -> dict[str, Any]:
     print("== preparing llama.cpp and the model (cached after the first run)", flush=True)
-    paths.ensure_llama()
-    paths.ensure_model()
+    artifacts.ensure_llama()
+    artifacts.ensure_model()
     print("== starting a local cluster: controller + agent-a (model) + agent-b (RPC worker)")
     with LocalCluster(config or ClusterConfig()) as cluster:
         client = OpenAI(base_url=f"{cluster.url}/v1", api_key=cluster.ai_api_key)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops import paths, random_model
+from ops import artifacts, paths, random_model
 
 PAYLOAD_DIR = Path("gpu-payload")
 WHEELS_DIR = "wheels"
@@ -154,7 +154,7 @@ def drop_present(wheels: Path) -> list[str]:
 
 def write_tokenizer(dest: Path) -> int:
     """The test model's tokenizer metadata, gzipped, at ``dest``; returns its entry count."""
-    model = paths.ensure_model()
+    model = artifacts.ensure_model()
     with tempfile.TemporaryDirectory(prefix="gpu-payload-") as temp:
         plain = Path(temp) / "tokenizer.gguf"
         count = random_model.extract_tokenizer(model, plain)

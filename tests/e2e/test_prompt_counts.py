@@ -23,7 +23,8 @@ from application.commands import ChatPrompt
 from application.context_guard import ContextGuard, ContextLengthExceeded
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.prompt_counter import GgufPromptCounter, Prompting, load_prompting
-from ops.paths import ensure_llama, ensure_model, llama_server_path, sha256_file
+from ops.artifacts import ensure_llama, ensure_model
+from ops.paths import llama_server_path, sha256_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -37,7 +37,7 @@ from agent.runtime.runtime_errors import (
     UnsafeBindError,
 )
 from agent.runtime.server_spec import ServerSpec
-from ops.paths import ensure_llama, ensure_model
+from ops.artifacts import ensure_llama, ensure_model
 
 # A cold cache builds llama.cpp inside the first test's setup (~5 min on 2 cores).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops import paths
+from ops import artifacts, paths
 from ops.local_cluster import MODEL_NAME
 from tests.integration.source_tree import REPO, build_wheel, copy_source_tree, tracked_files
 
@@ -192,8 +192,8 @@ def test_installed_controller_and_agent_serve_a_completion(
     and a config file it writes at its first start, then `dacp` commands that find everything
     in that file, an agent enrolling with the token they minted and serving the model they
     registered, then SIGTERM to each."""
-    paths.ensure_llama()
-    model = paths.ensure_model()
+    artifacts.ensure_llama()
+    model = artifacts.ensure_model()
     state = tmp_path / "state"
     config = tmp_path / "etc" / "config.toml"
     port = _free_port()

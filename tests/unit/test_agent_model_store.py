@@ -20,7 +20,7 @@ from agent.models.model_store import (
     verify_sha256,
 )
 from common.gguf_metadata import GgufMetadata, kv_bytes_per_token, read_gguf_metadata
-from ops.paths import ensure_model
+from ops.artifacts import ensure_model
 from wire import control_pb2 as pb
 
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -33,7 +33,7 @@ from agent.runtime.llama_backend import (
 )
 from agent.runtime.llama_binaries import default_bin_dir, find_binaries
 from agent.runtime.runtime_errors import RuntimeMissingError
-from ops import backend_flags, build_llama, paths, vulkan_headers
+from ops import artifacts, backend_flags, build_llama, paths, vulkan_headers
 from ops.paths import FetchError
 
 NVCC = Path("/usr/local/cuda/bin/nvcc")
@@ -474,11 +474,11 @@ def test_ensure_llama_builds_the_chosen_backend(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(build_llama, "ensure_built", ensure_built)
     monkeypatch.setattr(llama_backend, "detect_backend", detected(CPU))
     monkeypatch.setenv("LLAMA_BACKEND", "vulkan")
-    assert paths.ensure_llama() == paths.llama_bin_dir(VULKAN)
-    assert paths.ensure_llama("cuda") == paths.llama_bin_dir(CUDA)
+    assert artifacts.ensure_llama() == paths.llama_bin_dir(VULKAN)
+    assert artifacts.ensure_llama("cuda") == paths.llama_bin_dir(CUDA)
     assert built == [VULKAN, CUDA]
     with pytest.raises(BackendError, match="backend='rocm'"):
-        paths.ensure_llama("rocm")
+        artifacts.ensure_llama("rocm")
 
 
 # --- which build the agent finds ------------------------------------------------------------

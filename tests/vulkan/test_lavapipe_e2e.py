@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from agent.runtime.llama_backend import VULKAN
-from ops import paths
+from ops import artifacts
 from ops.local_cluster import MODEL_NAME, AgentSpec, ClusterConfig, LocalCluster
 from tests.e2e.clusters import running
 
@@ -35,8 +35,8 @@ MIB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    paths.ensure_llama(VULKAN)
-    paths.ensure_model()
+    artifacts.ensure_llama(VULKAN)
+    artifacts.ensure_model()
     before = os.environ.get("GGML_VK_VISIBLE_DEVICES")
     os.environ["GGML_VK_VISIBLE_DEVICES"] = "0"  # the agents inherit it
     vulkan = ("--llama-backend", VULKAN)
