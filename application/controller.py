@@ -31,6 +31,7 @@ from application.commands import (
 )
 from application.errors import NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
+from common.contract import JobErrorCode
 from domain.access_refusal import AccessRefusal
 from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
 from domain.issued_token import IssuedToken, issued_token_id
@@ -198,7 +199,9 @@ class Controller(Application[UUID]):
             for job_id in lost:
                 job = self.aggregates.load(Job, job_id)
                 if job.state in EXECUTION_PHASE_STATES:
-                    job.fail(f"node {node.name} lost: {reason}", "node_lost")
+                    job.fail(
+                        f"node {node.name} lost: {reason}", JobErrorCode.NODE_LOST_IN_EXECUTION
+                    )
                     changed[job.id] = job
                     self._release_nodes(job, changed, outcome="failed")
             node.complete_drain_if_idle()

@@ -10,15 +10,18 @@ an operator sets ``REQUEST_TIMEOUT``; it is enforced once generation runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+from common.contract import JobErrorCode
 
 #: Defaults (seconds): a long prompt on a CPU node can take minutes to its first token.
 DEFAULT_FIRST_TOKEN_TIMEOUT = 300.0
 DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
 
 #: The error codes a client and the store see for each deadline.
-FIRST_TOKEN_TIMEOUT = "first_token_timeout"
-STREAM_IDLE_TIMEOUT = "stream_idle_timeout"
-REQUEST_TIMEOUT = "request_timeout"
+FIRST_TOKEN_TIMEOUT: Final = JobErrorCode.FIRST_TOKEN_TIMEOUT
+STREAM_IDLE_TIMEOUT: Final = JobErrorCode.STREAM_IDLE_TIMEOUT
+REQUEST_TIMEOUT: Final = JobErrorCode.REQUEST_TIMEOUT
 #: Answered 504 (the node did not answer in time) when nothing was sent to the client yet.
 DEADLINE_CODES = frozenset({FIRST_TOKEN_TIMEOUT, STREAM_IDLE_TIMEOUT, REQUEST_TIMEOUT})
 

@@ -141,7 +141,7 @@ class JobEndings:
             "error",
             error=f"node {label} was lost during execution{cause}; "
             "uninterrupted generation is not guaranteed",
-            error_code="node_lost",
+            error_code=JobErrorCode.NODE_LOST_IN_EXECUTION,
         )
         # The primary validated; wait until that is recorded so the failure is recorded in
         # the execution phase, where it happened.
@@ -157,7 +157,9 @@ class JobEndings:
             cancel_on_primary(self._ctx.gateway, run, f"RPC worker node {label} lost")
         why = f"node {label} lost during execution{cause}"
         tell = functools.partial(run.queue.put_nowait, item)
-        await self._endings.record(run.job_id, self._ctx.app.fail, why, "node_lost", tell=tell)
+        await self._endings.record(
+            run.job_id, self._ctx.app.fail, why, JobErrorCode.NODE_LOST_IN_EXECUTION, tell=tell
+        )
 
     async def fail_orphans(self, describe: Callable[[], Awaitable[list[str]]]) -> int:
         """Fails jobs a previous controller process left unfinished (e.g. after a crash)."""
@@ -167,7 +169,7 @@ class JobEndings:
                 continue
             why = "controller restarted during the job"
             await self._endings.record(
-                job_id, self._ctx.app.fail, why, "controller_restarted", wait=False
+                job_id, self._ctx.app.fail, why, JobErrorCode.CONTROLLER_RESTARTED, wait=False
             )
             count += 1
         return count

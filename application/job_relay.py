@@ -194,7 +194,7 @@ class JobRelay:
                 )
                 error = f"{oom.describe(node_label(self._ctx.app, oom.node_id))}: {error}"
             item = StreamItem(
-                "error", error=error, error_code=result.error_code or "execution_failed"
+                "error", error=error, error_code=result.error_code or JobErrorCode.EXECUTION_FAILED
             )
         tell = functools.partial(run.queue.put_nowait, item)
         if result.ok:

@@ -16,13 +16,14 @@ from uuid import UUID
 from application.admission import CapacityError, Ticket
 from application.agent_messages import SetupOutcome
 from application.commands import Delta, JobOutcome, Submission
+from common.contract import JobErrorCode
 from domain.placement import HOST_DEVICE, ExecutionPlan
 
 
 class NoCapacityError(CapacityError):
     """No plan could be made or set up, and waiting would not help (HTTP 503)."""
 
-    code = "no_capacity"
+    code = JobErrorCode.NO_CAPACITY
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,9 @@ class JobSetup:
         elif cancelled:
             await self._endings.record(run.job_id, self._app.cancel, reason, wait=False)
         else:
-            await self._endings.record(run.job_id, self._app.fail, reason, "internal", wait=False)
+            await self._endings.record(
+                run.job_id, self._app.fail, reason, JobErrorCode.INTERNAL, wait=False
+            )
 
     async def _record(self, run: JobRun, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Runs a store write that creates or places ``run``'s job to its end even when the
@@ -206,7 +208,9 @@ class JobSetup:
                 run.excluded.add(blamed)
         assert failure is not None
         why = f"setup failed after {self._settings.max_replans + 1} plans: {failure.reason}"
-        await self._endings.record(run.job_id, self._app.fail, why, "setup_failed", wait=False)
+        await self._endings.record(
+            run.job_id, self._app.fail, why, JobErrorCode.SETUP_FAILED, wait=False
+        )
         raise NoCapacityError(why)
 
     async def _record_validation(self, run: JobRun) -> None:
@@ -223,12 +227,14 @@ class JobSetup:
             cancel_on_primary(self._gateway, run, "the controller could not record the job")
             # The store going away is the client's to retry (503), not a generation failure.
             outage = isinstance(e, StoreUnavailable) or is_outage(e)
-            code = STORE_UNAVAILABLE if outage else "store_error"
+            code = STORE_UNAVAILABLE if outage else JobErrorCode.STORE_ERROR
             run.queue.put_nowait(
                 StreamItem("error", error=f"recording the job failed: {e}", error_code=code)
             )
             why = f"store error: {e}"
-            await self._endings.record(run.job_id, self._app.fail, why, "store_error", wait=False)
+            await self._endings.record(
+                run.job_id, self._app.fail, why, JobErrorCode.STORE_ERROR, wait=False
+            )
             return
         if run.held:
             self._recorder.add(run.job_id, run.held)
@@ -259,7 +265,9 @@ class JobSetup:
         why = f"{reason}; earlier attempt failed: {failure.reason}" if failure else reason
         if not run.recorded:
             await self._record(run, self._app.submit, run.submission, run.uid)
-        await self._endings.record(run.job_id, self._app.fail, why, "no_capacity", wait=False)
+        await self._endings.record(
+            run.job_id, self._app.fail, why, JobErrorCode.NO_CAPACITY, wait=False
+        )
         return NoCapacityError(why)
 
     async def _wait_in_queue(self, run: JobRun, reason: str) -> ExecutionPlan:
@@ -305,7 +313,9 @@ class JobSetup:
             f"(joined at position {ticket.position}) and no slot came free"
         )
         self._metrics.observe_queue_wait(waited)
-        await self._endings.record(run.job_id, self._app.fail, why, "queue_timeout", wait=False)
+        await self._endings.record(
+            run.job_id, self._app.fail, why, JobErrorCode.QUEUE_TIMEOUT, wait=False
+        )
         return QueueTimeoutError(why)
 
     async def _place(self, run: JobRun, failure: SetupFailure | None) -> ExecutionPlan | Unplaced:
@@ -479,7 +489,7 @@ class JobSetup:
             why = f"primary node {self._label(run.primary)} did not validate setup in time"
             return SetupFailure(why, run.primary)
         if not result.ok:
-            why = f"{result.error_code or 'setup_failed'}: {result.error}"
+            why = f"{result.error_code or JobErrorCode.SETUP_FAILED}: {result.error}"
             return self._setup_failure(why, plan, result.failed_node_id or run.primary, result)
         return None
 

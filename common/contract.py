@@ -35,8 +35,8 @@ PLAN_OVERHEAD_BYTES = 1024 * 1024
 
 class JobErrorCode(StrEnum):
     """Why a job failed on a node: the ``error_code`` of a ``SetupResult``, ``RpcWorkerStatus``
-    or ``JobResult`` (the agent sets it, the controller acts on it), and of a setup outcome the
-    controller makes up itself when the node is gone (``NODE_LOST``)."""
+    or ``JobResult`` (the agent sets it, the controller acts on it), and the codes the
+    controller records on a job itself (``NODE_LOST`` and the endings below it)."""
 
     #: The request's prompt does not fit the model's context: the client's error (HTTP 400,
     #: OpenAI's code), not the node's.
@@ -69,6 +69,31 @@ class JobErrorCode(StrEnum):
     JOB_LOST = "JOB_LOST"
     #: The controller's own: a setup whose node disconnected before it answered.
     NODE_LOST = "NODE_LOST"
+
+    # The controller's own endings: it records them as a job's ``error_code`` (and tells the
+    # client) itself; an agent never sends them.
+    #: An executing job whose node went offline, errored, was revoked or stayed away past the
+    #: reconnect grace. Another spelling than a setup's ``NODE_LOST``: both are recorded (this
+    #: one as the job's error code, that one in a setup failure's reason), so both stay.
+    NODE_LOST_IN_EXECUTION = "node_lost"
+    #: The agent's result failed without a code of its own.
+    EXECUTION_FAILED = "execution_failed"
+    #: Setup failed on every plan tried (or the agent's setup failure had no code).
+    SETUP_FAILED = "setup_failed"
+    #: No plan fits the cluster; the queue wait ran out; the queue is full.
+    NO_CAPACITY = "no_capacity"
+    QUEUE_TIMEOUT = "queue_timeout"
+    QUEUE_FULL = "queue_full"
+    #: A deadline of the running job passed: first token, idle stream, the whole request.
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    STREAM_IDLE_TIMEOUT = "stream_idle_timeout"
+    REQUEST_TIMEOUT = "request_timeout"
+    #: Recording the job's setup failed (not an outage of the store).
+    STORE_ERROR = "store_error"
+    #: A previous controller process left the job unfinished.
+    CONTROLLER_RESTARTED = "controller_restarted"
+    #: The controller abandoned the job for a reason of its own (a bug, or its stop).
+    INTERNAL = "internal"
 
 
 # The old names of the codes both ends use most.

@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_SUPPORTED = "model_not_supported"
     NODE_NOT_FOUND = "node_not_found"
+    JOB_NOT_FOUND = "job_not_found"
     TOKEN_NOT_FOUND = "token_not_found"
     #: The command does not fit the state of what it acts on.
     ILLEGAL_TRANSITION = "illegal_transition"
@@ -93,6 +94,22 @@ def not_running(message: str) -> ApiError:
     )
 
 
+def not_found(message: str, code: ErrorCode) -> ApiError:
+    """404 ``not_found_error``: what the request names (``code`` says what kind) is not there."""
+    return ApiError(404, message, type_="not_found_error", code=code)
+
+
+#: The codes by value: an application's NotFound names its kind, and the code is its own.
+_CODES: dict[str, ErrorCode] = {code.value: code for code in ErrorCode}
+
+
+def not_found_code(kind: str) -> ErrorCode | str:
+    """``<kind>_not_found``: the :class:`ErrorCode` of that value, or for a kind the HTTP layer
+    names no code for (an aggregate's class name), that text as it is."""
+    code = f"{kind}_not_found"
+    return _CODES.get(code, code)
+
+
 def error_body(
     message: str, type_: str, code: ErrorCode | str | None = None, param: str | None = None
 ) -> dict[str, Any]:
@@ -112,7 +129,7 @@ def _api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[dict[str, A
 
 
 def _not_found(_: Request[Any, Any, Any], exc: NotFound) -> Response[dict[str, Any]]:
-    return error_response(ApiError(404, str(exc), code=f"{exc.kind}_not_found"))
+    return error_response(ApiError(404, str(exc), code=not_found_code(exc.kind)))
 
 
 def _conflict(_: Request[Any, Any, Any], exc: IllegalTransition) -> Response[dict[str, Any]]:

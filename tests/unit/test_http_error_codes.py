@@ -11,12 +11,14 @@ from interfaces.http.http_errors import ErrorCode
 
 HTTP = Path(__file__).resolve().parents[2] / "interfaces" / "http"
 #: Calls whose argument at this position (or keyword ``code``) is an error code.
-CODE_POSITIONS = {"bad": 2, "error_body": 2}
+CODE_POSITIONS = {"bad": 2, "error_body": 2, "not_found": 1}
 
 
 def _strings(node: ast.expr) -> Iterator[str]:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         yield node.value
+    elif isinstance(node, ast.JoinedStr):  # f"{kind}_not_found": a code made up as text
+        yield ast.unparse(node)
     elif isinstance(node, ast.IfExp):
         yield from _strings(node.body)
         yield from _strings(node.orelse)

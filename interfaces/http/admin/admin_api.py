@@ -40,7 +40,7 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError, ErrorCode, not_running
+from interfaces.http.http_errors import ApiError, ErrorCode, not_found, not_running
 from interfaces.services import Provided, Services
 
 READ_YOUR_WRITES_TIMEOUT = 5.0
@@ -101,9 +101,7 @@ def device_views(
 
 
 def node_not_found(node_id: str) -> ApiError:
-    return ApiError(
-        404, f"unknown node {node_id}", type_="not_found_error", code=ErrorCode.NODE_NOT_FOUND
-    )
+    return not_found(f"unknown node {node_id}", ErrorCode.NODE_NOT_FOUND)
 
 
 def canonical_id(ident: str, error: ApiError) -> str:
@@ -139,12 +137,7 @@ TokenId = Annotated[
 
 def token_not_found(token_id: str, hint: str = "") -> ApiError:
     """404 for the unknown token ``token_id`` (``hint``: the closest known ids)."""
-    return ApiError(
-        404,
-        f"unknown enrollment token {token_id!r}{hint}",
-        type_="not_found_error",
-        code=ErrorCode.TOKEN_NOT_FOUND,
-    )
+    return not_found(f"unknown enrollment token {token_id!r}{hint}", ErrorCode.TOKEN_NOT_FOUND)
 
 
 class RevokeRequest(msgspec.Struct):

@@ -31,7 +31,7 @@ from interfaces.http.http_docs import (
     errors,
     success,
 )
-from interfaces.http.http_errors import ApiError, ErrorCode
+from interfaces.http.http_errors import ApiError, ErrorCode, not_found
 from interfaces.services import Provided, Services
 
 MAX_LIMIT = 200
@@ -99,10 +99,15 @@ def job_view(row: dict[str, Any], *, full: bool) -> dict[str, Any]:
     return view
 
 
+#: What the jobs API looks up, and the code of a 404 for each.
+_NOT_FOUND: dict[str, ErrorCode] = {
+    "job": ErrorCode.JOB_NOT_FOUND,
+    "node": ErrorCode.NODE_NOT_FOUND,
+}
+
+
 def _not_found(kind: str, ident: str) -> ApiError:
-    return ApiError(
-        404, f"unknown {kind} {ident}", type_="not_found_error", code=f"{kind}_not_found"
-    )
+    return not_found(f"unknown {kind} {ident}", _NOT_FOUND[kind])
 
 
 def _bad_filter(param: str, message: str) -> ApiError:
