@@ -23,6 +23,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 from application.commands import FetchRequest, TransferReport, TransferSource
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
+from tests.controller_fixture import controller_fixture
 from tests.integration.control_client import control_target, inventory
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
@@ -46,12 +47,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 WAIT_MS = 20_000  # generous: the machine may be busy with other tests
 
 
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    # DEGRADED soon after heartbeats stop, and long before OFFLINE, so the test sees it.
-    settings = controller_settings(pg_schema, tmp_path, degraded_after=1.5, offline_after=120.0)
-    async with controller(settings) as running:
-        yield running
+# DEGRADED soon after heartbeats stop, and long before OFFLINE, so the test sees it.
+ctl = controller_fixture(degraded_after=1.5, offline_after=120.0)
 
 
 @pytest.fixture

@@ -63,6 +63,16 @@ def events(ctl: RunningController, ident: str) -> list[Any]:
     return list(ctl.services.app.repository.event_store.get(UUID(ident)))
 
 
+def node_state(ctl: RunningController, agent: FakeAgent) -> str:
+    """The state the controller holds for ``agent``'s node (READY, DEGRADED, OFFLINE, ...)."""
+    return str(ctl.services.app.get_node(agent.node_id).state)
+
+
+def node_codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
+    """The codes of the events recorded for ``agent``'s node, oldest first."""
+    return [code_of(e) for e in events(ctl, agent.node_id)]
+
+
 def recorded_seqs(ctl: RunningController, job_id: str) -> list[int]:
     """The sequence numbers of the job's recorded token deltas, in store order."""
     return [

@@ -23,8 +23,8 @@ from agent.agent_config import AgentConfig
 from agent.control.control_client import AgentSession, AgentState
 from agent.control.control_handler import NullHandler
 from domain.catalog import code_of
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.faults.streams import (
     SlowWords,
     agent_holding_model,
@@ -41,19 +41,13 @@ KEEPALIVE = 1.0  # interval and timeout, both ends
 NOTICED_WITHIN = 2 * KEEPALIVE + 3.0
 
 
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    settings = controller_settings(
-        pg_schema,
-        tmp_path,
-        keepalive_interval=KEEPALIVE,
-        keepalive_timeout=KEEPALIVE,
-        # Heartbeats must not be what notices: the health sweep stays out of the way.
-        degraded_after=30.0,
-        offline_after=60.0,
-    )
-    async with controller(settings) as running:
-        yield running
+ctl = controller_fixture(
+    keepalive_interval=KEEPALIVE,
+    keepalive_timeout=KEEPALIVE,
+    # Heartbeats must not be what notices: the health sweep stays out of the way.
+    degraded_after=30.0,
+    offline_after=60.0,
+)
 
 
 @pytest.fixture

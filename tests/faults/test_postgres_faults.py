@@ -13,16 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
-from uuid import UUID
 
 import pytest
 
-from domain.catalog import code_of
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.faults.services import OwnPostgres
-from tests.faults.streams import ask, http_client, serving_model_m
+from tests.faults.streams import ask, http_client, node_codes, node_state, serving_model_m
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
@@ -37,19 +34,7 @@ FAST = 3.0
 RECOVERY = 5.0
 
 
-@pytest.fixture
-async def ctl(
-    pg_schema: str, tmp_path: Path, own_postgres: OwnPostgres
-) -> AsyncIterator[RunningController]:
-    settings = controller_settings(
-        pg_schema,
-        tmp_path,
-        database_url=f"{own_postgres.url}?schema={pg_schema}",
-        offline_after=OFFLINE_AFTER,
-        queue_timeout=30.0,
-    )
-    async with controller(settings) as running:
-        yield running
+ctl = controller_fixture(own="postgres", offline_after=OFFLINE_AFTER, queue_timeout=30.0)
 
 
 @pytest.fixture
@@ -59,14 +44,6 @@ async def agent(ctl: RunningController) -> AsyncIterator[FakeAgent]:
     await serving_model_m(ctl, started)
     yield started
     await started.stop()
-
-
-def _state(ctl: RunningController, agent: FakeAgent) -> str:
-    return str(ctl.services.app.get_node(agent.node_id).state)
-
-
-def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
-    return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
 
 
 async def _outage_answers(ctl: RunningController) -> None:
@@ -99,8 +76,8 @@ async def _recovered(ctl: RunningController, agent: FakeAgent, back_at: float) -
         await asyncio.sleep(0.1)
     recovery = time.monotonic() - back_at
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
-    assert _state(ctl, agent) == "READY"
-    assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
+    assert node_state(ctl, agent) == "READY"
+    assert not SILENCE & set(node_codes(ctl, agent)), node_codes(ctl, agent)
     await until(lambda: not ctl.services.follower.error)  # the views caught up again
     await asyncio.to_thread(ctl.services.follower.wait, ctl.services.app.position(), 5.0)
     async with http_client(ctl) as client:

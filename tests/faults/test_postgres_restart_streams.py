@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from domain.catalog import code_of
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.faults.services import OwnPostgres
 from tests.faults.streams import events, recorded_seqs, stream_completion
 from tests.integration.control_client import control_target
@@ -31,15 +30,7 @@ TERMINAL = {"JOB_COMPLETED", "JOB_FAILED", "JOB_CANCELLED"}
 SETTLED_WITHIN = 10.0
 
 
-@pytest.fixture
-async def ctl(
-    pg_schema: str, tmp_path: Path, own_postgres: OwnPostgres
-) -> AsyncIterator[RunningController]:
-    settings = controller_settings(
-        pg_schema, tmp_path, database_url=f"{own_postgres.url}?schema={pg_schema}"
-    )
-    async with controller(settings) as running:
-        yield running
+ctl = controller_fixture(own="postgres")
 
 
 @pytest.fixture

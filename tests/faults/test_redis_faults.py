@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
-from uuid import UUID
 
 import httpx
 import pytest
 
-from domain.catalog import code_of
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.faults.services import OwnRedis
+from tests.faults.streams import node_codes, node_state
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
@@ -31,33 +29,17 @@ SILENCE = {"HEARTBEAT_TIMEOUT", "NODE_OFFLINE"}
 OFFLINE_AFTER = 2.0
 
 
-@pytest.fixture
-async def ctl(
-    pg_schema: str, tmp_path: Path, own_redis: OwnRedis
-) -> AsyncIterator[RunningController]:
-    settings = controller_settings(
-        pg_schema, tmp_path, redis_url=own_redis.url, offline_after=OFFLINE_AFTER
-    )
-    async with controller(settings) as running:
-        yield running
+ctl = controller_fixture(own="redis", offline_after=OFFLINE_AFTER)
 
 
 @pytest.fixture
 async def fleet(ctl: RunningController) -> AsyncIterator[list[FakeAgent]]:
     target = control_target(ctl)
     agents = [await FakeAgent(target, token(), f"n{i}").start() for i in range(3)]
-    await until(lambda: all(_state(ctl, a) == "READY" for a in agents))
+    await until(lambda: all(node_state(ctl, a) == "READY" for a in agents))
     yield agents
     for agent in agents:
         await agent.stop()
-
-
-def _state(ctl: RunningController, agent: FakeAgent) -> str:
-    return str(ctl.services.app.get_node(agent.node_id).state)
-
-
-def _codes(ctl: RunningController, agent: FakeAgent) -> list[str]:
-    return [code_of(e) for e in ctl.services.app.repository.event_store.get(UUID(agent.node_id))]
 
 
 async def _local_only_metric(ctl: RunningController) -> float:
@@ -78,8 +60,8 @@ async def _quiet_period(ctl: RunningController, agents: list[FakeAgent]) -> None
     """Several OFFLINE_AFTER windows with the sweep running; nobody may look silent."""
     await asyncio.sleep(2.5 * OFFLINE_AFTER)
     for agent in agents:
-        assert not SILENCE & set(_codes(ctl, agent)), _codes(ctl, agent)
-        assert _state(ctl, agent) == "READY"
+        assert not SILENCE & set(node_codes(ctl, agent)), node_codes(ctl, agent)
+        assert node_state(ctl, agent) == "READY"
 
 
 async def test_redis_flushed(
@@ -119,4 +101,4 @@ async def test_redis_down_for_several_offline_windows(
     assert await _local_only_metric(ctl) == 0
     await until(lambda: _in_redis(own_redis, fleet))
     for agent in fleet:
-        assert not SILENCE & set(_codes(ctl, agent))
+        assert not SILENCE & set(node_codes(ctl, agent))

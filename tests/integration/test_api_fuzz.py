@@ -20,13 +20,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.integration.api_fuzz import ADMIN_KEY, AI_KEY, Budget, FuzzReport, Known, fuzz
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
@@ -41,13 +40,9 @@ MODEL = "fuzz-model"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
-@pytest.fixture
-async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController]:
-    # No agent holds the model: no capacity, so admission refuses at once. The queue
-    # settings are a second line: a request that did queue would give up within a second.
-    settings = controller_settings(pg_schema, tmp_path, queue_timeout=1.0, queue_max=2)
-    async with controller(settings) as running:
-        yield running
+# No agent holds the model: no capacity, so admission refuses at once. The queue
+# settings are a second line: a request that did queue would give up within a second.
+ctl = controller_fixture(queue_timeout=1.0, queue_max=2)
 
 
 @pytest.fixture

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 import pytest
 
-from interfaces.controller_main import RunningController, controller
-from tests.conftest import controller_settings
+from interfaces.controller_main import RunningController
+from tests.controller_fixture import controller_fixture
 from tests.faults.services import OwnPostgres
 from tests.faults.streams import ask, serving_model_m
 from tests.faults.waiting import until
@@ -57,21 +56,13 @@ class SetupOnCue(FakeAgent):
         await super()._handle(message)
 
 
-@pytest.fixture
-async def ctl(
-    pg_schema: str, tmp_path: Path, own_postgres: OwnPostgres
-) -> AsyncIterator[RunningController]:
-    settings = controller_settings(
-        pg_schema,
-        tmp_path,
-        database_url=f"{own_postgres.url}?schema={pg_schema}",
-        queue_timeout=30.0,
-        # A node silent for long is not what this test is about: heartbeats go on anyway.
-        offline_after=30.0,
-        degraded_after=15.0,
-    )
-    async with controller(settings) as running:
-        yield running
+ctl = controller_fixture(
+    own="postgres",
+    queue_timeout=30.0,
+    # A node silent for long is not what this test is about: heartbeats go on anyway.
+    offline_after=30.0,
+    degraded_after=15.0,
+)
 
 
 @pytest.fixture
