@@ -64,15 +64,23 @@ def target(env: dict[str, str]) -> ControlTarget:
     return ControlTarget(env["GRPC"], Path(env["CA"]).read_bytes(), CONTROLLER_TLS_NAME)
 
 
-def token(env: dict[str, str]) -> str:
+def signed_token(
+    ca_fingerprint: str | None, *, ttl_seconds: int = 600, single_use: bool = False
+) -> str:
+    """An enrollment token signed with the test controllers' secret, for any node name."""
     return mint_enrollment_token(
         enrollment_key(ENROLLMENT_SECRET),
-        ttl_seconds=600,
-        single_use=False,
+        ttl_seconds=ttl_seconds,
+        single_use=single_use,
         node_name=None,
         now=time.time(),
-        ca_fingerprint=fingerprint_of(Path(env["CA"]).read_bytes()),
+        ca_fingerprint=ca_fingerprint,
     ).token
+
+
+def token(env: dict[str, str], ttl_seconds: int = 600) -> str:
+    """A reusable token that pins the CA of the controller ``env`` describes."""
+    return signed_token(fingerprint_of(Path(env["CA"]).read_bytes()), ttl_seconds=ttl_seconds)
 
 
 def https(env: dict[str, str]) -> httpx.AsyncClient:

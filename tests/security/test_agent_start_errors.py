@@ -31,14 +31,14 @@ from agent.control.control_client import AgentSession
 from agent.control.control_handler import NullHandler
 from agent.control.controller_probe import http_status_line
 from agent.node.identity import NodeIdentity, save_identity
-from application.enrollment import enrollment_key, mint_enrollment_token
 from common.contract import CONTROLLER_TLS_NAME
 from infrastructure.tls import load_or_create
 from interfaces.controller_main import RunningController
 from interfaces.http.http_peer_log import UVICORN_ERROR_LOGGER
 from tests.integration.control_client import control_target, enroll
 from tests.integration.fake_control_plane import FakeControlPlane, free_port, start_server
-from tests.security.conftest import ENROLLMENT_SECRET, controller_in
+from tests.security.conftest import controller_in
+from tests.security.controller_process import signed_token
 from tests.security.controller_process import token as namespace_token
 from tests.security.netns import Namespace
 from wire.grpc_verbosity import OPERATOR_VARIABLES
@@ -67,14 +67,7 @@ class Ended:
 
 def _token(ca_fingerprint: str | None = None) -> str:
     """A single-use enrollment token signed with the test controller's secret."""
-    return mint_enrollment_token(
-        enrollment_key(ENROLLMENT_SECRET),
-        ttl_seconds=60,
-        single_use=True,
-        node_name=None,
-        now=time.time(),
-        ca_fingerprint=ca_fingerprint,
-    ).token
+    return signed_token(ca_fingerprint, ttl_seconds=60, single_use=True)
 
 
 async def agent(tmp_path: Path, url: str, *extra: str, address: str = "127.0.0.1") -> Ended:

@@ -6,7 +6,6 @@ violation); tokens are single-use and live an hour unless asked otherwise."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,31 +13,15 @@ import grpc
 import pytest
 
 from application.controller import Controller
-from application.enrollment import enrollment_key, mint_enrollment_token
-from common.contract import CONTROLLER_TLS_NAME
 from domain.catalog import code_of
 from infrastructure.persistence import persistence_env
-from infrastructure.tls import fingerprint_of
 from tests.integration.control_client import ControlTarget, enroll
-from tests.security.conftest import ENROLLMENT_SECRET, controller_in
+from tests.security.conftest import controller_in
+from tests.security.controller_process import target as control_target_of
+from tests.security.controller_process import token as token_for
 from tests.security.netns import Namespace
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _target(env: dict[str, str]) -> ControlTarget:
-    return ControlTarget(env["GRPC"], Path(env["CA"]).read_bytes(), CONTROLLER_TLS_NAME)
-
-
-def _token(env: dict[str, str]) -> str:
-    return mint_enrollment_token(
-        enrollment_key(ENROLLMENT_SECRET),
-        ttl_seconds=60,
-        single_use=False,
-        node_name=None,
-        now=time.time(),
-        ca_fingerprint=fingerprint_of(Path(env["CA"]).read_bytes()),
-    ).token
 
 
 def _refusals(env: dict[str, str]) -> list[Any]:
@@ -62,7 +45,7 @@ async def test_the_advertised_address_must_be_private_and_the_one_it_comes_from(
     namespace: Namespace, tmp_path: Path
 ) -> None:
     with controller_in(namespace, tmp_path) as env:
-        target, token = _target(env), _token(env)
+        target, token = control_target_of(env), token_for(env, ttl_seconds=60)
         # From this namespace's end of the veth, advertising that very address: welcome.
         enrolled = await enroll(target, token, "honest", address=namespace.outside)
         assert enrolled.node_id
@@ -85,6 +68,6 @@ async def test_behind_nat_the_address_may_differ_but_must_still_be_private(
     namespace: Namespace, tmp_path: Path
 ) -> None:
     with controller_in(namespace, tmp_path, ENROLL_ALLOW_NAT="true") as env:
-        target, token = _target(env), _token(env)
+        target, token = control_target_of(env), token_for(env, ttl_seconds=60)
         assert (await enroll(target, token, "behind-nat", address="10.9.9.9")).node_id
         assert "ALLOWED_PEER_CIDRS" in await _refused(target, token, "public", "203.0.113.9")
