@@ -38,10 +38,23 @@ from common.transfer_ticket import MODELS_PATH, Ticket, node_tls_name, sign_tick
 from infrastructure.tls import issue_node_cert, load_or_create
 
 
-def _identity(root: Path, ca_pem: bytes, ca_key: bytes, node_id: str) -> NodeTls:
+def node_identity(root: Path, ca_pem: bytes, ca_key: bytes, node_id: str) -> NodeTls:
+    """Node ``node_id``'s TLS identity under ``root``, its certificate issued by the CA."""
     tls = NodeTls(root / node_id)
     tls.store(issue_node_cert(ca_pem, ca_key, node_id, tls.csr(node_id).encode()).decode())
     return tls
+
+
+def serve_file(tls: NodeTls, ca_pem: bytes, model: Path, sha: str) -> ModelFileServer:
+    """A started model file server on a free loopback port, with ``tls``'s identity, serving
+    ``model`` as ``sha`` (and nothing else) to nodes of the CA ``ca_pem``."""
+    return ModelFileServer(
+        "127.0.0.1",
+        0,
+        tls.server_context(ca_pem.decode()),
+        ca_pem.decode(),
+        lambda wanted: model if wanted == sha else None,
+    ).start()
 
 
 def _file(path: Path, mib: int) -> str:
@@ -69,18 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert controller.ca_key_pem is not None
         ca_pem, ca_key = controller.ca_pem, controller.ca_key_pem
         a, b = str(uuid.uuid4()), str(uuid.uuid4())
-        a_tls, b_tls = _identity(root, ca_pem, ca_key, a), _identity(root, ca_pem, ca_key, b)
+        a_tls, b_tls = (
+            node_identity(root, ca_pem, ca_key, a),
+            node_identity(root, ca_pem, ca_key, b),
+        )
         model = root / "served.gguf"
         print(f"writing a {args.mib} MiB file ...", flush=True)
         sha = _file(model, args.mib)
         size = model.stat().st_size
-        server = ModelFileServer(
-            "127.0.0.1",
-            0,
-            a_tls.server_context(ca_pem.decode()),
-            ca_pem.decode(),
-            lambda wanted: model if wanted == sha else None,
-        ).start()
+        server = serve_file(a_tls, ca_pem, model, sha)
         (root / "ca.pem").write_bytes(ca_pem)
         ours: list[float] = []
         theirs: list[float] = []

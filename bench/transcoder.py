@@ -27,7 +27,9 @@ from eventsourcing.persistence import (
 from infrastructure.orjson_transcoder import OrjsonTranscoder
 
 
-def _ready(transcoder: JSONTranscoder) -> JSONTranscoder:
+def registered(transcoder: JSONTranscoder) -> JSONTranscoder:
+    """``transcoder`` with the transcodings the event store's state needs (UUIDs, datetimes
+    and decimals) registered."""
     for transcoding in (UUIDAsHex(), DatetimeAsISO(), DecimalAsStr()):
         transcoder.register(transcoding)
     return transcoder
@@ -54,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     results: dict[str, tuple[float, float]] = {}
     for name, transcoder in (
-        ("stdlib", _ready(JSONTranscoder())),
-        ("orjson", _ready(OrjsonTranscoder())),
+        ("stdlib", registered(JSONTranscoder())),
+        ("orjson", registered(OrjsonTranscoder())),
     ):
         data = transcoder.encode(state)
         assert transcoder.decode(data) == state

@@ -21,10 +21,11 @@ import pytest
 
 from agent.models.model_fetch import PARTIAL_SUFFIX, Source, TransferError, fetch, partial_path
 from agent.node.node_tls import NodeTls
+from bench.model_transfer import node_identity, serve_file
 from common.model_file_server import ModelFileServer
 from common.model_sources import parse_cidrs
 from common.transfer_ticket import Ticket, TicketError, sign_ticket, verify_ticket
-from infrastructure.tls import issue_node_cert, issue_server_cert, load_or_create
+from infrastructure.tls import issue_server_cert, load_or_create
 from tests.transfer.http_sources import SERVE, http_source
 
 SIZE = 24 << 20
@@ -53,31 +54,19 @@ class Pair:
         return Source(self.a, "127.0.0.1", self.server.port, ticket or self.ticket())
 
 
-def _identity(tmp: Path, ca_pem: bytes, ca_key: bytes, node_id: str) -> NodeTls:
-    tls = NodeTls(tmp / node_id)
-    tls.store(issue_node_cert(ca_pem, ca_key, node_id, tls.csr(node_id).encode()).decode())
-    return tls
-
-
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[Pair]:
     controller = load_or_create(tmp_path / "tls")
     assert controller.ca_key_pem is not None
     ca_pem, ca_key = controller.ca_pem, controller.ca_key_pem
     a, b = str(uuid.uuid4()), str(uuid.uuid4())
-    a_tls = _identity(tmp_path, ca_pem, ca_key, a)
-    b_tls = _identity(tmp_path, ca_pem, ca_key, b)
+    a_tls = node_identity(tmp_path, ca_pem, ca_key, a)
+    b_tls = node_identity(tmp_path, ca_pem, ca_key, b)
     model = tmp_path / "a-models" / "model.gguf"
     model.parent.mkdir()
     model.write_bytes(os.urandom(SIZE))
     sha = hashlib.sha256(model.read_bytes()).hexdigest()
-    server = ModelFileServer(
-        "127.0.0.1",
-        0,
-        a_tls.server_context(ca_pem.decode()),
-        ca_pem.decode(),
-        lambda wanted: model if wanted == sha else None,
-    ).start()
+    server = serve_file(a_tls, ca_pem, model, sha)
     yield Pair(ca_pem.decode(), ca_key, a, b, b_tls, server, model, sha)
     server.stop()
 
@@ -170,7 +159,7 @@ def test_a_client_without_a_certificate_from_the_ca_cannot_connect(
     # Its own CA: a certificate that looks right, issued by someone else.
     stranger_ca = load_or_create(tmp_path / "stranger-tls")
     assert stranger_ca.ca_key_pem is not None
-    stranger = _identity(tmp_path, stranger_ca.ca_pem, stranger_ca.ca_key_pem, pair.b)
+    stranger = node_identity(tmp_path, stranger_ca.ca_pem, stranger_ca.ca_key_pem, pair.b)
     context = stranger.client_context(pair.ca_pem)  # it trusts the real CA for the server
     dest = tmp_path / "stranger" / "model.gguf"
     with pytest.raises(TransferError):

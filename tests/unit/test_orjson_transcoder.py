@@ -9,23 +9,14 @@ from typing import Any
 
 import pytest
 from eventsourcing.persistence import (
-    DatetimeAsISO,
-    DecimalAsStr,
     JSONTranscoder,
     TranscodingNotRegisteredError,
-    UUIDAsHex,
 )
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.transcoder import registered
 from infrastructure.orjson_transcoder import OrjsonTranscoder
-
-
-def registered(transcoder: JSONTranscoder) -> JSONTranscoder:
-    for transcoding in (UUIDAsHex(), DecimalAsStr(), DatetimeAsISO()):
-        transcoder.register(transcoding)
-    return transcoder
-
 
 STDLIB, ORJSON = registered(JSONTranscoder()), registered(OrjsonTranscoder())
 
