@@ -12,11 +12,10 @@ from __future__ import annotations
 import re
 import subprocess
 import tomllib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from domain.catalog import CATALOG
-from infrastructure.settings import Settings
+from tests.unit.recording_env import settings_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reference.md"
@@ -47,29 +46,6 @@ def section(title: str) -> str:
     match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     assert match is not None, f"docs/reference.md has no '## {title}' section"
     return match.group(1)
-
-
-class _RecordingEnv(Mapping[str, str]):
-    """An empty environment that remembers every variable asked for."""
-
-    def __init__(self) -> None:
-        self.asked: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.asked.add(key)
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-def settings_variables() -> set[str]:
-    env = _RecordingEnv()
-    Settings.from_env(env)
-    return env.asked
 
 
 def controller_sources() -> list[Path]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import stat
 import tomllib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -19,29 +18,9 @@ from infrastructure.config_file import (
     write_new,
 )
 from infrastructure.settings import SETTING_NAMES, Settings, SettingsError, default_var_dir
+from tests.unit.recording_env import RecordingEnv
 
 NOW = dt.datetime(2026, 12, 5, 12, 0, tzinfo=dt.UTC)
-
-
-class RecordingEnv(Mapping[str, str]):
-    """An empty environment that notes every name asked of it."""
-
-    def __init__(self) -> None:
-        self.asked: set[str] = set()
-
-    def __getitem__(self, key: str) -> str:
-        self.asked.add(key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
-        self.asked.add(key)
-        return default
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
 
 
 def test_every_setting_the_controller_reads_may_be_in_the_file() -> None:
