@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from uuid import UUID
 
-from application.commands import ChatPrompt, Delta, JobParams, Submission
+from application.commands import Delta
 from infrastructure.storage import Storage
 from tests.conftest import TEST_DATABASE_URL
-from tests.integration.store_builders import enroll_ready, run_job
+from tests.integration.store_builders import enroll_ready, run_job, submit_job
 from tests.plans import one_node_plan
 
 SETUP_REASON_TEMPLATE = "setup failed after 1 plans: NODE_LOST: node {node} disconnected"
@@ -29,19 +29,6 @@ class Incident:
     completed_job: UUID
 
 
-def _submit(storage: Storage) -> UUID:
-    result = storage.app.submit(
-        Submission(
-            "smollm2",
-            ChatPrompt([{"role": "user", "content": "hi"}]),
-            JobParams(max_tokens=8),
-            True,
-        )
-    )
-    assert result.aggregate_id is not None
-    return result.aggregate_id
-
-
 def script_incident(storage: Storage) -> Incident:
     app = storage.app
     node_a = enroll_ready(app, "node-a")
@@ -49,7 +36,7 @@ def script_incident(storage: Storage) -> Incident:
     completed = run_job(app, node_b, "all went well")
 
     # Node A: dispatched, then its heartbeats stop before setup is validated.
-    setup_job = _submit(storage)
+    setup_job = submit_job(app)
     app.plan_and_dispatch(
         setup_job, one_node_plan(node_a, model="smollm2"), {str(node_a): "primary"}
     )
@@ -59,7 +46,7 @@ def script_incident(storage: Storage) -> Incident:
 
     # Node B: a public peer is refused, then the node is lost mid-stream.
     app.security_violation(node_b, "203.0.113.7", "RPC peer address is not private", "")
-    exec_job = _submit(storage)
+    exec_job = submit_job(app)
     app.plan_and_dispatch(
         exec_job, one_node_plan(node_b, model="smollm2"), {str(node_b): "primary"}
     )

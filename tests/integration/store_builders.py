@@ -15,8 +15,8 @@ def enroll_ready(app: Controller, name: str = "n1", ram: int = 8 << 30) -> UUID:
     return UUID(ready_node(app, name, ram=ram, agent_version="0.1.0", labels={"rack": "a"}))
 
 
-def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
-    """Submits, plans, dispatches and completes one job on ``node_id``."""
+def submit_job(app: Controller) -> UUID:
+    """Submits one streamed "hi" for ``smollm2`` (8 tokens at most); its job's id."""
     job = app.submit(
         Submission(
             "smollm2",
@@ -26,7 +26,12 @@ def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
         )
     )
     assert job.aggregate_id is not None
-    job_id = job.aggregate_id
+    return job.aggregate_id
+
+
+def run_job(app: Controller, node_id: UUID, text: str = "Hello there") -> UUID:
+    """Submits, plans, dispatches and completes one job on ``node_id``."""
+    job_id = submit_job(app)
     app.plan_and_dispatch(job_id, one_node_plan(node_id), {str(node_id): "primary"})
     app.validate_setup(job_id)
     words = text.split(" ")
