@@ -96,18 +96,8 @@ class LocalModel:
         return not self.error
 
     def to_proto(self) -> pb.LocalModel:
-        return pb.LocalModel(
-            file_name=self.file_name,
-            path=self.path,
-            size_bytes=self.size_bytes,
-            sha256=self.sha256,
-            parameters=self.parameters,
-            layers=self.layers,
-            context_length=self.context_length,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            architecture=self.architecture,
-            error=self.error,
-        )
+        """The ``LocalModel`` message: it has exactly this entry's fields, by the same names."""
+        return pb.LocalModel(**asdict(self))
 
 
 @dataclass(frozen=True)

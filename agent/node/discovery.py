@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -52,14 +52,8 @@ class GpuInfo:
     driver_version: str
 
     def to_proto(self) -> pb.Gpu:
-        return pb.Gpu(
-            index=self.index,
-            name=self.name,
-            uuid=self.uuid,
-            memory_total_bytes=self.memory_total_bytes,
-            memory_free_bytes=self.memory_free_bytes,
-            driver_version=self.driver_version,
-        )
+        """The ``Gpu`` message: it has exactly this GPU's fields, by the same names."""
+        return pb.Gpu(**asdict(self))
 
 
 @dataclass(frozen=True)

@@ -164,12 +164,7 @@ def list_devices(
     if result is None:
         return ()
     if result.returncode != 0 or LIST_HEADER not in result.stdout:
-        log.warning(
-            "%s --list-devices failed (exit code %d): %s",
-            llama_server,
-            result.returncode,
-            _last_line(result.stderr or result.stdout),
-        )
+        _warn(f"{llama_server} --list-devices failed", result)
         return ()
     return parse_list_devices(result.stdout)
 
@@ -181,12 +176,7 @@ def read_version(llama_server: Path, timeout: float = PROBE_TIMEOUT) -> str:
         return ""
     version = parse_version(result.stderr) or parse_version(result.stdout)
     if not version:
-        log.warning(
-            "%s --version named no version (exit code %d): %s",
-            llama_server,
-            result.returncode,
-            _last_line(result.stderr or result.stdout),
-        )
+        _warn(f"{llama_server} --version named no version", result)
     return version
 
 
@@ -216,13 +206,15 @@ def read_rpc_banner(rpc_server: Path, timeout: float = PROBE_TIMEOUT) -> RpcBann
         return RpcBanner("", ())
     banner = parse_rpc_banner(result.stdout)
     if not banner.protocol:
-        log.warning(
-            "%s named no RPC protocol version (exit code %d): %s",
-            rpc_server,
-            result.returncode,
-            _last_line(result.stderr or result.stdout),
-        )
+        _warn(f"{rpc_server} named no RPC protocol version", result)
     return banner
+
+
+def _warn(what: str, result: subprocess.CompletedProcess[str]) -> None:
+    """Logs that a probe told nothing usable: ``what``, its exit code and its last line."""
+    log.warning(
+        "%s (exit code %d): %s", what, result.returncode, _last_line(result.stderr or result.stdout)
+    )
 
 
 def _last_line(text: str) -> str:

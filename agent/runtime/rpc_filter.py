@@ -117,19 +117,16 @@ class PeerSet:
         return PeerSet({a: n for a, n in self.owners.items() if not n & gone})
 
 
-class PeerFilter:
-    """The worker on ``host:port`` and the file of addresses its accept filter lets in."""
+class PeerGate:
+    """What every gate in front of a worker on ``host:port`` holds: the agent's CIDRs and the
+    peers it lets in (the accept filter, :class:`PeerFilter`, and the copying guard,
+    :class:`agent.runtime.rpc_guard.RpcGuard`)."""
 
-    def __init__(
-        self, host: str, port: int, library: Path, peers_file: Path, cidrs: Sequence[str]
-    ) -> None:
+    def __init__(self, host: str, port: int, cidrs: Sequence[str]) -> None:
         self.host, self.port = host, port
-        self.library = library
-        self.peers_file = peers_file
         self.cidrs = tuple(cidrs)
         #: Who may connect (the primaries using the worker), by address.
         self.peers = PeerSet()
-        self._write()
 
     @property
     def endpoint(self) -> str:
@@ -139,6 +136,18 @@ class PeerFilter:
     def allowed(self) -> frozenset[str]:
         """The addresses that may connect."""
         return self.peers.addresses
+
+
+class PeerFilter(PeerGate):
+    """The worker on ``host:port`` and the file of addresses its accept filter lets in."""
+
+    def __init__(
+        self, host: str, port: int, library: Path, peers_file: Path, cidrs: Sequence[str]
+    ) -> None:
+        super().__init__(host, port, cidrs)
+        self.library = library
+        self.peers_file = peers_file
+        self._write()
 
     def env(self) -> dict[str, str]:
         """What the worker is started with."""

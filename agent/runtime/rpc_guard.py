@@ -23,7 +23,7 @@ import socket
 import threading
 from collections.abc import Iterable, Sequence
 
-from agent.runtime.rpc_filter import NamedPeer, PeerSet, canonical
+from agent.runtime.rpc_filter import NamedPeer, PeerGate, PeerSet, canonical
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
             sink.shutdown(socket.SHUT_WR)
 
 
-class RpcGuard:
+class RpcGuard(PeerGate):
     """Listens on ``host:port``; forwards allowed connections to ``backend`` (loopback)."""
 
     def __init__(
@@ -74,10 +74,8 @@ class RpcGuard:
         *,
         cidrs: Sequence[str],
     ) -> None:
-        self.host, self.port, self.backend = host, port, backend
-        self.cidrs = tuple(cidrs)
-        #: Who may connect (the primaries using the worker), by address.
-        self.peers = PeerSet()
+        super().__init__(host, port, cidrs)
+        self.backend = backend
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -85,15 +83,6 @@ class RpcGuard:
         #: Accepted connections: client socket → (peer address, backend socket).
         self._clients: dict[socket.socket, tuple[str, socket.socket]] = {}
         self._closed = False
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def allowed(self) -> frozenset[str]:
-        """The addresses that may connect."""
-        return self.peers.addresses
 
     def admit_only(self, peers: Iterable[NamedPeer]) -> None:
         """From now on exactly ``peers`` may connect (an address outside the agent's CIDRs is

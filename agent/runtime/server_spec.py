@@ -79,23 +79,11 @@ class ServerSpec:
         if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
             raise ValueError(f"n_gpu_layers must be >= 0, got {self.n_gpu_layers}")
         if self.devices and self.tensor_split:
-            if len(self.tensor_split) != len(self.devices):
-                raise ValueError(
-                    f"tensor_split has {len(self.tensor_split)} entries for "
-                    f"{len(self.devices)} devices"
-                )
-            if any(x < 0 for x in self.tensor_split) or sum(self.tensor_split) <= 0:
-                raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
+            _check_split(self.tensor_split, len(self.devices), "devices")
         elif self.tensor_split:
             if not self.rpc_endpoints:
                 raise ValueError("tensor_split needs rpc_endpoints")
-            if len(self.tensor_split) != len(self.rpc_endpoints):
-                raise ValueError(
-                    f"tensor_split has {len(self.tensor_split)} entries for "
-                    f"{len(self.rpc_endpoints)} RPC workers"
-                )
-            if any(x < 0 for x in self.tensor_split) or sum(self.tensor_split) <= 0:
-                raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
+            _check_split(self.tensor_split, len(self.rpc_endpoints), "RPC workers")
 
     def argv(
         self, binary: Path, host: str, port: int, verbosity: int = DEFAULT_SERVER_VERBOSITY
@@ -135,6 +123,15 @@ class ServerSpec:
                 argv += ["--pooling", self.pooling]
         argv += list(self.extra_args)
         return argv
+
+
+def _check_split(split: tuple[float, ...], count: int, what: str) -> None:
+    """Raises ``ValueError`` unless ``split`` has one proportion for each of the ``count``
+    ``what`` (devices, RPC workers), each >= 0 and adding up to more than 0."""
+    if len(split) != count:
+        raise ValueError(f"tensor_split has {len(split)} entries for {count} {what}")
+    if any(x < 0 for x in split) or sum(split) <= 0:
+        raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
 
 
 def server_spec_for(
