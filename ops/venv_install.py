@@ -20,7 +20,8 @@ import time
 import venv
 from collections.abc import Sequence
 
-from ops.bootstrap import REPO, STAMP_NAME, VENV, _pyproject_digest, output_lines
+from ops.bootstrap import REPO, STAMP_NAME, VENV, _pyproject_digest
+from ops.process_lines import output_lines
 
 LOG_NAME = "pip-install.log"
 PROGRESS_SECONDS = 5.0
@@ -69,7 +70,7 @@ def install(extra: str) -> int:
     last_name = ""
     last_print = time.monotonic()
     with log_path.open("w", encoding="utf-8") as log:
-        proc = output_lines(command)
+        proc = output_lines(command, cwd=REPO)
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
