@@ -35,6 +35,23 @@ def _refused(connection: ASGIConnection[Any, Any, Any, Any], api: str, error: Ap
     return error
 
 
+def _check_key(
+    connection: ASGIConnection[Any, Any, Any, Any],
+    api: str,
+    given: str | None,
+    expected: str,
+    *,
+    missing: ApiError,
+    wrong: ApiError,
+) -> None:
+    """Raises ``missing`` when no key was sent, ``wrong`` when it is not ``expected`` (compared
+    in constant time), each counted for ``api`` first."""
+    if given is None:
+        raise _refused(connection, api, missing)
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise _refused(connection, api, wrong)
+
+
 def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str | None) -> None:
     """Raises the admin API's 403/401/403 errors unless ``given`` is the admin key."""
     expected = services_of(connection).settings.admin_api_key
@@ -45,25 +62,21 @@ def check_admin_key(connection: ASGIConnection[Any, Any, Any, Any], given: str |
             type_="permission_error",
             code=ErrorCode.ADMIN_DISABLED,
         )
-    if given is None:
-        raise _refused(
-            connection,
-            "admin",
-            ApiError(
-                401,
-                "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
-                type_="authentication_error",
-                code=ErrorCode.MISSING_API_KEY,
-            ),
-        )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise _refused(
-            connection,
-            "admin",
-            ApiError(
-                403, "invalid admin key", type_="permission_error", code=ErrorCode.INVALID_API_KEY
-            ),
-        )
+    _check_key(
+        connection,
+        "admin",
+        given,
+        expected,
+        missing=ApiError(
+            401,
+            "missing admin key: send 'Authorization: Bearer <ADMIN_API_KEY>'",
+            type_="authentication_error",
+            code=ErrorCode.MISSING_API_KEY,
+        ),
+        wrong=ApiError(
+            403, "invalid admin key", type_="permission_error", code=ErrorCode.INVALID_API_KEY
+        ),
+    )
 
 
 def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
@@ -74,26 +87,21 @@ def inference_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     expected = services_of(connection).settings.ai_api_key
     if not expected:
         return  # an open cluster: no AI_API_KEY configured
-    given = bearer(connection)
-    if given is None:
-        raise _refused(
-            connection,
-            "inference",
-            ApiError(
-                401,
-                "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
-                type_="invalid_request_error",
-                code=ErrorCode.MISSING_API_KEY,
-            ),
-        )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise _refused(
-            connection,
-            "inference",
-            ApiError(
-                401,
-                "Incorrect API key provided.",
-                type_="invalid_request_error",
-                code=ErrorCode.INVALID_API_KEY,
-            ),
-        )
+    _check_key(
+        connection,
+        "inference",
+        bearer(connection),
+        expected,
+        missing=ApiError(
+            401,
+            "You didn't provide an API key. Send 'Authorization: Bearer <AI_API_KEY>'.",
+            type_="invalid_request_error",
+            code=ErrorCode.MISSING_API_KEY,
+        ),
+        wrong=ApiError(
+            401,
+            "Incorrect API key provided.",
+            type_="invalid_request_error",
+            code=ErrorCode.INVALID_API_KEY,
+        ),
+    )

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 from litestar import Request, Response, get
 from litestar.datastructures import CacheControlHeader
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler
@@ -166,15 +167,32 @@ def node_points(rows: Sequence[Mapping[str, Any]], live: Mapping[str, LiveNode])
     return points
 
 
-@get(
+def _admin_get(
+    path: str,
+    summary: str,
+    responses: dict[int, ResponseSpec],
+    *,
+    tag: str = "admin",
+    media_type: str | None = None,
+) -> get:
+    """GET ``path`` for the admin key only (documented so: bearer security, ``responses``)."""
+    return get(
+        path,
+        tags=[tag],
+        summary=summary,
+        media_type=media_type,
+        guards=[admin_guard],
+        security=[{"BearerAuth": []}],
+        operation_class=ApiOperation,
+        responses=responses,
+    )
+
+
+@_admin_get(
     "/api/admin/metrics/history",
-    tags=["admin"],
-    summary="The dashboard's charts: samples of tokens/s, time to first token, queue depth "
+    "The dashboard's charts: samples of tokens/s, time to first token, queue depth "
     "and each node's slots and device memory (the last hour at the default interval)",
-    guards=[admin_guard],
-    security=[{"BearerAuth": []}],
-    operation_class=ApiOperation,
-    responses={
+    {
         **success(MetricsHistoryView, "The samples kept, oldest first"),
         **errors(400, *ADMIN_KEY_ERRORS, 503),
     },
@@ -210,15 +228,11 @@ def agent_controller_url(grpc_host: str, grpc_port: int, seen_as: str) -> str:
     return f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"
 
 
-@get(
+@_admin_get(
     "/api/admin/agent-setup",
-    tags=["admin"],
-    summary="What an agent needs besides its enrollment token: the control channel's address "
+    "What an agent needs besides its enrollment token: the control channel's address "
     "and whether it speaks TLS (the dashboard's 'Add a node' command line)",
-    guards=[admin_guard],
-    security=[{"BearerAuth": []}],
-    operation_class=ApiOperation,
-    responses={**success(AgentSetup, "The control channel"), **errors(*ADMIN_KEY_ERRORS)},
+    {**success(AgentSetup, "The control channel"), **errors(*ADMIN_KEY_ERRORS)},
 )
 async def agent_setup(svc: Provided[Services], request: Request[Any, Any, Any]) -> dict[str, Any]:
     settings = svc.settings
@@ -249,15 +263,12 @@ async def metrics(metrics: Provided[PrometheusMetrics | None]) -> Response[bytes
     return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 
 
-@get(
+@_admin_get(
     "/metrics/nodes",
-    tags=["operations"],
-    summary="Per-node Prometheus gauges, by node id and name (admin key)",
+    "Per-node Prometheus gauges, by node id and name (admin key)",
+    errors(*ADMIN_KEY_ERRORS, 503),
+    tag="operations",
     media_type=CONTENT_TYPE,
-    guards=[admin_guard],
-    security=[{"BearerAuth": []}],
-    operation_class=ApiOperation,
-    responses=errors(*ADMIN_KEY_ERRORS, 503),
 )
 async def node_metrics(metrics: Provided[PrometheusMetrics | None]) -> Response[bytes]:
     if metrics is None:

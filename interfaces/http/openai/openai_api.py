@@ -206,17 +206,32 @@ _CHAT_ERRORS = errors(
 )
 
 
-@post(
+def _inference(
+    path: str, summary: str, operation: type[ApiOperation], success_shape: Any, success_says: str
+) -> post:
+    """The route of an inference endpoint: POST ``path`` (200 on success, ``success_shape``
+    as ``success_says``, or one of the generating endpoints' errors) for an inference key."""
+    return post(
+        path,
+        guards=[inference_guard],
+        tags=["openai"],
+        summary=summary,
+        status_code=200,
+        operation_class=operation,
+        responses={**success(success_shape, success_says), **_CHAT_ERRORS},
+    )
+
+
+#: What a generating endpoint answers on success.
+_GENERATED = "The completion (JSON), or with `stream: true` its chunks"
+
+
+@_inference(
     "/v1/chat/completions",
-    guards=[inference_guard],
-    tags=["openai"],
-    summary="Create a chat completion, optionally streamed as server-sent events",
-    status_code=200,
-    operation_class=ChatCompletionOperation,
-    responses={
-        **success(ChatCompletion, "The completion (JSON), or with `stream: true` its chunks"),
-        **_CHAT_ERRORS,
-    },
+    "Create a chat completion, optionally streamed as server-sent events",
+    ChatCompletionOperation,
+    ChatCompletion,
+    _GENERATED,
 )
 async def chat_completions(
     svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
@@ -227,17 +242,12 @@ async def chat_completions(
     )
 
 
-@post(
+@_inference(
     "/v1/completions",
-    guards=[inference_guard],
-    tags=["openai"],
-    summary="Create a (legacy) completion of a prompt, optionally streamed",
-    status_code=200,
-    operation_class=CompletionOperation,
-    responses={
-        **success(Completion, "The completion (JSON), or with `stream: true` its chunks"),
-        **_CHAT_ERRORS,
-    },
+    "Create a (legacy) completion of a prompt, optionally streamed",
+    CompletionOperation,
+    Completion,
+    _GENERATED,
 )
 async def completions(
     svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
@@ -248,14 +258,12 @@ async def completions(
     )
 
 
-@post(
+@_inference(
     "/v1/embeddings",
-    guards=[inference_guard],
-    tags=["openai"],
-    summary="Embed a batch of inputs with an embedding model",
-    status_code=200,
-    operation_class=EmbeddingsOperation,
-    responses={**success(Embeddings, "One vector per input, in order"), **_CHAT_ERRORS},
+    "Embed a batch of inputs with an embedding model",
+    EmbeddingsOperation,
+    Embeddings,
+    "One vector per input, in order",
 )
 async def create_embeddings(
     svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]

@@ -208,18 +208,26 @@ _MESSAGE = Schema(
     ]
 )
 _FUNCTION_NAME = Schema(type=OpenAPIType.STRING, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _named_json_schema(name: Schema, schema_field: str) -> Schema:
+    """A tool's function or a response format's JSON schema: ``name`` (required), a
+    description, the JSON schema itself under ``schema_field``, and ``strict``."""
+    return _object(
+        {
+            "name": name,
+            "description": _STRING,
+            schema_field: Schema(type=OpenAPIType.OBJECT),
+            "strict": _nullable(OpenAPIType.BOOLEAN),
+        },
+        ["name"],
+    )
+
+
 _TOOL = _object(
     {
         "type": Schema(const="function"),
-        "function": _object(
-            {
-                "name": _FUNCTION_NAME,
-                "description": _STRING,
-                "parameters": Schema(type=OpenAPIType.OBJECT),
-                "strict": _nullable(OpenAPIType.BOOLEAN),
-            },
-            ["name"],
-        ),
+        "function": _named_json_schema(_FUNCTION_NAME, "parameters"),
     },
     ["type", "function"],
 )
@@ -275,15 +283,7 @@ _RESPONSE_FORMAT = Schema(
         _object(
             {
                 "type": Schema(const="json_schema"),
-                "json_schema": _object(
-                    {
-                        "name": _STRING,
-                        "description": _STRING,
-                        "schema": Schema(type=OpenAPIType.OBJECT),
-                        "strict": _nullable(OpenAPIType.BOOLEAN),
-                    },
-                    ["name"],
-                ),
+                "json_schema": _named_json_schema(_STRING, "schema"),
             },
             ["type", "json_schema"],
         ),
