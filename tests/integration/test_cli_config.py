@@ -22,6 +22,7 @@ import pytest
 
 from domain.enrollment_token import verify_token
 from infrastructure.tls import fingerprint_of
+from tests.dacp_cli import run_dacp
 from tests.integration.fake_control_plane import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,14 +53,7 @@ def shell(home: Path) -> dict[str, str]:
 
 def dacp(env: dict[str, str], cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [sys.executable, "-m", "interfaces.cli.main", *argv],
-        env={**env, "PYTHONPATH": str(REPO)},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_dacp(*argv, env={**env, "PYTHONPATH": str(REPO)}, cwd=cwd)
 
 
 @contextlib.contextmanager

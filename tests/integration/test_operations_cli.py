@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,9 +21,8 @@ from application.timeline import job_timeline, parse_time, timeline
 from application.version import CONTROLLER_VERSION
 from infrastructure.storage import Storage
 from interfaces.cli import main as cli
+from tests.dacp_cli import run_dacp
 from tests.integration.incident import Incident, database_url, script_incident
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -298,14 +296,7 @@ def test_python_dash_m_entry_point(storage: Storage, incident: Incident) -> None
     env = {**os.environ, "DATABASE_URL": database_url(storage.env)}
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "interfaces.cli.main", *argv],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return run_dacp(*argv, env=env, timeout=120)
 
     done = run("events", "node", "node-b")
     assert done.returncode == 0, done.stderr

@@ -19,8 +19,9 @@ import pytest
 
 from interfaces.controller_main import RunningController, controller
 from tests.conftest import TEST_DATABASE_URL, controller_settings
+from tests.dacp_cli import run_dacp
 from tests.faults.services import free_port
-from tests.security.netns import Namespace
+from tests.security.netns import Namespace, namespace_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 AI_KEY = "test-ai-key"
@@ -37,22 +38,10 @@ async def ctl(pg_schema: str, tmp_path: Path) -> AsyncIterator[RunningController
 async def dacp(schema: str, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``dacp ARGV`` on the test's store (Postgres schema ``schema``), as an operator runs it."""
     environment = {**os.environ, "DATABASE_URL": f"{TEST_DATABASE_URL}?schema={schema}", **env}
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "interfaces.cli.main", *argv],
-        env=environment,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return await asyncio.to_thread(run_dacp, *argv, env=environment)
 
 
-@pytest.fixture
-def namespace() -> Iterator[Namespace]:
-    ns = Namespace.create()
-    yield ns
-    ns.delete()
+namespace = namespace_fixture()
 
 
 @contextlib.contextmanager

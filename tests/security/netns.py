@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import pytest
 
 
 def _ip(*args: str) -> None:
@@ -51,3 +54,15 @@ class Namespace:
     def delete(self) -> None:
         subprocess.run(["ip", "link", "del", self._host_link], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+
+
+def namespace_fixture(subnet: int = 77) -> Callable[..., object]:
+    """A function-scoped fixture, named by the module attribute it is assigned to: a fresh
+    namespace on ``10.<subnet>.*``, deleted after the test."""
+
+    def namespace() -> Iterator[Namespace]:
+        ns = Namespace.create(subnet=subnet)
+        yield ns
+        ns.delete()
+
+    return pytest.fixture(namespace)

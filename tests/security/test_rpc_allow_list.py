@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -32,7 +32,7 @@ from tests.conftest import controller_settings
 from tests.faults.services import free_port
 from tests.faults.waiting import until
 from tests.integration.control_client import control_target, enroll
-from tests.security.netns import Namespace
+from tests.security.netns import Namespace, namespace_fixture
 from tests.security.test_rpc_guard import HELLO_ANSWER_BYTES, _hello_from
 from wire import control_pb2 as pb
 
@@ -116,18 +116,10 @@ class WorkerNode(LlamaHandler):
         await super().on_start_rpc_worker(msg, recorded)
 
 
-@pytest.fixture
-def ns_a() -> Iterator[Namespace]:
-    ns = Namespace.create(subnet=74)
-    yield ns
-    ns.delete()
+ns_a = namespace_fixture(74)
 
 
-@pytest.fixture
-def ns_b() -> Iterator[Namespace]:
-    ns = Namespace.create(subnet=75)
-    yield ns
-    ns.delete()
+ns_b = namespace_fixture(75)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime_errors import RuntimeStartError
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
 from tests.faults.services import free_port
-from tests.security.netns import Namespace
+from tests.security.netns import Namespace, namespace_fixture
 from wire import control_pb2 as pb
 
 #: From inside a namespace: the RPC protocol's HELLO (command 14, 24 bytes of capabilities);
@@ -47,18 +46,10 @@ print(struct.unpack("<Q", got)[0] if len(got) == 8 else 0)
 HELLO_ANSWER_BYTES = 28
 
 
-@pytest.fixture
-def primary() -> Iterator[Namespace]:
-    ns = Namespace.create(subnet=78)
-    yield ns
-    ns.delete()
+primary = namespace_fixture(78)
 
 
-@pytest.fixture
-def stranger() -> Iterator[Namespace]:
-    ns = Namespace.create(subnet=79)
-    yield ns
-    ns.delete()
+stranger = namespace_fixture(79)
 
 
 async def _hello_from(ns: Namespace, host: str, port: int) -> int:
