@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import psutil
+import pytest
 
 from application.controller import Controller
 from infrastructure.persistence import persistence_env
@@ -51,6 +52,19 @@ def cluster_on_own_schema(
     database_url = f"{TEST_DATABASE_URL}?schema={schema}"
     yield from local_cluster(var_dir, *agents, database_url=database_url, **config)
     _drop_schema(schema)
+
+
+def cluster_fixture(
+    folder: str, *agents: AgentSpec, own_schema: bool = False, **config: Any
+) -> Callable[..., object]:
+    """A module-scoped fixture named ``cluster``: :func:`local_cluster` (or, with
+    ``own_schema``, :func:`cluster_on_own_schema`) in a fresh temporary ``folder``."""
+    start = cluster_on_own_schema if own_schema else local_cluster
+
+    def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+        yield from start(tmp_path_factory.mktemp(folder), *agents, **config)
+
+    return pytest.fixture(scope="module")(cluster)
 
 
 @contextmanager

@@ -5,13 +5,11 @@ the agent's own devices included. Screenshots: ``test-artifacts/dashboard-real-*
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from playwright.async_api import Browser, expect
 
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
-from tests.e2e.clusters import MIB, local_cluster
+from tests.e2e.clusters import MIB, cluster_fixture
 from tests.e2e.playground import watch_replies
 from tests.e2e.test_dashboard_browser import ARTIFACTS, WAIT_MS, sign_in
 from tests.e2e.test_dashboard_browser import browser as browser  # the fixture
@@ -19,13 +17,11 @@ from tests.e2e.test_dashboard_browser import browser as browser  # the fixture
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from local_cluster(
-        tmp_path_factory.mktemp("dashboard"),
-        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-        extra_env={"METRICS_HISTORY_INTERVAL": "0.5"},
-    )
+cluster = cluster_fixture(
+    "dashboard",
+    AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+    extra_env={"METRICS_HISTORY_INTERVAL": "0.5"},
+)
 
 
 async def test_the_dashboard_runs_a_real_cluster(cluster: LocalCluster, browser: Browser) -> None:

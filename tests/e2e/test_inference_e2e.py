@@ -18,25 +18,24 @@ from application.controller import Controller
 from domain.catalog import code_of
 from domain.placement import ExecutionPlan
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
-from tests.e2e.clusters import MIB, admin, cluster_on_own_schema, event_store, running
+from tests.e2e.clusters import MIB, admin, cluster_fixture, event_store, running
 
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from cluster_on_own_schema(
-        tmp_path_factory.mktemp("cluster"),
-        # a + b hold the model with four 2,048-token slots; a alone cannot hold it.
-        AgentSpec("agent-a", 0, memory_limit=200 * MIB, holds_model=True),
-        AgentSpec("agent-b", 0, memory_limit=200 * MIB),
-        AgentSpec("agent-c", 0, memory_limit=160 * MIB),
-        extra_env={
-            "RPC_WORKER_START_TIMEOUT": "4",
-            "DEGRADED_AFTER": "30",
-            "OFFLINE_AFTER": "60",
-        },
-    )
+cluster = cluster_fixture(
+    "cluster",
+    # a + b hold the model with four 2,048-token slots; a alone cannot hold it.
+    AgentSpec("agent-a", 0, memory_limit=200 * MIB, holds_model=True),
+    AgentSpec("agent-b", 0, memory_limit=200 * MIB),
+    AgentSpec("agent-c", 0, memory_limit=160 * MIB),
+    own_schema=True,
+    extra_env={
+        "RPC_WORKER_START_TIMEOUT": "4",
+        "DEGRADED_AFTER": "30",
+        "OFFLINE_AFTER": "60",
+    },
+)
 
 
 @pytest.fixture(scope="module")

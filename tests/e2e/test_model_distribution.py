@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
 
@@ -20,18 +19,17 @@ import pytest
 from domain.catalog import code_of
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
-from tests.e2e.clusters import MIB, admin, cluster_on_own_schema, event_store
+from tests.e2e.clusters import MIB, admin, cluster_fixture, event_store
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from cluster_on_own_schema(
-        tmp_path_factory.mktemp("distribution"),
-        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-        AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
-    )
+cluster = cluster_fixture(
+    "distribution",
+    AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+    AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
+    own_schema=True,
+)
 
 
 def nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:

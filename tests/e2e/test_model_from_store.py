@@ -7,7 +7,7 @@ request waits in the admission queue while the agent fetches the file from the c
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -15,18 +15,16 @@ import pytest
 
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
-from tests.e2e.clusters import MIB, get, local_cluster
+from tests.e2e.clusters import MIB, cluster_fixture, get
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from local_cluster(
-        tmp_path_factory.mktemp("from-store"),
-        AgentSpec("agent-a", 0, memory_limit=1024 * MIB),  # holds no model file
-        store_model=True,
-    )
+cluster = cluster_fixture(
+    "from-store",
+    AgentSpec("agent-a", 0, memory_limit=1024 * MIB),  # holds no model file
+    store_model=True,
+)
 
 
 def test_a_model_only_the_controller_stores_is_fetched_and_served(cluster: LocalCluster) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -15,18 +14,16 @@ import pytest
 
 from ops import paths
 from ops.local_cluster import MODEL_NAME, AgentSpec, LocalCluster
-from tests.e2e.clusters import MIB, admin, get, local_cluster
+from tests.e2e.clusters import MIB, admin, cluster_fixture, get
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from local_cluster(
-        tmp_path_factory.mktemp("on-demand"),
-        AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
-        AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
-    )
+cluster = cluster_fixture(
+    "on-demand",
+    AgentSpec("agent-a", 0, memory_limit=1024 * MIB, holds_model=True),
+    AgentSpec("agent-b", 0, memory_limit=1024 * MIB),  # an empty models directory
+)
 
 
 def test_a_node_without_the_file_fetches_it_and_serves_the_waiting_request(
