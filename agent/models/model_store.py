@@ -102,6 +102,9 @@ class LocalModel:
 
 @dataclass(frozen=True)
 class _CacheEntry:
+    """What the hash cache keeps of one file: its size and mtime when hashed, its sha256 and
+    the GGUF metadata a :class:`LocalModel` reports."""
+
     size: int
     mtime_ns: int
     sha256: str

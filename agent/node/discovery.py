@@ -104,6 +104,8 @@ class Inventory:
 
 @dataclass(frozen=True)
 class GpuTelemetry:
+    """One GPU's memory and temperature as NVML reads them now, for a heartbeat."""
+
     index: int
     memory_free_bytes: int
     memory_used_bytes: int

@@ -44,6 +44,8 @@ RPC_SERVER_NAMES: tuple[str, ...] = (f"ggml-rpc-server{_EXE}", f"rpc-server{_EXE
 
 @dataclass(frozen=True)
 class RuntimeBinaries:
+    """The llama.cpp build the agent runs: where it is, its two servers and its filter."""
+
     bin_dir: Path
     llama_server: Path
     rpc_server: Path

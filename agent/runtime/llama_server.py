@@ -112,6 +112,8 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class Usage:
+    """The tokens one request took, as llama-server reports them in ``usage``."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int

@@ -66,6 +66,11 @@ class WorkerGate(Protocol):
     async def close(self) -> None: ...
 
 
+def _listed(addresses: Iterable[str]) -> str:
+    """``addresses`` (or node ids) for a log line: sorted, comma-separated; "nobody" for none."""
+    return ", ".join(sorted(addresses)) or "nobody"
+
+
 def named_peers(
     peers: Sequence[pb.RpcPeerAccess], addresses: Iterable[str] = ()
 ) -> list[NamedPeer]:
@@ -158,7 +163,7 @@ class RpcWorkerHost:
             "job %s: RPC worker ready on %s for %s",
             msg.job_id,
             guard.endpoint,
-            ", ".join(sorted(guard.allowed)) or "nobody",
+            _listed(guard.allowed),
         )
         await send(worker_status(msg.job_id, pb.RpcWorkerStatus.STARTED, guard.host, guard.port))
 
@@ -174,7 +179,7 @@ class RpcWorkerHost:
         log.info(
             "RPC worker %s now lets in %s (%s)",
             guard.endpoint,
-            ", ".join(sorted(guard.allowed)) or "nobody",
+            _listed(guard.allowed),
             msg.reason or "-",
         )
 
@@ -194,8 +199,8 @@ class RpcWorkerHost:
         log.warning(
             "RPC worker %s: revoked node(s) %s: refusing %s",
             guard.endpoint,
-            ", ".join(sorted(revoked)),
-            ", ".join(sorted(removed)),
+            _listed(revoked),
+            _listed(removed),
         )
         self._workers_starting += 1
         try:
@@ -227,7 +232,7 @@ class RpcWorkerHost:
                     "RPC worker %s: closed %d connection(s) from %s, no longer let in",
                     guard.endpoint,
                     closed,
-                    ", ".join(sorted(strangers)),
+                    _listed(strangers),
                 )
             return
         worker = self.rpc_worker
@@ -247,7 +252,7 @@ class RpcWorkerHost:
         log.warning(
             "RPC worker %s: restarting it to close the connection(s) of %s, no longer let in",
             guard.endpoint,
-            ", ".join(sorted(strangers)),
+            _listed(strangers),
         )
         await asyncio.to_thread(self._restart_rpc_worker, guard)
 
