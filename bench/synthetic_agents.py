@@ -94,23 +94,39 @@ def proof_of(challenge: pb.ProveModel, size: int) -> pb.ModelProof:
     return proof
 
 
-def inventory(memory: int, slots: int) -> pb.Inventory:
+def wire_inventory(
+    *,
+    hostname: str,
+    cpu_model: str,
+    ram: int,
+    cores: int = 2,
+    threads: int = 2,
+    disk_total: int = 100 << 30,
+    disk_free: int = 50 << 30,
+    address: str = "127.0.0.1",
+    labels: dict[str, str] | None = None,
+) -> pb.Inventory:
+    """What a fake Linux x86_64 node reports of itself (RPC on the default port), as sent."""
     inv = pb.Inventory(
-        hostname="synthetic",
+        hostname=hostname,
         os="Linux",
         arch="x86_64",
-        cpu_model="synthetic",
-        cpu_cores=2,
-        cpu_threads=2,
-        ram_total_bytes=64 << 30,
-        disk_total_bytes=100 << 30,
-        disk_free_bytes=50 << 30,
-        advertised_address="127.0.0.1",
+        cpu_model=cpu_model,
+        cpu_cores=cores,
+        cpu_threads=threads,
+        ram_total_bytes=ram,
+        disk_total_bytes=disk_total,
+        disk_free_bytes=disk_free,
+        advertised_address=address,
         rpc_port=DEFAULT_RPC_PORT,
     )
-    inv.labels[MEMORY_LIMIT_LABEL] = str(memory)
-    inv.labels[SLOTS_LABEL] = str(slots)
+    inv.labels.update(labels or {})
     return inv
+
+
+def inventory(memory: int, slots: int) -> pb.Inventory:
+    labels = {MEMORY_LIMIT_LABEL: str(memory), SLOTS_LABEL: str(slots)}
+    return wire_inventory(hostname="synthetic", cpu_model="synthetic", ram=64 << 30, labels=labels)
 
 
 class Agent:

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from bench.synthetic_agents import wire_inventory
 from common.contract import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES, CONTROLLER_TLS_NAME
 from interfaces.controller_main import RunningController
 from wire import control_pb2 as pb
@@ -59,19 +60,7 @@ def as_target(target: Target) -> ControlTarget:
 
 
 def inventory(address: str = "127.0.0.1", ram: int = 8 << 30) -> pb.Inventory:
-    return pb.Inventory(
-        hostname="test-host",
-        os="Linux",
-        arch="x86_64",
-        cpu_model="test cpu",
-        cpu_cores=2,
-        cpu_threads=2,
-        ram_total_bytes=ram,
-        disk_total_bytes=100 << 30,
-        disk_free_bytes=50 << 30,
-        advertised_address=address,
-        rpc_port=50052,
-    )
+    return wire_inventory(hostname="test-host", cpu_model="test cpu", ram=ram, address=address)
 
 
 async def enroll(

@@ -10,7 +10,7 @@ from uuid import UUID
 
 from interfaces.controller_main import RunningController
 from tests.integration.control_client import RawSession
-from tests.integration.test_control_plane import codes, connected_node, target, wait_for
+from tests.integration.test_control_plane import codes, ready_node, target, wait_for
 from tests.integration.test_job_flow import chat_stream, ctl, slow_primary, synced
 from wire import control_pb2 as pb
 
@@ -24,9 +24,8 @@ def _last_event(ctl: RunningController, node_id: str) -> Any:
 async def test_a_stopping_node_drains_then_stops_cleanly_and_serves_again_later(
     ctl: RunningController,
 ) -> None:
-    node_id, session = await connected_node(ctl)
+    node_id, session = await ready_node(ctl)
     read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     await session.send(pb.AgentMessage(stopping=pb.Stopping(drain_timeout_seconds=60)))
     await wait_for(lambda: read.get_node(node_id)["state"] == "DRAINING")  # type: ignore[index]
     assert read.get_node(node_id)["stopping"]  # type: ignore[index]

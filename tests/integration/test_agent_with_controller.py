@@ -57,15 +57,24 @@ def mint(ctl: RunningController) -> str:
     ).token
 
 
-def agent_config(data_dir: Path, grpc_port: int, token: str | None) -> AgentConfig:
+def agent_config(
+    data_dir: Path,
+    grpc_port: int,
+    token: str | None,
+    *,
+    name: str = "real-agent",
+    backoff: tuple[float, float] = (0.2, 1.0),
+) -> AgentConfig:
+    """An agent of the local controller at ``grpc_port``: quick heartbeats, and reconnects
+    after ``backoff`` (the first wait, the longest)."""
     return AgentConfig(
         data_dir=data_dir,
-        node_name="real-agent",
+        node_name=name,
         controller_url=f"127.0.0.1:{grpc_port}",
         enrollment_token=token,
         heartbeat_interval=0.2,
-        backoff_initial=0.2,
-        backoff_max=1.0,
+        backoff_initial=backoff[0],
+        backoff_max=backoff[1],
     )
 
 

@@ -103,6 +103,14 @@ async def connected_node(ctl: RunningController, name: str = "n1") -> tuple[str,
     return enrolled.node_id, session
 
 
+async def ready_node(ctl: RunningController, name: str = "n1") -> tuple[str, RawSession]:
+    """A :func:`connected_node` once the read model shows it READY."""
+    node_id, session = await connected_node(ctl, name)
+    read = ctl.services.read_model
+    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    return node_id, session
+
+
 async def test_enroll_records_node_with_inventory(ctl: RunningController) -> None:
     enrolled = await enroll(target(ctl), token(), "node-a")  # advertises where it comes from
     assert enrolled.node_credential and enrolled.controller_version
@@ -207,9 +215,8 @@ async def test_a_stream_without_a_hello_is_ended(quiet_ctl: RunningController) -
 
 
 async def test_heartbeats_keep_ready_then_degraded_then_offline(ctl: RunningController) -> None:
-    node_id, session = await connected_node(ctl)
+    node_id, session = await ready_node(ctl)
     read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     await asyncio.sleep(2.5)  # longer than OFFLINE_AFTER: heartbeats keep it READY
     assert read.get_node(node_id)["state"] == "READY"  # type: ignore[index]
     session.stop_heartbeats()  # stream stays open, heartbeats stop
@@ -240,9 +247,8 @@ async def test_degraded_node_recovers_when_heartbeats_resume(ctl: RunningControl
 async def test_closed_stream_is_offline_at_once_and_reconnect_recovers(
     ctl: RunningController,
 ) -> None:
-    node_id, session = await connected_node(ctl)
+    node_id, session = await ready_node(ctl)
     read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     await session.close()
     closed = time.monotonic()
     await wait_for(lambda: read.get_node(node_id)["state"] == "OFFLINE")  # type: ignore[index]
@@ -261,9 +267,8 @@ async def test_a_broken_stream_leaves_the_node_to_the_heartbeat_thresholds(
 ) -> None:
     """No goodbye: the node may be back in a moment (its jobs wait for it), so it is not
     taken offline at once; the health sweep decides, as for any silent node."""
-    node_id, session = await connected_node(ctl)
+    node_id, session = await ready_node(ctl)
     read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     await session.drop()
     await wait_for(lambda: read.get_node(node_id)["state"] == "OFFLINE")  # type: ignore[index]
     assert codes(ctl, node_id)[-3:] == ["NODE_READY", "HEARTBEAT_TIMEOUT", "NODE_OFFLINE"]
@@ -462,9 +467,8 @@ async def test_bad_messages_are_refused_alone_and_the_stream_goes_on(
     """Malformed, oversized or out-of-order messages each get a MessageRejected; the first
     is recorded (NODE_MESSAGE_REJECTED, the rest within 10 s only counted); the node keeps
     its stream and its state."""
-    node_id, session = await connected_node(ctl)
+    node_id, session = await ready_node(ctl)
     read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
     huge = pb.Delta(seq=0, text="x" * (5 << 20), tokens=1)  # over the 4 MiB message limit
     bad_model = pb.LocalModel(file_name="m.gguf", sha256="not-a-digest")
     bad = [

@@ -18,7 +18,7 @@ from tests.conftest import controller_settings
 from tests.integration.control_client import control_target
 from tests.integration.fake_agent import FakeAgent
 from tests.integration.test_control_plane import token, wait_for
-from tests.integration.test_job_flow import ADMIN, AI, SHA, http, register
+from tests.integration.test_job_flow import ADMIN, AI, SHA, chat_once, http, register
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,11 +60,7 @@ async def test_the_history_samples_tokens_first_tokens_and_nodes(ctl: RunningCon
     await wait_for(lambda: (read.get_node(agent.node_id) or {}).get("state") == "READY")
     async with http(ctl) as client:
         await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-        )
+        r = await chat_once(client, "hi")
         assert r.status_code == 200, r.text
         tokens = await sampled(client, lambda s: s["tokens_per_second"] > 0)
         assert tokens["tokens_per_second"] > 0

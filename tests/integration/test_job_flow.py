@@ -84,15 +84,20 @@ async def slow_primary(ctl: RunningController, words: int = 200) -> FakeAgent:
     return a
 
 
+async def chat_once(client: httpx.AsyncClient, content: str = "x") -> httpx.Response:
+    """One non-streamed chat completion of model ``m``, however it is answered."""
+    return await client.post(
+        "/v1/chat/completions",
+        headers=AI,
+        json={"model": "m", "messages": [{"role": "user", "content": content}]},
+    )
+
+
 async def complete_once(ctl: RunningController) -> httpx.Response:
     """Registers model ``m`` and asks for one non-streamed completion."""
     async with http(ctl) as client:
         await register(ctl, client)
-        return await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
+        return await chat_once(client)
 
 
 def synced(ctl: RunningController) -> RunningController:
@@ -311,13 +316,7 @@ async def test_tokens_from_a_node_that_does_not_lead_the_job_are_ignored(
     a.word_delay = 0.02
     async with http(ctl) as client:
         await register(ctl, client)
-        request = asyncio.create_task(
-            client.post(
-                "/v1/chat/completions",
-                headers=AI,
-                json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-            )
-        )
+        request = asyncio.create_task(chat_once(client))
         while not a.plans:
             await asyncio.sleep(0.01)
         assert b.session is not None

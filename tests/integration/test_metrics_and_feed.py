@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from interfaces.controller_main import RunningController, controller
 from interfaces.http.admin.event_feed import EventFeed
 from tests.conftest import controller_settings
-from tests.integration.test_control_plane import connected_node, wait_for
-from tests.integration.test_job_flow import ADMIN, AI, SHA, agents, http, register
+from tests.integration.test_control_plane import ready_node, wait_for
+from tests.integration.test_job_flow import ADMIN, SHA, agents, chat_once, http, register
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -118,11 +118,7 @@ async def test_metrics_move_with_traffic(ctl: RunningController) -> None:
         before = await scrape(client)
         (agent,) = await agents(ctl, {"name": "a", "holds": SHA, "memory": 4 << 30})
         await register(ctl, client)
-        r = await client.post(
-            "/v1/chat/completions",
-            headers=AI,
-            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        )
+        r = await chat_once(client)
         assert r.status_code == 200, r.text
         after = await scrape_until(
             client,
@@ -167,9 +163,7 @@ async def test_metrics_move_with_traffic(ctl: RunningController) -> None:
 
 
 async def test_feed_delivers_a_drain_as_it_happens(ctl: RunningController) -> None:
-    node_id, session = await connected_node(ctl)
-    read = ctl.services.read_model
-    await wait_for(lambda: (read.get_node(node_id) or {}).get("state") == "READY")
+    node_id, session = await ready_node(ctl)
     async with http(ctl) as client, feed(client, headers=ADMIN) as (response, stream):
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")

@@ -13,7 +13,6 @@ from uuid import UUID
 import grpc
 import pytest
 
-from agent.agent_config import AgentConfig
 from agent.control.control_client import AgentSession, AgentState
 from agent.control.control_handler import NullHandler
 from agent.control.controller_tls import TlsPinMismatch, token_ca_fingerprint
@@ -24,19 +23,14 @@ from infrastructure.tls import fingerprint_of, load_or_create
 from interfaces.controller_main import INSECURE_WARNING, RunningController, controller
 from tests.conftest import controller_settings
 from tests.integration.control_client import ControlTarget, control_target, enroll
+from tests.integration.test_agent_with_controller import agent_config
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _agent(tmp_path: Path, ctl: RunningController, token: str) -> AgentSession:
-    config = AgentConfig(
-        data_dir=tmp_path / "agent",
-        node_name="pinned",
-        controller_url=f"127.0.0.1:{ctl.grpc_port}",
-        enrollment_token=token,
-        heartbeat_interval=0.2,
-        backoff_initial=0.05,
-        backoff_max=0.2,
+    config = agent_config(
+        tmp_path / "agent", ctl.grpc_port, token, name="pinned", backoff=(0.05, 0.2)
     )
     return AgentSession(config, NullHandler())
 

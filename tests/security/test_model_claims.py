@@ -26,6 +26,7 @@ import pytest
 
 from agent.agent_config import AgentConfig
 from agent.control.control_client import AgentSession, AgentState
+from bench.synthetic_agents import wire_inventory
 from common.contract import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 from common.gguf_metadata import read_gguf_metadata
 from domain.catalog import code_of
@@ -67,11 +68,14 @@ def tiny_model(directory: Path) -> tuple[Path, str, dict[str, Any]]:
     return path, hashlib.sha256(path.read_bytes()).hexdigest(), shape
 
 
-def store_model(ctl: RunningController, path: Path, sha256: str, shape: dict[str, Any]) -> None:
-    """``dacp models add``: the file in the controller's store, model ``m`` registered to it."""
+def stored_model(ctl: RunningController, directory: Path) -> tuple[Path, str, dict[str, Any]]:
+    """A :func:`tiny_model` in ``directory``, then ``dacp models add``: the file in the
+    controller's store, model ``m`` registered to it. Its path, sha256 and shape."""
+    path, sha256, shape = tiny_model(directory)
     stored = ControllerModelStore(ctl.services.settings.model_store_dir).add(path)
     assert stored.sha256 == sha256
     ctl.services.app.store_model("m", sha256, "m.gguf", shape, 2048)
+    return path, sha256, shape
 
 
 # ------------------------------------------------------------------------------ the nodes
@@ -126,24 +130,19 @@ class ClaimingNode:
         self._tasks: list[asyncio.Task[None]] = []
 
     def _inventory(self) -> pb.Inventory:
-        inv = pb.Inventory(
-            hostname=self.name,
-            os="Linux",
-            arch="x86_64",
-            cpu_model="claimed",
-            cpu_cores=64,
-            cpu_threads=128,
-            ram_total_bytes=FAKE_MEMORY,
-            disk_total_bytes=4 << 40,
-            disk_free_bytes=2 << 40,
-            advertised_address="127.0.0.1",
-            rpc_port=50052,
-        )
-        inv.labels[MEMORY_LIMIT_LABEL] = str(FAKE_MEMORY)
-        inv.labels[SLOTS_LABEL] = "4"
+        labels = {MEMORY_LIMIT_LABEL: str(FAKE_MEMORY), SLOTS_LABEL: "4"}
         if self.serves_files:
-            inv.labels[TRANSFER_PORT_LABEL] = "50053"
-        return inv
+            labels[TRANSFER_PORT_LABEL] = "50053"
+        return wire_inventory(
+            hostname=self.name,
+            cpu_model="claimed",
+            ram=FAKE_MEMORY,
+            cores=64,
+            threads=128,
+            disk_total=4 << 40,
+            disk_free=2 << 40,
+            labels=labels,
+        )
 
     async def start(self) -> ClaimingNode:
         target = control_target(self.ctl)
@@ -319,8 +318,7 @@ async def test_a_forged_claim_of_a_stored_model_is_refused_recorded_and_never_pr
 ) -> None:
     """(a) 64 GiB, a forged size and shape: the fake is not planned, its claim is refused and
     recorded, and the model's size and shape stay the store's for the admin API and planner."""
-    path, sha, shape = tiny_model(tmp_path / "models")
-    store_model(ctl, path, sha, shape)
+    _, sha, shape = stored_model(ctl, tmp_path / "models")
     session, handler = honest_agent(ctl, tmp_path, "honest", tmp_path / "models")
     async with running(session):
         honest = str(session.node_id)
@@ -353,8 +351,7 @@ async def test_a_forged_size_reported_first_does_not_break_a_pull(
 ) -> None:
     """(b) The first node to report the file claims 1 TiB: a pull onto a node with 1 GiB of
     room still starts (the size is the store's), from the store, and the file arrives."""
-    path, sha, shape = tiny_model(tmp_path / "original")
-    store_model(ctl, path, sha, shape)
+    path, sha, shape = stored_model(ctl, tmp_path / "original")
     fake = await ClaimingNode(
         ctl, "first", sha, forged(shape, size_bytes=1 << 40), serves_files=True
     ).start()
@@ -379,8 +376,7 @@ async def test_a_forged_shape_reported_first_does_not_make_the_model_unservable(
 ) -> None:
     """(b) The first report claims 1 GiB of KV cache per token: a request still finds a node
     to fetch the stored file onto, and is served there instead of 503 no_capacity."""
-    path, sha, shape = tiny_model(tmp_path / "original")
-    store_model(ctl, path, sha, shape)
+    _, sha, shape = stored_model(ctl, tmp_path / "original")
     fake = await ClaimingNode(
         ctl, "first", sha, forged(shape, kv_bytes_per_token=GIB, size_bytes=1 << 40)
     ).start()
@@ -461,8 +457,7 @@ async def test_only_a_node_that_answers_the_range_challenge_is_primary(
     """(d) Two nodes claim the stored file exactly as it is, each with 64 GiB: the one whose
     bytes are not the file's answers the challenge wrongly and is never the primary (its
     claim is refused and recorded); the one that holds the file proves it and is."""
-    path, sha, shape = tiny_model(tmp_path / "models")
-    store_model(ctl, path, sha, shape)
+    path, sha, shape = stored_model(ctl, tmp_path / "models")
     session, handler = honest_agent(ctl, tmp_path, "honest", tmp_path / "models")
     async with running(session):
         honest = str(session.node_id)

@@ -256,8 +256,12 @@ def test_a_device_plan_survives_its_dict() -> None:
 GPU_SIZES = [0, 300 * MIB, 1 * GIB, 4 * GIB, 8 * GIB, 24 * GIB, 80 * GIB]
 
 
+#: What the property tests draw: a placement request and the candidate nodes.
+Scenario = tuple[PlacementRequest, list[Candidate]]
+
+
 @st.composite
-def inventories(draw: st.DrawFn) -> tuple[PlacementRequest, list[Candidate]]:
+def inventories(draw: st.DrawFn) -> Scenario:
     count = draw(st.integers(min_value=1, max_value=5))
     candidates = []
     for i in range(count):
@@ -342,9 +346,7 @@ PROPERTIES = settings(max_examples=400, deadline=None, suppress_health_check=[He
 
 @PROPERTIES
 @given(inventories())
-def test_property_no_device_is_given_more_than_it_has(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_no_device_is_given_more_than_it_has(scenario: Scenario) -> None:
     req, candidates = scenario
     plan = plan_placement(req, candidates).plan
     if plan is None:
@@ -374,9 +376,7 @@ def test_property_no_device_is_given_more_than_it_has(
 
 @PROPERTIES
 @given(inventories())
-def test_property_the_first_tier_that_holds_it_with_the_fewest_nodes(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_the_first_tier_that_holds_it_with_the_fewest_nodes(scenario: Scenario) -> None:
     req, candidates = scenario
     result = plan_placement(req, candidates)
     ready = _brute(req, [c for c in candidates if c.state == "READY"])
@@ -393,9 +393,7 @@ def test_property_the_first_tier_that_holds_it_with_the_fewest_nodes(
 
 @PROPERTIES
 @given(inventories())
-def test_property_a_split_never_mixes_rpc_protocols(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_a_split_never_mixes_rpc_protocols(scenario: Scenario) -> None:
     req, candidates = scenario
     result = plan_placement(req, candidates)
     by_id = {c.node_id: c for c in candidates}
@@ -411,7 +409,7 @@ def test_property_a_split_never_mixes_rpc_protocols(
 @PROPERTIES
 @given(inventories(), st.randoms(use_true_random=False))
 def test_property_the_plan_does_not_depend_on_the_order_of_the_nodes(
-    scenario: tuple[PlacementRequest, list[Candidate]], rnd: object
+    scenario: Scenario, rnd: object
 ) -> None:
     req, candidates = scenario
     shuffled = list(candidates)

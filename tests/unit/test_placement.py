@@ -696,8 +696,12 @@ def test_result_requires_exactly_one_outcome() -> None:
 NODE_IDS = [f"n{i}" for i in range(7)]
 
 
+#: What the property tests draw: a placement request and the candidate nodes.
+Scenario = tuple[PlacementRequest, list[Candidate]]
+
+
 @st.composite
-def _scenario(draw: st.DrawFn, healthy: bool) -> tuple[PlacementRequest, list[Candidate]]:
+def _scenario(draw: st.DrawFn, healthy: bool) -> Scenario:
     """Random candidates; ``healthy`` ones are all eligible (READY or DEGRADED, private)."""
     count = draw(st.integers(min_value=0, max_value=6) | st.integers(min_value=2, max_value=6))
     node_ids = draw(st.permutations(NODE_IDS))[:count]
@@ -745,7 +749,7 @@ def _scenario(draw: st.DrawFn, healthy: bool) -> tuple[PlacementRequest, list[Ca
     return request, cands
 
 
-def scenarios() -> st.SearchStrategy[tuple[PlacementRequest, list[Candidate]]]:
+def scenarios() -> st.SearchStrategy[Scenario]:
     return _scenario(healthy=False) | _scenario(healthy=True)
 
 
@@ -792,9 +796,7 @@ PROPERTY_SETTINGS = settings(
 
 @PROPERTY_SETTINGS
 @given(scenarios())
-def test_property_plan_invariants_and_never_over_memory(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_plan_invariants_and_never_over_memory(scenario: Scenario) -> None:
     request, cands = scenario
     result = plan_placement(request, cands)
     if result.plan is not None:
@@ -807,9 +809,7 @@ def test_property_plan_invariants_and_never_over_memory(
 
 @PROPERTY_SETTINGS
 @given(scenarios(), st.randoms(use_true_random=False))
-def test_property_deterministic_under_permutation(
-    scenario: tuple[PlacementRequest, list[Candidate]], rnd: object
-) -> None:
+def test_property_deterministic_under_permutation(scenario: Scenario, rnd: object) -> None:
     request, cands = scenario
     shuffled = list(cands)
     rnd.shuffle(shuffled)  # type: ignore[attr-defined]
@@ -819,9 +819,7 @@ def test_property_deterministic_under_permutation(
 
 @PROPERTY_SETTINGS
 @given(scenarios())
-def test_property_single_ready_node_with_file_wins(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_single_ready_node_with_file_wins(scenario: Scenario) -> None:
     request, cands = scenario
     singles = [
         c
@@ -840,9 +838,7 @@ def test_property_single_ready_node_with_file_wins(
 
 @PROPERTY_SETTINGS
 @given(scenarios())
-def test_property_node_count_minimal_and_degraded_only_as_fallback(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_node_count_minimal_and_degraded_only_as_fallback(scenario: Scenario) -> None:
     request, cands = scenario
     pool = [c for c in cands if _eligible(request, c)]
     ready_best = _brute_best(request, [c for c in pool if c.state == "READY"])
@@ -863,9 +859,7 @@ def test_property_node_count_minimal_and_degraded_only_as_fallback(
 
 @PROPERTY_SETTINGS
 @given(scenarios())
-def test_property_public_addresses_reported_never_used(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_public_addresses_reported_never_used(scenario: Scenario) -> None:
     request, cands = scenario
     result = plan_placement(request, cands)
     expected = sorted(
@@ -886,9 +880,7 @@ def test_property_public_addresses_reported_never_used(
 
 @PROPERTY_SETTINGS
 @given(scenarios())
-def test_property_plan_survives_dict_round_trip(
-    scenario: tuple[PlacementRequest, list[Candidate]],
-) -> None:
+def test_property_plan_survives_dict_round_trip(scenario: Scenario) -> None:
     request, cands = scenario
     plan = plan_placement(request, cands).plan
     if plan is not None:
