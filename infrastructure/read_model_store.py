@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import orjson
@@ -270,20 +270,30 @@ class _ReadModelViews:
             if row is not None:
                 self._write_refusal(c, ident, row)
         elif isinstance(event, IssuedToken.Minted | IssuedToken.Revoked):
-            token = project_token(self._select_data(c, "tokens", "token_uuid", ident), event)
-            if token is not None:
-                self._write_token(c, ident, token)
+            self._project(
+                c, ident, event, ("tokens", "token_uuid"), project_token, self._write_token
+            )
         elif isinstance(event, Node.Event):
-            self._apply_node(c, ident, event)
+            self._project(c, ident, event, ("nodes", "node_id"), project_node, self._write_node)
         elif isinstance(event, RegisteredModel.Event):
-            self._apply_model(c, ident, event)
+            self._project(c, ident, event, ("models", "model_id"), project_model, self._write_model)
         elif isinstance(event, Job.Event):
             self._apply_job(c, ident, event)
 
-    def _apply_node(self, c: Any, ident: str, event: object) -> None:
-        node = project_node(self._select_data(c, "nodes", "node_id", ident), event)
-        if node is not None:
-            self._write_node(c, ident, node)
+    def _project(
+        self,
+        c: Any,
+        ident: str,
+        event: object,
+        view: tuple[str, str],
+        project: Callable[[dict[str, Any] | None, object], dict[str, Any] | None],
+        write: Callable[[Any, str, dict[str, Any]], None],
+    ) -> None:
+        """``event`` applied to its aggregate's row of ``view`` (table, key column): the row
+        projected from the stored one and written back (nothing when it does not change it)."""
+        row = project(self._select_data(c, *view, ident), event)
+        if row is not None:
+            write(c, ident, row)
 
     def _write_node(self, c: Any, ident: str, node: dict[str, Any]) -> None:
         c.execute(
@@ -358,11 +368,6 @@ class _ReadModelViews:
             f"ORDER BY at DESC, refusal_id LIMIT {int(limit)}",
             tuple(params),
         )
-
-    def _apply_model(self, c: Any, ident: str, event: object) -> None:
-        model = project_model(self._select_data(c, "models", "model_id", ident), event)
-        if model is not None:
-            self._write_model(c, ident, model)
 
     def _write_model(self, c: Any, ident: str, model: dict[str, Any]) -> None:
         c.execute(

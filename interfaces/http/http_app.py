@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar, Router
@@ -9,17 +10,11 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
-from application.job_manager import JobManager
-from application.metrics_history import MetricsHistory
-from application.model_claims import ModelClaims
-from application.model_transfers import TransferCoordinator
-from application.node_steering import NodeSteering
 from application.version import CONTROLLER_VERSION
-from infrastructure.metrics import PrometheusMetrics
 from infrastructure.settings import DEFAULT_MAX_REQUEST_BYTES
 from interfaces.http.admin.admin_api import AdminRoutes, health
 from interfaces.http.admin.admin_jobs_api import AdminJobRoutes
-from interfaces.http.admin.event_feed import EventFeed, event_stream
+from interfaces.http.admin.event_feed import event_stream
 from interfaces.http.admin.models_api import AdminModelRoutes
 from interfaces.http.admin.operations_api import operations_handlers
 from interfaces.http.http_errors import EXCEPTION_HANDLERS, not_running
@@ -51,30 +46,23 @@ def dependencies(services: Services | None) -> dict[str, Provide]:
             raise not_running("the controller's services are not running")
         return services
 
-    def jobs() -> JobManager | None:
-        return services.jobs if services is not None else None
+    def part(of: Callable[[Services], object]) -> Callable[[], object]:
+        def provide() -> object:
+            return of(services) if services is not None else None
 
-    def transfers() -> TransferCoordinator | None:
-        return services.transfers if services is not None else None
+        return provide
 
-    def claims() -> ModelClaims | None:
-        return services.claims if services is not None else None
-
-    def metrics() -> PrometheusMetrics | None:
-        return services.metrics if services is not None else None
-
-    def feed() -> EventFeed | None:
-        return services.feed if services is not None else None
-
-    def history() -> MetricsHistory | None:
-        return services.history if services is not None else None
-
-    def steering() -> NodeSteering | None:
-        return services.steering if services is not None else None
-
-    return {
-        provider.__name__: Provide(provider, sync_to_thread=False)
-        for provider in (svc, jobs, transfers, claims, metrics, feed, history, steering)
+    parts: dict[str, Callable[[Services], object]] = {
+        "jobs": lambda s: s.jobs,
+        "transfers": lambda s: s.transfers,
+        "claims": lambda s: s.claims,
+        "metrics": lambda s: s.metrics,
+        "feed": lambda s: s.feed,
+        "history": lambda s: s.history,
+        "steering": lambda s: s.steering,
+    }
+    return {"svc": Provide(svc, sync_to_thread=False)} | {
+        name: Provide(part(of), sync_to_thread=False) for name, of in parts.items()
     }
 
 

@@ -11,7 +11,6 @@ from typing import Annotated, Any
 from uuid import UUID
 
 import msgspec
-from litestar import Controller as Routes
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec.enums import OpenAPIFormat
@@ -25,7 +24,7 @@ from application.node_steering import NodeSteering
 from application.version import CONTROLLER_VERSION
 from common.contract import PROTOCOL_VERSION
 from domain.bounded_text import NODE_NAME_MAX, node_name_problem
-from interfaces.http.http_auth import admin_guard
+from interfaces.http.admin.admin_routes import AdminController
 from interfaces.http.http_docs import (
     ADMIN_KEY_ERRORS,
     AccessRefusals,
@@ -147,11 +146,8 @@ class RevokeRequest(msgspec.Struct):
     )
 
 
-class AdminRoutes(Routes):
+class AdminRoutes(AdminController):
     path = "/api/admin"
-    guards = [admin_guard]
-    tags = ["admin"]
-    security = [{"BearerAuth": []}]
 
     @get(
         "/nodes",

@@ -11,7 +11,6 @@ import asyncio
 from typing import Annotated, Any
 from uuid import UUID
 
-from litestar import Controller as Routes
 from litestar import get
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import PathParameter, QueryParameter
@@ -20,7 +19,7 @@ from application.timeline import job_timeline, parse_time, timeline, timeline_ki
 from domain.model import MODEL_NAME_PATTERN, is_model_name
 from domain.states import JobState
 from interfaces.http.admin.admin_api import UUID_PATTERN, NodeId, canonical_id
-from interfaces.http.http_auth import admin_guard
+from interfaces.http.admin.admin_routes import AdminController
 from interfaces.http.http_docs import (
     ADMIN_KEY_ERRORS,
     ApiOperation,
@@ -126,11 +125,8 @@ def _job_state(given: str) -> str:
     return wanted
 
 
-class AdminJobRoutes(Routes):
+class AdminJobRoutes(AdminController):
     path = "/api/admin"
-    guards = [admin_guard]
-    tags = ["admin"]
-    security = [{"BearerAuth": []}]
 
     @get(
         "/jobs",

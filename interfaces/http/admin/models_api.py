@@ -6,7 +6,6 @@ import asyncio
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Controller as Routes
 from litestar import get, post
 from litestar.params import JSONBody
 
@@ -29,7 +28,7 @@ from domain.model import (
 from domain.model_claims import STORE
 from domain.states import NodeState
 from interfaces.http.admin.admin_api import READ_YOUR_WRITES_TIMEOUT
-from interfaces.http.http_auth import admin_guard
+from interfaces.http.admin.admin_routes import AdminController
 from interfaces.http.http_docs import (
     ADMIN_KEY_ERRORS,
     ApiOperation,
@@ -152,11 +151,8 @@ async def _transfer_targets(
     return transfers, model, ids
 
 
-class AdminModelRoutes(Routes):
+class AdminModelRoutes(AdminController):
     path = "/api/admin/models"
-    guards = [admin_guard]
-    tags = ["admin"]
-    security = [{"BearerAuth": []}]
 
     @post(
         "/",
