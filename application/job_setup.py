@@ -14,7 +14,13 @@ from dataclasses import replace
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
-from application.admission import AdmissionQueue, CapacityError, QueueTimeoutError, Ticket
+from application.admission import (
+    AdmissionQueue,
+    CapacityError,
+    QueueTimeoutError,
+    Ticket,
+    may_pass,
+)
 from application.agent_messages import SetupOutcome
 from application.background import BackgroundTasks
 from application.commands import JobParams, Submission
@@ -47,7 +53,7 @@ from application.worker_access import WorkerAccess, rpc_worker_nodes, worker_dev
 from common.contract import JobErrorCode
 from domain.errors import DomainError, SlotTaken
 from domain.model import EMBEDDING
-from domain.placement import ExecutionPlan
+from domain.placement import WAITS_FOR_CACHE, ExecutionPlan
 from domain.runtimes import runtime_of
 
 log = logging.getLogger(__name__)
@@ -248,7 +254,7 @@ class JobSetup:
         first served); a re-plan tries at once, as its job already waited its turn.
         """
         if failure is not None or self._queue.depth(run.model) == 0:
-            placed = await self._place(run, failure)
+            placed = await self._place(run, failure, wait_for_cache=failure is None)
             if isinstance(placed, ExecutionPlan):
                 return placed
             if not placed.transient or failure is not None:
@@ -275,7 +281,8 @@ class JobSetup:
         deadline = queued_at + self._settings.queue_timeout
         ticket: Ticket | None = None
         try:
-            ticket = self._queue.join(run.model, run.job_id)  # QueueFullError: no record
+            chain = self._scheduler.router.chain(run.submission.prompt)
+            ticket = self._queue.join(run.model, run.job_id, chain)  # QueueFullError: no record
             run.ticket = ticket
             # Joined and handed to the batcher with no await between: the store lists
             # JOB_QUEUED in queue order (the batcher writes new jobs in the order they came).
@@ -293,7 +300,7 @@ class JobSetup:
                 except TimeoutError:
                     raise await self._queue_timeout(run, ticket) from None
                 ticket.wakeup.clear()
-                if not self._queue.is_head(ticket):
+                if not self._queue.is_head(ticket) or await self._waits_for_cache(run, ticket):
                     continue
                 placed = await self._place(run, None)
                 if isinstance(placed, ExecutionPlan):
@@ -305,6 +312,33 @@ class JobSetup:
             if ticket is not None:
                 self._queue.leave(ticket)
             run.ticket = None
+
+    async def _waits_for_cache(self, run: JobRun, head: Ticket) -> bool:
+        """Whether the head (``run``'s ticket) waits on: a request behind it went first
+        because a free slot's server holds its conversation's prefix, or every request looked
+        at waits for the busy server that holds its own (within the queue's bounds:
+        :meth:`AdmissionQueue.overtakers`, :func:`may_pass`)."""
+        behind = self._queue.overtakers(head)
+        if not head.chain and not any(ticket.chain for ticket in behind):
+            return False
+        looked_at = [head, *behind]
+        async with self._placing:
+            first, passed = await self._decide(
+                self._scheduler.next_to_go,
+                run.model_row,
+                [(ticket.chain, may_pass(ticket)) for ticket in looked_at],
+                connected=self._gateway.is_connected,
+            )
+        if first == 0 or not self._queue.is_head(head):
+            return False
+        self._queue.passed([looked_at[position] for position in passed])
+        if first is None:
+            return True
+        chosen = looked_at[first]
+        if chosen not in self._queue.overtakers(head):  # it left meanwhile
+            return False
+        self._queue.promote(chosen)
+        return True
 
     async def _queue_timeout(self, run: JobRun, ticket: Ticket) -> QueueTimeoutError:
         waited = self._settings.queue_timeout
@@ -318,8 +352,11 @@ class JobSetup:
         )
         return QueueTimeoutError(why)
 
-    async def _place(self, run: JobRun, failure: SetupFailure | None) -> ExecutionPlan | Unplaced:
-        """Plans and dispatches in one transaction, or says why not.
+    async def _place(
+        self, run: JobRun, failure: SetupFailure | None, *, wait_for_cache: bool = False
+    ) -> ExecutionPlan | Unplaced:
+        """Plans and dispatches in one transaction, or says why not (``wait_for_cache``:
+        :meth:`Scheduler.place`'s).
 
         Placements in this process take turns, so they never pick the same free slot; the
         store's version check refuses a slot that another controller took meanwhile
@@ -336,6 +373,7 @@ class JobSetup:
                     connected=self._gateway.is_connected,
                     prefix=prefix,
                     job_id=run.job_id,
+                    wait_for_cache=wait_for_cache,
                 )
                 for v in result.violations:
                     if v.node_id not in run.reported_violations:  # once per job and node
@@ -345,6 +383,8 @@ class JobSetup:
                         )
                 if result.plan is None:
                     assert result.no_capacity is not None
+                    if result.no_capacity.code == WAITS_FOR_CACHE:
+                        return Unplaced(result.no_capacity.reason, transient=True)
                     return await self._unplaced(run, result.no_capacity.reason)
                 plan = result.plan
                 roles = {plan.primary.node_id: "primary"}

@@ -17,7 +17,6 @@ routed: nothing of them is kept.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,10 +59,9 @@ def _json(value: Any) -> str:
 
 
 class PrefixRouter:
-    """The controller's memory of what each warm server's slots hold, and the choice it makes
+    """The controller's memory of what each warm server's cache holds, and the choice it makes
     from it. One per controller. Placements take turns (``JobSetup``, in the scheduler's
-    decision thread), so the index needs no lock; jobs end on the event loop's thread, so the
-    slots they free are guarded by one."""
+    decision thread), so the index needs no lock."""
 
     def __init__(
         self,
@@ -79,9 +77,6 @@ class PrefixRouter:
         self.block_chars = block_chars
         self.epsilon = epsilon
         self.index = PrefixIndex(capacity)
-        # job → (server, slot) it runs in: a slot running a job takes no other prompt.
-        self._running: dict[str, tuple[str, int]] = {}
-        self._running_lock = threading.Lock()
 
     def chain(self, job: JobInput) -> tuple[int, ...]:
         """The job's prefix chain; empty for a job that is not routed or is shorter than a
@@ -106,22 +101,49 @@ class PrefixRouter:
                 return by_server[route.server], route
         return choices[0], None
 
-    def sent(self, job_id: str, server: str, chain: tuple[int, ...], slots: int) -> None:
-        """Job ``job_id``, whose prompt has ``chain``, was placed on ``server`` (``slots``
-        slots): it runs in the slot llama-server will give it until :meth:`released`."""
-        self.released(job_id)  # placed again (a slot taken meanwhile, a re-plan)
-        if not chain:
-            return
-        with self._running_lock:
-            busy = [slot for s, slot in self._running.values() if s == server]
-        slot = self.index.record(server, chain, slots, busy)
-        with self._running_lock:
-            self._running[job_id] = (server, slot)
+    def next_to_go(
+        self, waiting: Sequence[tuple[tuple[int, ...], bool]], servers: Sequence[WarmChoice]
+    ) -> tuple[int | None, list[int]]:
+        """Which waiting job takes a free slot now, and which let it go by.
 
-    def released(self, job_id: str) -> None:
-        """The job ended, or its placement was undone: its slot is idle again."""
-        with self._running_lock:
-            self._running.pop(job_id, None)
+        ``waiting`` is the queue's head and the jobs that may go before it, in order, each as
+        (its prompt's chain, whether it may still pass: :func:`application.admission.may_pass`);
+        ``servers`` are the model's warm servers, busy ones included. The first job that
+        :meth:`choose` would send to the server holding its longest prefix goes. A job whose
+        longest prefix is on a busy server waits for it (it *passes*) while it may, and while
+        fewer jobs wait for that server than it has slots; any other job (a new conversation,
+        a server gone) takes the free slot as usual. Returns (its position, or None when every
+        job waits for its own server; the positions that passed). With no free slot the head
+        goes: a cold plan may start a server for it."""
+        free = {choice.server: choice.running for choice in servers if choice.free_slots > 0}
+        if not free or not self.enabled:
+            return 0, []
+        slots = {choice.server: choice.plan.parallel for choice in servers}
+        waiting_for: dict[str, int] = {}
+        passed: list[int] = []
+        for position, (chain, may_pass) in enumerate(waiting):
+            matches = self.index.match(chain) if chain else {}
+            if not matches:
+                return position, passed
+            longest = max(match.blocks for match in matches.values())
+            route = prefix_route(matches, free, epsilon=self.epsilon)
+            if route is not None and route.blocks == longest:
+                return position, passed
+            homes = sorted(s for s, m in matches.items() if m.blocks == longest and s in slots)
+            if not homes or not may_pass or waiting_for.get(homes[0], 0) >= slots[homes[0]]:
+                return position, passed
+            waiting_for[homes[0]] = waiting_for.get(homes[0], 0) + 1
+            passed.append(position)
+        return None, passed
+
+    def sent(self, server: str, chain: tuple[int, ...], cache_blocks: int) -> None:
+        """A job whose prompt has ``chain`` was placed on ``server``, which holds at most
+        ``cache_blocks`` blocks (:func:`domain.prefix_index.server_cache_blocks`)."""
+        self.index.record(server, chain, cache_blocks)
+
+    def forget(self, server: str) -> None:
+        """``server`` stopped or was lost: its cache is gone."""
+        self.index.forget(server)
 
     def route_of(self, job: JobInput, route: PrefixRoute | None) -> dict[str, Any] | None:
         """What JOB_DISPATCHED records: hit or miss and the characters matched; None for a job

@@ -24,6 +24,7 @@ from domain.placement import (
     MAX_NODE_MEMORY_BYTES,
     MAX_SLOTS,
     MODEL_NOT_PRESENT,
+    WAITS_FOR_CACHE,
     Candidate,
     Device,
     ExecutionPlan,
@@ -32,7 +33,8 @@ from domain.placement import (
     PlacementRequest,
     PlacementResult,
 )
-from domain.runtimes import server_of, warm_choices
+from domain.prefix_index import server_cache_blocks
+from domain.runtimes import WarmChoice, server_of, warm_choices
 from domain.split_planner import plan_placement
 from domain.states import NodeState
 
@@ -159,6 +161,11 @@ def _needs(model: dict[str, Any], shape: dict[str, Any]) -> ModelNeeds:
     )
 
 
+def _cache_blocks(needs: ModelNeeds, plan: ExecutionPlan) -> int:
+    """The prefix blocks the server of ``plan`` holds at most, its slots and its prompt cache."""
+    return server_cache_blocks(needs.kv_bytes_per_token, plan.context_size, plan.parallel)
+
+
 def idle_eligibility(node: dict[str, Any]) -> dict[str, Any] | None:
     """The eligibility row ``node`` would have with none of its slots taken."""
     if node["state"] == NodeState.BUSY:
@@ -194,7 +201,6 @@ class Scheduler:
     def release(self, job_id: str) -> None:
         """Job ``job_id`` ended, or its placement was undone: its slots are free again."""
         self.ledger.released(job_id)
-        self.router.released(job_id)
 
     def _candidate(
         self,
@@ -255,6 +261,67 @@ class Scheduler:
                 return True
         return False
 
+    def _current(self, model: dict[str, Any]) -> dict[str, Any]:
+        """``model`` with its facts as they are now: a request's row may predate them."""
+        current = self.read_model.get_model(model["name"])
+        if current is None or current["sha256"] != model["sha256"]:
+            return model
+        return {**model, "shape": current.get("shape"), "shape_from": current.get("shape_from")}
+
+    def _warm_choices(
+        self,
+        nodes: dict[str, dict[str, Any]],
+        model: dict[str, Any],
+        facts: tuple[dict[str, Any], str],
+        exclude: frozenset[str],
+        connected: Callable[[str], bool] | None,
+        *,
+        busy: bool = False,
+    ) -> list[WarmChoice]:
+        """The warm servers that could take a job for ``model`` now (:func:`warm_choices`),
+        less those whose plan gives a device more than its budget; ``busy``: those with no
+        free slot too."""
+        live = self.live.all()
+        basis = facts[1]
+
+        def reachable(node_id: str) -> bool:
+            entry = live.get(node_id)
+            return (
+                entry is not None and entry.connected and (connected is None or connected(node_id))
+            )
+
+        context_size = min(int(model["context_size"]), _needs(model, facts[0]).context_length_max)
+        choices = warm_choices(
+            nodes,
+            model_name=model["name"],
+            model_sha256=model["sha256"],
+            context_size=context_size,
+            exclude=exclude,
+            reachable=reachable,
+            primary_holds=lambda node_id: proves(nodes[node_id], model["sha256"], basis),
+            busy=busy,
+        )
+        return [choice for choice in choices if not self._over_budget(choice.plan)]
+
+    def next_to_go(
+        self,
+        model: dict[str, Any],
+        waiting: list[tuple[tuple[int, ...], bool]],
+        *,
+        connected: Callable[[str], bool] | None = None,
+    ) -> tuple[int | None, list[int]]:
+        """Which of the waiting jobs (the queue's head first) takes a free slot now, by where
+        their prompts' prefixes are cached (:meth:`PrefixRouter.next_to_go`)."""
+        if not any(chain for chain, _ in waiting):
+            return 0, []
+        nodes = self.ledger.adjust_all(self.read_model.list_nodes())
+        model = self._current(model)
+        facts = model_facts(model, nodes)
+        if facts is None:
+            return 0, []
+        servers = self._warm_choices(nodes, model, facts, frozenset(), connected, busy=True)
+        return self.router.next_to_go(waiting, servers)
+
     def place(
         self,
         model: dict[str, Any],
@@ -265,6 +332,7 @@ class Scheduler:
         pretend_holding: frozenset[str] = frozenset(),
         prefix: tuple[int, ...] = (),
         job_id: str = "",
+        wait_for_cache: bool = False,
     ) -> PlacementResult:
         """A plan for ``model`` now, or why there is none.
 
@@ -272,6 +340,10 @@ class Scheduler:
         among warm servers the one holding the longest prefix takes the job, within the load
         bound; a plan made for real (not ``assume_idle`` nor ``pretend_holding``) is
         remembered as holding it (:meth:`release` when the job ends).
+
+        ``wait_for_cache``: when the busy server holding the job's longest prefix should take
+        it (:meth:`PrefixRouter.next_to_go`), no plan (``WAITS_FOR_CACHE``): the job waits in
+        the admission queue for that server's next free slot.
 
         ``pretend_holding`` plans as if those nodes held the model's file: whether fetching
         it there would let the job run.
@@ -283,14 +355,7 @@ class Scheduler:
         # This controller's own assignments and releases count at once (the ledger); the
         # read model supplies everyone else's, a little late.
         nodes = self.ledger.adjust_all(self.read_model.list_nodes())
-        # The model's facts as they are now: a request's row may predate them.
-        current = self.read_model.get_model(model["name"])
-        if current is not None and current["sha256"] == model["sha256"]:
-            model = {
-                **model,
-                "shape": current.get("shape"),
-                "shape_from": current.get("shape_from"),
-            }
+        model = self._current(model)
         facts = model_facts(model, nodes)
         if facts is None:
             return PlacementResult(
@@ -305,30 +370,24 @@ class Scheduler:
         needs = _needs(model, facts[0])
         basis = facts[1]
         live = self.live.all()
-
-        def reachable(node_id: str) -> bool:
-            entry = live.get(node_id)
-            return (
-                entry is not None and entry.connected and (connected is None or connected(node_id))
-            )
-
         context_size = min(int(model["context_size"]), needs.context_length_max)
         if not assume_idle and not pretend_holding:
-            choices = warm_choices(
-                nodes,
-                model_name=model["name"],
-                model_sha256=model["sha256"],
-                context_size=context_size,
-                exclude=exclude,
-                reachable=reachable,
-                primary_holds=lambda node_id: proves(nodes[node_id], model["sha256"], basis),
-            )
-            picked = self.router.choose(
-                prefix, [c for c in choices if not self._over_budget(c.plan)]
-            )
+            servers = self._warm_choices(nodes, model, facts, exclude, connected, busy=True)
+            home_busy = wait_for_cache and prefix != ()
+            if home_busy and self.router.next_to_go([(prefix, True)], servers)[0] is None:
+                return PlacementResult(
+                    plan=None,
+                    no_capacity=NoCapacity(
+                        "the server holding this conversation's prompt prefix is busy; "
+                        "the request waits for a slot there",
+                        code=WAITS_FOR_CACHE,
+                    ),
+                )
+            choices = [choice for choice in servers if choice.free_slots > 0]
+            picked = self.router.choose(prefix, choices)
             if picked is not None:
                 warm, route = picked
-                self.router.sent(job_id, warm.server, prefix, warm.plan.parallel)
+                self.router.sent(warm.server, prefix, _cache_blocks(needs, warm.plan))
                 return PlacementResult(
                     plan=warm.plan, fallback_used=warm.degraded, warm=True, route=route
                 )
@@ -354,5 +413,5 @@ class Scheduler:
         result = plan_placement(request, candidates)
         if result.plan is not None and not assume_idle and not pretend_holding:
             plan = result.plan
-            self.router.sent(job_id, server_of(plan), prefix, plan.parallel)
+            self.router.sent(server_of(plan), prefix, _cache_blocks(needs, plan))
         return result

@@ -49,6 +49,9 @@ NO_ELIGIBLE_NODES = "NO_ELIGIBLE_NODES"
 MODEL_NOT_PRESENT = "MODEL_NOT_PRESENT"
 INSUFFICIENT_MEMORY = "INSUFFICIENT_MEMORY"
 NODE_LIMIT = "NODE_LIMIT"
+#: The warm server holding the job's conversation (its prompt's prefix) is busy: the job waits
+#: for a slot there rather than take a free one elsewhere (application/prefix_routing.py).
+WAITS_FOR_CACHE = "WAITS_FOR_CACHE"
 #: The nodes that together would hold the model speak different llama.cpp RPC protocols.
 RPC_VERSION_MISMATCH = "RPC_VERSION_MISMATCH"
 

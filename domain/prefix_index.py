@@ -1,35 +1,43 @@
-"""What each warm server's slots hold in their KV cache, approximately, so that a conversation's
-next turn goes back to the server (and slot) that already holds its prefix.
+"""What each warm server's cache holds, approximately, so that a conversation's next turn goes
+back to the server that already holds its prefix.
 
 llama-server keeps each slot's KV cache after a request ends (``cache_prompt``), and a prompt
-that extends what a slot holds only pays for its new tokens. The controller cannot see those
-caches; it remembers what it sent instead:
+that extends what it holds only pays for its new tokens. When a slot is given to another
+prompt, llama-server first saves what the slot held in its host-memory *prompt cache*
+(``--cache-ram``, 8 GiB by default; llama.cpp PR 16391), and loads from there the saved prompt
+that best matches the new one. So a server holds many conversations, not one per slot: its
+slots' and its prompt cache's, oldest dropped first once the cache is full, and a saved prompt
+that a longer one contains is dropped for it. The controller cannot see those caches; it
+remembers what it sent instead:
 
 * A prompt's *prefix chain* (:func:`prefix_chain`) hashes its canonical text in blocks of
   :data:`BLOCK_CHARS` characters, each hash covering every block before it (``h[i]`` stands for
   the first ``i + 1`` blocks). Two prompts share their first ``k`` hashes exactly when they
   share their first ``k`` blocks (up to a 64-bit collision), so a match needs no text kept.
-* :class:`PrefixIndex` keeps, per server slot, the chain of the last prompt dispatched there,
-  placed in the slot llama-server itself would pick (the idle slot sharing the longest prefix,
-  else the one used longest ago): a slot holds one conversation at a time, so recording a new
-  prompt on a slot ages out what it held. A server that stops or is lost is forgotten whole.
-  The agent does not name the slot (``id_slot``): llama-server already picks the idle slot with
-  the longest common prefix, and a named slot that is busy would make the request wait.
+* :class:`PrefixIndex` keeps, per server, the chains of the prompts dispatched there, in the
+  order last sent: a prompt that extends one the server holds replaces it (the conversation
+  grew), and past the server's capacity (:func:`server_cache_blocks`: its slots and its prompt
+  cache, in blocks) the prompts sent longest ago age out. A server that stops or is lost is
+  forgotten whole.
 * :func:`prefix_route` picks the server holding the longest prefix unless it is loaded beyond
   the bound of consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
   2018), plus one job of slack: a server may take a job only while its running jobs stay
   within ``ceil((1 + epsilon) * (running + 1) / servers) + 1``, so no server takes more than
   ``1 + epsilon`` times the average load, plus one job, because of where its caches are.
 
-Pure: no I/O and no clock; the caller holds the index and says what ran where.
+The agent does not name a slot (``id_slot``): llama-server already picks the idle slot with the
+longest common prefix (or loads the prompt from its cache), and a named slot that is busy would
+make the request wait. Pure: no I/O and no clock; the caller holds the index and says what ran
+where.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 #: Characters a prefix block covers: about 64 tokens of English, so a 6 KB system prompt is
 #: 24 blocks and a turn of a few sentences adds one or two.
@@ -40,7 +48,27 @@ DEFAULT_EPSILON = 0.25
 #: is one job each, and two conversations that share a server could not both go back to it.
 SLACK = 1
 
+#: llama-server's host-memory prompt cache, its default size (``--cache-ram`` 8192 MiB).
+PROMPT_CACHE_BYTES = 8192 << 20
+#: The KV bytes per token assumed for a model that does not say (a 7B model's in f16).
+ASSUMED_KV_BYTES_PER_TOKEN = 128 << 10
+#: Characters per token, roughly (English text), to turn a cache's tokens into blocks.
+CHARS_PER_TOKEN = 4
+
 ServerId = str
+
+
+def server_cache_blocks(
+    kv_bytes_per_token: int,
+    slot_tokens: int,
+    slots: int,
+    block_chars: int = BLOCK_CHARS,
+) -> int:
+    """The prefix blocks a server holds at most: its ``slots`` slots of ``slot_tokens`` tokens
+    each, and the tokens its prompt cache has room for at ``kv_bytes_per_token``."""
+    per_token = kv_bytes_per_token if kv_bytes_per_token > 0 else ASSUMED_KV_BYTES_PER_TOKEN
+    tokens = slots * slot_tokens + PROMPT_CACHE_BYTES // per_token
+    return max(1, tokens * CHARS_PER_TOKEN // block_chars)
 
 
 def prefix_chain(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
@@ -61,72 +89,65 @@ def prefix_chain(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest prefix one server holds: ``blocks`` whole blocks, in slot ``slot``."""
+    """The longest prefix one server holds: ``blocks`` whole blocks."""
 
     blocks: int
-    slot: int
+
+
+_Key = tuple[ServerId, int]
 
 
 class PrefixIndex:
-    """Per server slot, the prefix chain of the last prompt sent there (see the module's
-    docstring). ``capacity`` bounds the hashes kept in all: past it, the slots recorded
-    longest ago are forgotten first."""
+    """Per server, the prefix chains of the prompts it holds (see the module's docstring).
+    ``capacity`` bounds the hashes kept over every server: past it, the prompts sent longest
+    ago are forgotten first."""
 
     def __init__(self, capacity: int = 1_000_000) -> None:
         self._capacity = capacity
-        # (server, slot) -> chain, in the order recorded (oldest first: dicts keep order).
-        self._slots: dict[tuple[ServerId, int], tuple[int, ...]] = {}
-        # hash -> the slots whose chain holds it.
-        self._holders: dict[int, set[tuple[ServerId, int]]] = {}
+        # (server, n) -> chain, the whole index in the order sent (oldest first).
+        self._prompts: dict[_Key, tuple[int, ...]] = {}
+        # server -> its keys, in the order sent; and the blocks it holds.
+        self._servers: dict[ServerId, dict[_Key, None]] = {}
+        self._blocks: dict[ServerId, int] = {}
+        # hash -> the prompts whose chain holds it; (server, hash) -> those whose chain ends
+        # with it (a prompt ending with one of a new chain's hashes is a prefix of it).
+        self._holders: dict[int, set[_Key]] = {}
+        self._ends: dict[tuple[ServerId, int], set[_Key]] = {}
         self._size = 0
+        self._sent = 0
 
     def __len__(self) -> int:
-        """The hashes kept, over every slot."""
+        """The hashes kept, over every server."""
         return self._size
 
-    def record(
-        self,
-        server: ServerId,
-        chain: tuple[int, ...],
-        slots: int,
-        busy: Iterable[int] = (),
-    ) -> int:
-        """``server`` (with ``slots`` slots, those in ``busy`` running other jobs) was sent the
-        prompt whose chain is ``chain``; returns the slot that now holds it. The slot is the
-        one llama-server picks among its idle slots: the one sharing the longest prefix with
-        the prompt, else the one used longest ago (``get_available_slot`` in llama.cpp's
-        ``server-context.cpp``; its 10 % similarity threshold is left out)."""
-        taken = set(busy)
-        idle = [slot for slot in range(slots) if slot not in taken] or list(range(slots))
-        best, best_blocks = None, 0
-        for slot in idle:
-            kept = self._slots.get((server, slot))
-            blocks = _common_blocks(kept, chain) if kept is not None else 0
-            if blocks > best_blocks:
-                best, best_blocks = slot, blocks
-        if best is None:
-            empty = [slot for slot in idle if (server, slot) not in self._slots]
-            if empty:
-                best = empty[0]
-            else:  # the least recently recorded: the first in the index's order
-                best = next(k[1] for k in self._slots if k[0] == server and k[1] in idle)
-        self.put(server, best, chain)
-        return best
-
-    def put(self, server: ServerId, slot: int, chain: tuple[int, ...]) -> None:
-        """Slot ``slot`` of ``server`` now holds the prompt whose chain is ``chain``."""
-        key = (server, slot)
-        self._drop(key)
-        self._slots[key] = chain
+    def record(self, server: ServerId, chain: tuple[int, ...], server_blocks: int) -> None:
+        """``server``, which holds at most ``server_blocks`` blocks (:func:`server_cache_blocks`),
+        was sent the prompt whose chain is ``chain``: it holds it now. A prompt it held that
+        this one extends is gone (llama-server keeps the longer one); past ``server_blocks``
+        the prompts it was sent longest ago are."""
+        if not chain:
+            return
+        for digest in chain:
+            for key in list(self._ends.get((server, digest), ())):
+                self._drop(key)
+        key = (server, self._sent)
+        self._sent += 1
+        self._prompts[key] = chain
+        self._servers.setdefault(server, {})[key] = None
+        self._blocks[server] = self._blocks.get(server, 0) + len(chain)
+        self._ends.setdefault((server, chain[-1]), set()).add(key)
         for digest in chain:
             self._holders.setdefault(digest, set()).add(key)
         self._size += len(chain)
-        while self._size > self._capacity and self._slots:
-            self._drop(next(iter(self._slots)))
+        held = self._servers[server]
+        while self._blocks.get(server, 0) > server_blocks and len(held) > 1:
+            self._drop(next(iter(held)))
+        while self._size > self._capacity and self._prompts:
+            self._drop(next(iter(self._prompts)))
 
     def forget(self, server: ServerId) -> None:
-        """The server stopped or was lost: none of its slots holds anything now."""
-        for key in [k for k in self._slots if k[0] == server]:
+        """The server stopped or was lost: it holds nothing now."""
+        for key in list(self._servers.get(server, ())):
             self._drop(key)
 
     def match(self, chain: tuple[int, ...]) -> dict[ServerId, PrefixMatch]:
@@ -135,41 +156,39 @@ class PrefixIndex:
         for depth, digest in enumerate(chain, start=1):
             holders = self._holders.get(digest)
             if not holders:
-                break  # chained: no slot holds a longer prefix than one it does not hold
-            for server, slot in holders:
-                best = found.get(server)
-                if (
-                    best is None
-                    or best.blocks < depth
-                    or (best.blocks == depth and slot < best.slot)
-                ):
-                    found[server] = PrefixMatch(depth, slot)
+                break  # chained: no prompt holds a longer prefix than one it does not hold
+            for server, _ in holders:
+                found[server] = PrefixMatch(depth)
         return found
 
-    def held(self, server: ServerId) -> Iterable[int]:
-        """The slots of ``server`` the index holds a prefix for."""
-        return sorted(slot for s, slot in self._slots if s == server)
+    def prompts(self, server: ServerId) -> int:
+        """How many prompts ``server`` holds, as far as the index knows."""
+        return len(self._servers.get(server, ()))
 
-    def _drop(self, key: tuple[ServerId, int]) -> None:
-        chain = self._slots.pop(key, None)
+    def _drop(self, key: _Key) -> None:
+        chain = self._prompts.pop(key, None)
         if chain is None:
             return
+        server = key[0]
+        held = self._servers[server]
+        del held[key]
+        if not held:
+            del self._servers[server]
+        self._blocks[server] -= len(chain)
+        if not self._blocks[server]:
+            del self._blocks[server]
         self._size -= len(chain)
+        _discard(self._ends, (server, chain[-1]), key)
         for digest in chain:
-            holders = self._holders.get(digest)
-            if holders is not None:
-                holders.discard(key)
-                if not holders:
-                    del self._holders[digest]
+            _discard(self._holders, digest, key)
 
 
-def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _discard(index: dict[Any, set[_Key]], at: Any, key: _Key) -> None:
+    entries = index.get(at)
+    if entries is not None:
+        entries.discard(key)
+        if not entries:
+            del index[at]
 
 
 def load_bound(running: int, servers: int, epsilon: float = DEFAULT_EPSILON) -> int:
@@ -182,12 +201,10 @@ def load_bound(running: int, servers: int, epsilon: float = DEFAULT_EPSILON) -> 
 
 @dataclass(frozen=True, slots=True)
 class PrefixRoute:
-    """Where a job goes because of its prefix: ``server``, with ``blocks`` blocks matched in
-    slot ``slot``."""
+    """Where a job goes because of its prefix: ``server``, with ``blocks`` blocks matched."""
 
     server: ServerId
     blocks: int
-    slot: int
 
 
 def prefix_route(
@@ -211,5 +228,5 @@ def prefix_route(
             continue
         rank = (-match.blocks, load, server)
         if best is None or rank < best[0]:
-            best = (rank, PrefixRoute(server, match.blocks, match.slot))
+            best = (rank, PrefixRoute(server, match.blocks))
     return None if best is None else best[1]

@@ -24,6 +24,7 @@ from domain.states import NodeState
 
 _READY = NodeState.READY.value
 _DEGRADED = NodeState.DEGRADED.value
+_BUSY = NodeState.BUSY.value
 
 
 def runtime_of(plan: ExecutionPlan) -> dict[str, Any]:
@@ -71,9 +72,11 @@ class WarmChoice:
         return (int(self.degraded), -self.free_slots, self.plan.primary.node_id)
 
 
-def _usable(row: Mapping[str, Any], key: str) -> bool:
-    """Whether ``row``'s node can serve one more job on the runtime ``key``."""
-    if row["drain_requested"] or row["state"] not in (_READY, _DEGRADED):
+def _usable(row: Mapping[str, Any], key: str, busy: bool = False) -> bool:
+    """Whether ``row``'s node can serve one more job on the runtime ``key`` (``busy``: or
+    could once one of its jobs ends)."""
+    states = (_READY, _DEGRADED, _BUSY) if busy else (_READY, _DEGRADED)
+    if row["drain_requested"] or row["state"] not in states:
         return False
     runtime = row.get("runtime")
     return runtime_key(runtime) == key
@@ -88,8 +91,10 @@ def warm_choices(
     exclude: frozenset[str] = frozenset(),
     reachable: Callable[[str], bool] = lambda _node_id: True,
     primary_holds: Callable[[str], bool] = lambda _node_id: True,
+    busy: bool = False,
 ) -> list[WarmChoice]:
-    """Every warm server that could take a job for the model. A server runs one
+    """Every warm server that could take a job for the model (``busy``: and those that
+    could once a slot frees, with ``free_slots`` 0). A server runs one
     registered model: another name for the same file (an embedding model, say) is another
     server.
 
@@ -114,8 +119,9 @@ def warm_choices(
         ):
             continue
         free = int(spec.get("parallel", 1)) - len(row["current_jobs"])
-        if free <= 0:
+        if free <= 0 and not busy:
             continue
+        free = max(free, 0)
         plan = ExecutionPlan.from_dict(spec)
         key = runtime_key(runtime)
         members = [rows.get(n) for n in plan.node_ids]
@@ -123,7 +129,7 @@ def warm_choices(
             member is None
             or member_id in exclude
             or not reachable(member_id)
-            or not _usable(member, key)
+            or not _usable(member, key, busy)
             for member_id, member in zip(plan.node_ids, members, strict=True)
         ):
             continue

@@ -1,5 +1,5 @@
-"""domain/prefix_index.py: prefix chains, the index of what each slot holds, and routing by
-the longest prefix under bounded loads."""
+"""domain/prefix_index.py: prefix chains, the index of what each server's cache holds, and
+routing by the longest prefix under bounded loads."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from domain.prefix_index import (
     load_bound,
     prefix_chain,
     prefix_route,
+    server_cache_blocks,
 )
 
 texts = st.text(min_size=0, max_size=40)
@@ -51,66 +52,89 @@ def chain(*blocks: str) -> tuple[int, ...]:
     return prefix_chain("".join(b * 4 for b in blocks), 4)
 
 
-def test_the_longest_prefix_per_server_and_its_slot() -> None:
+def test_the_longest_prefix_per_server() -> None:
     index = PrefixIndex()
-    index.put("a", 0, chain("s", "t", "u"))
-    index.put("a", 1, chain("s", "x"))
-    index.put("b", 0, chain("s"))
+    index.record("a", chain("s", "t", "u"), server_blocks=100)
+    index.record("a", chain("s", "x"), server_blocks=100)
+    index.record("b", chain("s"), server_blocks=100)
     found = index.match(chain("s", "t", "u", "v"))
-    assert found == {"a": PrefixMatch(3, 0), "b": PrefixMatch(1, 0)}
+    assert found == {"a": PrefixMatch(3), "b": PrefixMatch(1)}
     assert index.match(chain("q", "t")) == {}
-    assert len(index) == 6
+    assert len(index) == 6 and index.prompts("a") == 2
 
 
-def test_a_slot_holds_one_prompt_and_a_lost_server_holds_none() -> None:
+def test_a_server_keeps_many_conversations_and_a_lost_server_none() -> None:
+    """llama-server saves a slot's prompt in its prompt cache before the slot takes another:
+    a server holds every conversation sent there, not one per slot."""
     index = PrefixIndex()
-    index.put("a", 0, chain("s", "t"))
-    index.put("a", 0, chain("z"))  # the slot was reused: the old conversation ages out
-    assert index.match(chain("s", "t")) == {}
-    assert index.match(chain("z")) == {"a": PrefixMatch(1, 0)}
-    index.put("b", 1, chain("z", "y"))
+    for conversation in ("p", "q", "r", "s"):  # more conversations than any slot count
+        index.record("a", chain(conversation, "t"), server_blocks=100)
+    assert index.match(chain("p", "t", "u")) == {"a": PrefixMatch(2)}
+    index.record("b", chain("z", "y"), server_blocks=100)
     index.forget("a")
-    assert index.match(chain("z", "y")) == {"b": PrefixMatch(2, 1)}
-    assert list(index.held("a")) == [] and list(index.held("b")) == [1]
+    assert index.match(chain("p", "t")) == {}
+    assert index.match(chain("z", "y")) == {"b": PrefixMatch(2)}
+    assert index.prompts("a") == 0 and index.prompts("b") == 1
     assert len(index) == 2
 
 
-def test_capacity_forgets_the_slots_recorded_longest_ago() -> None:
-    index = PrefixIndex(capacity=4)
-    index.put("a", 0, chain("p", "q"))
-    index.put("b", 0, chain("r", "s"))
-    index.put("c", 0, chain("t"))
-    assert len(index) == 3
-    assert set(index.match(chain("p", "q"))) == set()  # a's slot was the oldest
-    assert index.match(chain("r", "s")) == {"b": PrefixMatch(2, 0)}
-
-
-def test_a_prompt_goes_to_the_slot_llama_server_would_pick() -> None:
+def test_a_longer_turn_replaces_the_prompt_it_extends() -> None:
+    """The next turn of a conversation contains the last one: llama-server keeps the longer."""
     index = PrefixIndex()
-    assert index.record("a", chain("s", "t"), slots=2) == 0  # empty slots first
-    assert index.record("a", chain("q"), slots=2) == 1
-    # the next turn of the first conversation extends slot 0's prompt: slot 0 takes it
-    assert index.record("a", chain("s", "t", "u"), slots=2) == 0
-    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3, 0)}
-    # a new conversation shares nothing: the slot used longest ago (1) gives way
-    assert index.record("a", chain("w"), slots=2) == 1
-    assert index.match(chain("q")) == {}
-    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3, 0)}
+    index.record("a", chain("s", "t"), server_blocks=100)
+    index.record("a", chain("s", "t", "u"), server_blocks=100)
+    index.record("a", chain("s", "t", "u"), server_blocks=100)  # the same prompt again
+    assert index.prompts("a") == 1 and len(index) == 3
+    # a branch (another last turn) does not contain it: both are kept
+    index.record("a", chain("s", "t", "w"), server_blocks=100)
+    assert index.prompts("a") == 2
+    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3)}
+
+
+def test_a_full_server_forgets_the_prompts_sent_longest_ago() -> None:
+    index = PrefixIndex()
+    index.record("a", chain("p", "q"), server_blocks=4)
+    index.record("a", chain("r", "s"), server_blocks=4)
+    index.record("b", chain("p", "q"), server_blocks=4)  # another server's room is its own
+    index.record("a", chain("t"), server_blocks=4)  # 5 blocks on a: p q goes
+    assert index.match(chain("p", "q")) == {"b": PrefixMatch(2)}
+    assert index.match(chain("r", "s")) == {"a": PrefixMatch(2)}
+    # one prompt longer than the room is still held: the server's slot has it
+    index.record("c", chain("p", "q", "r"), server_blocks=2)
+    assert index.match(chain("p", "q", "r")) == {"b": PrefixMatch(2), "c": PrefixMatch(3)}
+
+
+def test_capacity_forgets_the_prompts_sent_longest_ago_over_every_server() -> None:
+    index = PrefixIndex(capacity=4)
+    index.record("a", chain("p", "q"), server_blocks=100)
+    index.record("b", chain("r", "s"), server_blocks=100)
+    index.record("c", chain("t"), server_blocks=100)
+    assert len(index) == 3
+    assert set(index.match(chain("p", "q"))) == set()  # a's prompt was the oldest
+    assert index.match(chain("r", "s")) == {"b": PrefixMatch(2)}
+
+
+def test_a_server_holds_its_slots_and_its_prompt_cache() -> None:
+    """8 GiB of prompt cache at 128 KiB a token is 65,536 tokens, 4 characters each; plus
+    4 slots of 2,048 tokens: 73,728 tokens, 294,912 characters, 1,152 blocks of 256."""
+    assert server_cache_blocks(128 << 10, 2048, 4) == 1152
+    assert server_cache_blocks(0, 2048, 4) == 1152  # a model that does not say: 128 KiB
+    assert server_cache_blocks(32 << 10, 0, 1) == (8192 << 20) // (32 << 10) * 4 // 256
 
 
 def test_route_takes_the_longest_prefix_within_the_bound() -> None:
-    matches = {"a": PrefixMatch(5, 1), "b": PrefixMatch(2, 0)}
-    assert prefix_route(matches, {"a": 1, "b": 1, "c": 1}) == PrefixRoute("a", 5, 1)
+    matches = {"a": PrefixMatch(5), "b": PrefixMatch(2)}
+    assert prefix_route(matches, {"a": 1, "b": 1, "c": 1}) == PrefixRoute("a", 5)
     # one job of slack: a may run 2 while the others run none
-    assert prefix_route(matches, {"a": 1, "b": 0, "c": 0}) == PrefixRoute("a", 5, 1)
+    assert prefix_route(matches, {"a": 1, "b": 0, "c": 0}) == PrefixRoute("a", 5)
     # a is loaded beyond the bound (ceil(1.25 * 7 / 3) + 1 = 4): the next longest, b, takes it
-    assert prefix_route(matches, {"a": 4, "b": 1, "c": 1}) == PrefixRoute("b", 2, 0)
+    assert prefix_route(matches, {"a": 4, "b": 1, "c": 1}) == PrefixRoute("b", 2)
     # nobody within the bound (ceil(1.25 * 17 / 4) + 1 = 7) holds anything: a miss
     assert prefix_route(matches, {"a": 8, "b": 8, "c": 0, "d": 0}) is None
     # a server that is not a candidate (busy, excluded) is never chosen
-    assert prefix_route(matches, {"b": 0, "c": 0}) == PrefixRoute("b", 2, 0)
+    assert prefix_route(matches, {"b": 0, "c": 0}) == PrefixRoute("b", 2)
     assert prefix_route(matches, {}) is None
-    assert prefix_route({"a": PrefixMatch(1, 0)}, {"a": 0}, min_blocks=2) is None
+    assert prefix_route({"a": PrefixMatch(1)}, {"a": 0}, min_blocks=2) is None
 
 
 @given(
@@ -128,7 +152,7 @@ def test_no_server_runs_more_than_the_bound_however_the_prefixes_fall(
     for pick in picks:
         holder = names[pick % servers]
         total = sum(running.values())
-        route = prefix_route({holder: PrefixMatch(3, 0)}, running, epsilon=epsilon)
+        route = prefix_route({holder: PrefixMatch(3)}, running, epsilon=epsilon)
         # a miss goes to the least loaded server, as the fallback placement would
         chosen = route.server if route else min(names, key=lambda n: (running[n], n))
         running[chosen] += 1

@@ -49,10 +49,10 @@ def test_a_router_turned_off_routes_nothing_and_records_no_route() -> None:
     chat = ChatPrompt([{"role": "user", "content": "y" * (3 * BLOCK_CHARS)}])
     assert router.chain(chat) == ()
     assert router.route_of(chat, None) is None
-    router.sent("job", "server", router.chain(chat), slots=2)
+    router.sent("server", router.chain(chat), cache_blocks=100)
     assert len(router.index) == 0
     on = PrefixRouter()
-    on.sent("job", "server", on.chain(chat), slots=2)
+    on.sent("server", on.chain(chat), cache_blocks=100)
     assert len(on.index) > 0 and on.route_of(chat, None) == {"prefix": "miss", "matched_chars": 0}
 
 
