@@ -1,7 +1,9 @@
-"""``dacp`` run as its own process, as an operator runs it, for the tests of its commands."""
+"""``dacp`` run as its own process, as an operator runs it, for the tests of its commands: a
+command run to its end, and a long-running one (a controller, an agent) stopped."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -22,3 +24,13 @@ def run_dacp(
         text=True,
         timeout=timeout,
     )
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals, grace: float) -> None:
+    """Asks ``proc`` to stop with ``sig``; kills it if it has not ended ``grace`` seconds on."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from ops import paths
+from tests.dacp_cli import stop_process
+from tests.security.netns import ip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -48,10 +50,6 @@ NODE = (
 NOT_INHERITED = ("DATABASE_URL", "REDIS_URL", "ADMIN_API_KEY", "AI_API_KEY", "DACP_CONFIG")
 
 
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=10)
-
-
 @dataclass
 class Lan:
     """Two namespaces, ``controller`` and ``node``, on one /24 joined by a veth pair."""
@@ -65,17 +63,17 @@ class Lan:
         tag = uuid.uuid4().hex[:6]
         lan = cls(f"dacp-ctl-{tag}", f"dacp-node-{tag}")
         try:
-            _ip("netns", "add", lan.controller)
-            _ip("netns", "add", lan.node)
-            _ip("link", "add", f"lc{tag}", "type", "veth", "peer", "name", f"ln{tag}")
+            ip("netns", "add", lan.controller)
+            ip("netns", "add", lan.node)
+            ip("link", "add", f"lc{tag}", "type", "veth", "peer", "name", f"ln{tag}")
             for ns, link, address in (
                 (lan.controller, f"lc{tag}", CONTROLLER_IP),
                 (lan.node, f"ln{tag}", NODE_IP),
             ):
-                _ip("link", "set", link, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
-                _ip("-n", ns, "link", "set", link, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
+                ip("link", "set", link, "netns", ns)
+                ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
+                ip("-n", ns, "link", "set", link, "up")
+                ip("-n", ns, "link", "set", "lo", "up")
             yield lan
         finally:
             for ns in (lan.controller, lan.node):
@@ -121,12 +119,7 @@ def background(ns: str, command: str, env: dict[str, str], cwd: Path, log: Path)
     try:
         yield
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGTERM, 60)
 
 
 def until(what: str, check: Callable[[], bool], seconds: float, log: Path) -> None:

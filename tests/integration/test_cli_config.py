@@ -22,7 +22,7 @@ import pytest
 
 from domain.enrollment_token import verify_token
 from infrastructure.tls import fingerprint_of
-from tests.dacp_cli import run_dacp
+from tests.dacp_cli import run_dacp, stop_process
 from tests.integration.fake_control_plane import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,12 +79,7 @@ def controller(env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess
             time.sleep(0.2)
         yield proc
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGINT, 30)
 
 
 def test_a_second_shell_uses_the_running_controller(tmp_path: Path) -> None:

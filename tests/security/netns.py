@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import pytest
 
 
-def _ip(*args: str) -> None:
+def ip(*args: str) -> None:
+    """``ip ARGS`` (iproute2), which must succeed within 10 seconds."""
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
@@ -30,17 +31,17 @@ class Namespace:
         tag = uuid.uuid4().hex[:6]
         name, host_link, ns_link = f"dacp-{tag}", f"dh{tag}", f"dn{tag}"
         inside, outside = f"10.{subnet}.{int(tag[:2], 16)}.2", f"10.{subnet}.{int(tag[:2], 16)}.1"
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         try:
-            _ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
-            _ip("link", "set", ns_link, "netns", name)
-            _ip("addr", "add", f"{outside}/30", "dev", host_link)
-            _ip("link", "set", host_link, "up")
-            _ip("-n", name, "addr", "add", f"{inside}/30", "dev", ns_link)
-            _ip("-n", name, "link", "set", ns_link, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
+            ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+            ip("link", "set", ns_link, "netns", name)
+            ip("addr", "add", f"{outside}/30", "dev", host_link)
+            ip("link", "set", host_link, "up")
+            ip("-n", name, "addr", "add", f"{inside}/30", "dev", ns_link)
+            ip("-n", name, "link", "set", ns_link, "up")
+            ip("-n", name, "link", "set", "lo", "up")
             # Everything else through this namespace: the test's other namespaces too.
-            _ip("-n", name, "route", "add", "default", "via", outside)
+            ip("-n", name, "route", "add", "default", "via", outside)
         except BaseException:
             subprocess.run(["ip", "link", "del", host_link], capture_output=True, check=False)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
