@@ -336,12 +336,25 @@ class _ReadModelViews:
         )
 
     def _write_token(self, c: Any, ident: str, token: dict[str, Any]) -> None:
+        self._upsert(c, "tokens", ("token_uuid", "minted_at"), (ident, token["minted_at"]), token)
+
+    def _upsert(
+        self,
+        c: Any,
+        table: str,
+        columns: tuple[str, str],
+        values: tuple[str, Any],
+        row: dict[str, Any],
+    ) -> None:
+        """Writes ``row`` as ``table``'s ``data`` where its key column (the first of
+        ``columns``) and the other have ``values``; a row already there gets the new data."""
+        key, other = columns
         c.execute(
             self._sql(
-                f"INSERT INTO {self._t('tokens')} (token_uuid, minted_at, data) VALUES (?, ?, ?) "
-                "ON CONFLICT (token_uuid) DO UPDATE SET data = excluded.data"
+                f"INSERT INTO {self._t(table)} ({key}, {other}, data) VALUES (?, ?, ?) "
+                f"ON CONFLICT ({key}) DO UPDATE SET data = excluded.data"
             ),
-            (ident, token["minted_at"], _dumps(token)),
+            (*values, _dumps(row)),
         )
 
     def list_tokens(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -362,21 +375,22 @@ class _ReadModelViews:
         if node_name is not None:
             where.append("node_name = ?")
             params.append(node_name)
-        clause = f" WHERE {' OR '.join(where)}" if where else ""
+        return self._select_where(
+            "refusals", where, " OR ", params, f"at DESC, refusal_id LIMIT {int(limit)}"
+        )
+
+    def _select_where(
+        self, table: str, where: list[str], joiner: str, params: list[Any], order: str
+    ) -> list[dict[str, Any]]:
+        """The ``data`` of ``table``'s rows that meet the ``where`` conditions joined by
+        ``joiner`` (all rows when there are none), ordered (and limited) by ``order``."""
+        clause = f" WHERE {joiner.join(where)}" if where else ""
         return self._all(
-            f"SELECT data FROM {self._t('refusals')}{clause} "
-            f"ORDER BY at DESC, refusal_id LIMIT {int(limit)}",
-            tuple(params),
+            f"SELECT data FROM {self._t(table)}{clause} ORDER BY {order}", tuple(params)
         )
 
     def _write_model(self, c: Any, ident: str, model: dict[str, Any]) -> None:
-        c.execute(
-            self._sql(
-                f"INSERT INTO {self._t('models')} (model_id, name, data) VALUES (?, ?, ?) "
-                "ON CONFLICT (model_id) DO UPDATE SET data = excluded.data"
-            ),
-            (ident, model["name"], _dumps(model)),
-        )
+        self._upsert(c, "models", ("model_id", "name"), (ident, model["name"]), model)
 
     def _apply_job(self, c: Any, ident: str, event: object) -> None:
         job_row = self._select_data(c, "jobs", "job_id", ident)
@@ -500,11 +514,12 @@ class _ReadModelViews:
         if node_id:
             where.append(f"job_id IN (SELECT job_id FROM {self._t('job_nodes')} WHERE node_id = ?)")
             params.append(node_id)
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
-        return self._all(
-            f"SELECT data FROM {self._t('jobs')}{clause} "
-            f"ORDER BY submitted_at DESC, job_id LIMIT {int(limit)} OFFSET {int(offset)}",
-            tuple(params),
+        return self._select_where(
+            "jobs",
+            where,
+            " AND ",
+            params,
+            f"submitted_at DESC, job_id LIMIT {int(limit)} OFFSET {int(offset)}",
         )
 
     def job_ids_starting(self, prefix: str, limit: int = 10) -> list[str]:

@@ -278,6 +278,12 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_options(command: argparse.ArgumentParser) -> None:
+    """``--store`` and the store it writes to (``--database-url``)."""
+    store_flag(command)
+    command.add_argument("--database-url", default=None, help="with --store: the event store")
+
+
 def _admin_url_option(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--url",
@@ -351,8 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("--node-name", default=None, help="bind the token to this node name")
     create.add_argument("--json", action="store_true", help="print token details as JSON")
-    store_flag(create)
-    create.add_argument("--database-url", default=None, help="with --store: the event store")
+    _store_options(create)
     create.set_defaults(func=_cmd_token_create)
     nodes_cli.register_token_commands(token_sub)
     models = sub.add_parser("models", help="the model registry")
@@ -374,8 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="an embedding model's pooling (default: the model's own)",
     )
-    store_flag(reg)
-    reg.add_argument("--database-url", default=None, help="with --store: the event store")
+    _store_options(reg)
     reg.set_defaults(func=_cmd_models_register)
     pull = models_sub.add_parser(
         "pull", help="have nodes fetch a model from nodes that hold it (via the admin API)"
@@ -390,8 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("action", choices=("add", "remove"))
     source.add_argument("name", help="the registered model")
     source.add_argument("url", help="http(s)://HOST[:PORT]/PATH of the GGUF file")
-    store_flag(source)
-    source.add_argument("--database-url", default=None, help="with --store: the event store")
+    _store_options(source)
     source.set_defaults(func=_cmd_models_source)
     evict = models_sub.add_parser(
         "evict", help="delete a model's file from a node's disk (refused while jobs use it)"
