@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,6 +38,7 @@ from domain.placement import (
     required_bytes,
 )
 from domain.split_planner import plan_placement
+from tests.unit.placement_builders import candidate, exact_request, weights_only
 
 SHA = "cd" * 32
 RES = SPLIT_RESOLUTION
@@ -47,24 +49,8 @@ def request(
     weights: int, *, layers: int = 32, max_nodes: int = 8, reserve: int = RESERVE
 ) -> PlacementRequest:
     """Required bytes are exactly ``weights`` (no KV cache, headroom or overhead)."""
-    needs = ModelNeeds(
-        name="llama-70b",
-        sha256=SHA,
-        file_name="llama.gguf",
-        weights_bytes=weights,
-        layers=layers,
-        kv_bytes_per_token=0,
-        context_length_max=8192,
-    )
-    return PlacementRequest(
-        needs=needs,
-        context_size=4096,
-        allowed_peer_cidrs=DEFAULT_ALLOWED_PEER_CIDRS,
-        max_nodes=max_nodes,
-        headroom_fraction=0.0,
-        overhead_bytes=0,
-        device_reserve_bytes=reserve,
-    )
+    needs = weights_only("llama-70b", SHA, "llama.gguf", weights, layers)
+    return exact_request(needs, context_size=4096, max_nodes=max_nodes, reserve=reserve)
 
 
 def node(
@@ -76,16 +62,12 @@ def node(
     state: str = "READY",
     slots: int = 1,
 ) -> Candidate:
-    return Candidate(
-        node_id=node_id,
-        name=f"host-{node_id}",
+    """A node with a fake GPU of each size in ``gpus`` (``CUDA0``, ``CUDA1``, ...)."""
+    return candidate(
+        node_id,
+        ram,
         state=state,
-        address=f"10.0.0.{sum(map(ord, node_id)) % 250 + 1}",
-        rpc_port=50052,
-        usable_memory_bytes=ram,
-        free_slots=1,
         has_model=model,
-        heartbeat_fresh=True,
         slot_cap=slots,
         devices=tuple(
             Device(f"CUDA{i}", b, f"Fake GPU {i}", DEVICE_GPU) for i, b in enumerate(gpus)
@@ -344,8 +326,12 @@ def _brute(req: PlacementRequest, pool: list[Candidate]) -> tuple[str, int] | No
 PROPERTIES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@PROPERTIES
-@given(inventories())
+def over_inventories(test: Callable[[Scenario], None]) -> Callable[..., None]:
+    """``test`` as a property of every inventory :func:`inventories` draws (PROPERTIES)."""
+    return PROPERTIES(given(inventories())(test))
+
+
+@over_inventories
 def test_property_no_device_is_given_more_than_it_has(scenario: Scenario) -> None:
     req, candidates = scenario
     plan = plan_placement(req, candidates).plan
@@ -374,8 +360,7 @@ def test_property_no_device_is_given_more_than_it_has(scenario: Scenario) -> Non
         assert plan.n_gpu_layers is not None and 1 <= plan.n_gpu_layers <= req.needs.layers
 
 
-@PROPERTIES
-@given(inventories())
+@over_inventories
 def test_property_the_first_tier_that_holds_it_with_the_fewest_nodes(scenario: Scenario) -> None:
     req, candidates = scenario
     result = plan_placement(req, candidates)
@@ -391,8 +376,7 @@ def test_property_the_first_tier_that_holds_it_with_the_fewest_nodes(scenario: S
         assert result.plan is None
 
 
-@PROPERTIES
-@given(inventories())
+@over_inventories
 def test_property_a_split_never_mixes_rpc_protocols(scenario: Scenario) -> None:
     req, candidates = scenario
     result = plan_placement(req, candidates)

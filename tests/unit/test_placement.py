@@ -31,18 +31,11 @@ from domain.placement import (
     required_bytes,
 )
 from domain.split_planner import plan_placement, split_units
+from tests.unit.placement_builders import candidate, exact_request, weights_only
 
 SHA = "ab" * 32
 
-NEEDS = ModelNeeds(
-    name="smollm2-135m",
-    sha256=SHA,
-    file_name="smollm2.gguf",
-    weights_bytes=10 * GIB,
-    layers=30,
-    kv_bytes_per_token=0,
-    context_length_max=8192,
-)
+NEEDS = weights_only("smollm2-135m", SHA, "smollm2.gguf", 10 * GIB, 30)
 
 
 def req(
@@ -54,48 +47,14 @@ def req(
     layers: int = 30,
 ) -> PlacementRequest:
     """A request whose required bytes are exactly ``weights`` (no headroom, no overhead)."""
-    needs = ModelNeeds(
-        name="smollm2-135m",
-        sha256=SHA,
-        file_name="smollm2.gguf",
-        weights_bytes=weights,
-        layers=layers,
-        kv_bytes_per_token=0,
-        context_length_max=8192,
-    )
-    return PlacementRequest(
-        needs=needs,
-        context_size=2048,
-        allowed_peer_cidrs=cidrs,
-        max_nodes=max_nodes,
-        exclude=exclude,
-        headroom_fraction=0.0,
-        overhead_bytes=0,
+    needs = weights_only("smollm2-135m", SHA, "smollm2.gguf", weights, layers)
+    return exact_request(
+        needs, context_size=2048, max_nodes=max_nodes, exclude=exclude, cidrs=cidrs
     )
 
 
-def cand(
-    node_id: str,
-    mem: int,
-    *,
-    state: str = "READY",
-    has_model: bool = False,
-    address: str | None = None,
-    free_slots: int = 1,
-    fresh: bool = True,
-    rpc_port: int = 50052,
-) -> Candidate:
-    return Candidate(
-        node_id=node_id,
-        name=f"host-{node_id}",
-        state=state,
-        address=address if address is not None else f"10.0.0.{sum(map(ord, node_id)) % 250 + 1}",
-        rpc_port=rpc_port,
-        usable_memory_bytes=mem,
-        free_slots=free_slots,
-        has_model=has_model,
-        heartbeat_fresh=fresh,
-    )
+#: A candidate node: its id and usable memory, the rest as asked.
+cand = candidate
 
 
 def ids(result: PlacementResult) -> tuple[str, ...]:
