@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 from uuid import UUID, uuid4
 
 import orjson
@@ -32,7 +32,7 @@ from application.commands import (
 from application.errors import NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from common.contract import JobErrorCode
-from domain.access_refusal import AccessRefusal
+from domain.access_refusal import AccessRefusal, RefusalTerms
 from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
 from domain.issued_token import IssuedToken, issued_token_id
 from domain.job import Job
@@ -308,27 +308,9 @@ class Controller(Application[UUID]):
 
         return self.aggregates.run(command)
 
-    def refuse_access(
-        self,
-        *,
-        kind: str,
-        source: str,
-        reason: str,
-        node_name: str = "",
-        node_id: str = "",
-        security_violation: bool = False,
-        suppressed: int = 0,
-    ) -> int:
+    def refuse_access(self, **terms: Unpack[RefusalTerms]) -> int:
         """Records a refused enrollment or control stream (ACCESS_REFUSED)."""
-        refusal = AccessRefusal.record(
-            kind=kind,
-            source=source,
-            reason=reason,
-            node_name=node_name,
-            node_id=node_id,
-            security_violation=security_violation,
-            suppressed=suppressed,
-        )
+        refusal = AccessRefusal.record(**terms)
         return self.aggregates.run(lambda: [refusal])
 
     def security_violation(

@@ -6,13 +6,27 @@ the rest as ``suppressed``."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NotRequired, TypedDict
 from uuid import UUID, uuid4
 
 from eventsourcing.domain import Aggregate
 
 #: What was refused.
 ENROLL, CONNECT = "enroll", "connect"
+
+
+class RefusalTerms(TypedDict):
+    """What a refusal is recorded with (:meth:`AccessRefusal.record`'s terms but its id), for
+    a caller that passes them on: what was refused, from where and why, always; the rest as
+    ``record`` defaults them."""
+
+    kind: str
+    source: str
+    reason: str
+    node_name: NotRequired[str]
+    node_id: NotRequired[str]
+    security_violation: NotRequired[bool]
+    suppressed: NotRequired[int]
 
 
 class AccessRefusal(Aggregate):
