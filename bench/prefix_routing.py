@@ -15,9 +15,10 @@ landed on the node of their conversation's first turn (n of conversations x (tur
 prefix hit ratio (jobs whose ``JOB_DISPATCHED`` route is a hit, of all jobs; routing off records
 no route); queue wait (0 for a job that did not wait) and client latency per turn (median,
 p90). Synthetic agents keep no KV cache, so the latency here shows the routing's own cost, not
-the prefill it saves on a real server. With fewer slots than conversations (the defaults) every
-later turn waits in the FIFO admission queue and takes whichever slot frees first, so the
-prefix has little to choose from; ``--slots 3`` gives each conversation a slot.
+the prefill it saves on a real server. With fewer slots than conversations (the defaults) a later
+turn often finds its server busy: with routing it waits for that server, within the admission
+queue's bound (``application/admission.py``), so its wait and the run's wall time may grow a
+little here, where no prefill is saved; with routing off it takes the freest server.
 
 :func:`converse` and :func:`landed` are the scenario and its reading; the integration test
 ``tests/integration/test_prefix_routing_flow.py`` runs them against FakeAgents.

@@ -1,17 +1,15 @@
 """Cache-aware routing end to end: a real controller (Postgres, Redis, gRPC, HTTP) and four
-FakeAgents; twelve conversations of four turns at once through ``/v1/chat/completions``, each
-turn resending a shared 6 KB system prompt and its history (``bench/prefix_routing.py``'s
-scenario). Where each job ran and its route come back from the admin jobs API.
+FakeAgents with 2 slots each; twelve conversations of four turns at once through
+``/v1/chat/completions``, each turn resending a shared 6 KB system prompt and its history
+(issue 24's scenario, ``bench/prefix_routing.py``). Where each job ran and its route come back
+from the admin jobs API.
 
-With 3 slots per node (12 slots for 12 conversations) routing lands every later turn on the
-node of its conversation's first turn: measured 36 of 36 with ``PREFIX_ROUTING`` on (the test
-asks for at least 30), 11 to 22 of 36 with it off, where the scheduler takes the warm server
-with the most free slots.
-
-With 2 slots per node (the issue's 4 x 2 slots: 8 slots for 12 conversations) routing does not
-help much: measured 8 to 16 of 36 on against 5 to 7 off. Every later turn then waits in the
-admission queue, which is FIFO per model, and takes whichever slot frees first; the prefix can
-only choose among servers with a free slot. (``python -m bench.prefix_routing`` shows both.)
+With 8 slots for 12 conversations every later turn finds its server busy about as often as
+not. With ``PREFIX_ROUTING`` on it waits for that server (a bounded wait, see
+``application/admission.py``) and a freed slot goes to the conversation its server holds:
+measured 36 of 36 later turns on the node of the conversation's first turn (the test asks for
+at least 30). With it off, the scheduler takes the warm server with the most free slots:
+5 to 13 of 36.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from tests.integration.test_control_plane import token
 
 pytestmark = pytest.mark.timeout(120)
 
-NODES, SLOTS, CONVERSATIONS, TURNS = 4, 3, 12, 4
+NODES, SLOTS, CONVERSATIONS, TURNS = 4, 2, 12, 4
 #: An answer of a few hundred characters, 40 words 5 ms apart.
 WORDS = tuple(f" word{i}" for i in range(40))
 

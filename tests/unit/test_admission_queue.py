@@ -1,10 +1,20 @@
-"""AdmissionQueue bookkeeping: FIFO per model, only the head is woken, bounded size."""
+"""AdmissionQueue bookkeeping: FIFO per model, only the head is woken, bounded size, and the
+bounded exceptions the caches may make."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from application.admission import AdmissionQueue, QueueFullError
+from application.admission import (
+    MAX_PASSES,
+    REORDER_WINDOW,
+    AdmissionQueue,
+    QueueFullError,
+    Ticket,
+    may_pass,
+)
 
 
 def test_positions_count_from_one_per_model() -> None:
@@ -58,3 +68,81 @@ def test_the_bound_counts_every_model_and_frees_on_leave() -> None:
     assert queue.join("a", "j3").position == 1
     with pytest.raises(ValueError):
         AdmissionQueue(max_waiting=0)
+
+
+def test_a_later_request_may_go_first_within_the_window_and_the_passes() -> None:
+    queue = AdmissionQueue()
+    tickets = [queue.join("m", f"j{i}", chain=(i,)) for i in range(REORDER_WINDOW + 3)]
+    head = tickets[0]
+    assert queue.overtakers(head) == tickets[1 : REORDER_WINDOW + 1]
+    assert queue.overtakers(tickets[1]) == []  # only the head is asked
+    chosen = tickets[3]
+    chosen.wakeup.clear()
+    queue.promote(chosen)
+    assert queue.is_head(chosen) and chosen.wakeup.is_set()
+    assert [t.passes for t in tickets[:4]] == [1, 1, 1, 0]  # those it went before
+    queue.promote(chosen)  # already the head: nothing changes
+    assert [t.passes for t in tickets[:4]] == [1, 1, 1, 0]
+    # a request that let MAX_PASSES go first lets nobody behind it go first again
+    tickets[1].passes = MAX_PASSES
+    queue.leave(chosen)
+    assert queue.overtakers(head) == [tickets[1]]
+    with pytest.raises(ValueError, match="bound"):
+        queue.promote(tickets[2])
+
+
+def test_a_request_counts_one_pass_per_capacity_change() -> None:
+    queue = AdmissionQueue()
+    head = queue.join("m", "j1", chain=(1,))
+    queue.passed([head])
+    queue.passed([head])  # asked again (a new arrival) before any slot came free: one pass
+    assert head.passes == 1
+    queue.wake()
+    queue.passed([head])
+    assert head.passes == 2 and may_pass(head)
+    head.passes = MAX_PASSES
+    assert not may_pass(head)
+
+
+def test_a_routed_arrival_wakes_the_head_an_unrouted_one_does_not() -> None:
+    """A free slot may wait for the conversation that just arrived (its chain)."""
+    queue = AdmissionQueue()
+    head = queue.join("m", "j1")
+    head.wakeup.clear()
+    queue.join("m", "j2")
+    assert not head.wakeup.is_set()
+    queue.join("m", "j3", chain=(7,))
+    assert head.wakeup.is_set()
+
+
+@given(steps=st.lists(st.tuples(st.sampled_from("jpgw"), st.integers(0, 40)), max_size=300))
+def test_no_request_is_passed_more_than_the_bound(steps: list[tuple[str, int]]) -> None:
+    """Whatever the caches decide (which request goes, who lets a free slot go by), every
+    request is gone before by at most MAX_PASSES later requests plus free slots it let go."""
+    queue = AdmissionQueue(max_waiting=1000)
+    waiting: list[Ticket] = []
+    overtaken: dict[str, int] = {}  # counted here, independently of the queue
+    joined = 0
+    for op, pick in steps:
+        if op == "j":
+            waiting.append(queue.join("m", f"j{joined}", chain=(joined,)))
+            overtaken[f"j{joined}"] = 0
+            joined += 1
+        elif waiting and op == "g":  # one goes: the head or one the queue lets go first
+            head = next(t for t in waiting if queue.is_head(t))
+            allowed = [head, *queue.overtakers(head)]
+            chosen = allowed[pick % len(allowed)]
+            for ahead in waiting[: waiting.index(chosen)]:
+                overtaken[ahead.job_id] += 1
+            queue.promote(chosen)
+            queue.leave(chosen)
+            waiting.remove(chosen)
+        elif waiting and op == "p":  # some let the free slot go by
+            head = next(t for t in waiting if queue.is_head(t))
+            looked_at = [head, *queue.overtakers(head)]
+            queue.passed([t for t in looked_at[: pick % len(looked_at) + 1] if may_pass(t)])
+        elif op == "w":
+            queue.wake("m")
+        for ticket in waiting:
+            assert ticket.passes <= MAX_PASSES
+            assert overtaken[ticket.job_id] <= ticket.passes

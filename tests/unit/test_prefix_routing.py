@@ -10,8 +10,11 @@ from uuid import UUID, uuid4
 
 from application.commands import ChatPrompt, EmbeddingInputs, JobParams, Submission, TextPrompt
 from application.prefix_routing import PrefixRouter, prefix_text
+from domain.job import Job
 from domain.prefix_index import BLOCK_CHARS
-from tests.unit.job_cluster import GUARD, Cluster
+from domain.runtimes import WarmChoice, server_of
+from tests.unit.job_cluster import GUARD, Cluster, queued_count_is
+from tests.unit.test_runtimes import plan
 
 SYSTEM = "You are a careful assistant for the operators of a LAN cluster. " * 96  # ~6 KB
 
@@ -115,3 +118,90 @@ async def test_each_conversation_goes_back_to_the_server_of_its_first_turn() -> 
             route = row["route"]
             assert route["prefix"] == "hit"
             assert route["matched_chars"] >= len(SYSTEM) // BLOCK_CHARS * BLOCK_CHARS
+
+
+def talk(seed: str) -> list[dict[str, Any]]:
+    """A conversation's opening: a system prompt of its own (nothing shared with another)."""
+    return [
+        {"role": "system", "content": f"{seed}: " + "keep the answers short. " * 40},
+        {"role": "user", "content": ask(0, 1)},
+    ]
+
+
+def next_turn(history: list[dict[str, Any]], last: str) -> list[dict[str, Any]]:
+    answer = {"role": "assistant", "content": "an answer " * 30}
+    return [*history, answer, {"role": "user", "content": last}]
+
+
+async def test_a_turn_waits_for_its_busy_server_and_then_goes_back_to_it() -> None:
+    """2 nodes with 1 slot. Conversation A's server is busy with A's other branch while the
+    other node is free: A's next turn waits (JOB_QUEUED, WAITS_FOR_CACHE) instead of starting
+    over on the free node, and goes back home when the branch ends. A new conversation that
+    comes meanwhile takes the free node before A (it holds nobody's prefix)."""
+    cluster = Cluster(2, slots=1)
+    a, b, opening_a = talk("a"), talk("b"), uuid4()
+    first = await run_turns(
+        cluster, {opening_a: conversation_turn(a), uuid4(): conversation_turn(b)}
+    )
+    home_a = first[opening_a]
+    other = next(n for n in cluster.node_ids if n != home_a)
+
+    branch = asyncio.create_task(
+        cluster.jobs.start(conversation_turn(next_turn(a, "branch")), cluster.model, uuid4())
+    )
+    [(node, branch_job)] = (await cluster.primary_assigned(3))[2:]
+    assert node == home_a
+    await cluster.validate(node, branch_job)
+    await asyncio.wait_for(branch, GUARD)
+
+    turn2 = uuid4()
+    waiting = asyncio.create_task(
+        cluster.jobs.start(conversation_turn(next_turn(a, "turn 2")), cluster.model, turn2)
+    )
+    await cluster.until(lambda: queued_count_is(cluster, 1))
+    [queued] = [e for e in cluster._events(str(turn2)) if isinstance(e, Job.Queued)]
+    assert "holding this conversation's prompt prefix is busy" in queued.reason
+    assert len(cluster.gateway.primaries) == 3  # not started over on the free node
+
+    newcomer = uuid4()
+    stranger = asyncio.create_task(
+        cluster.jobs.start(conversation_turn(talk("c")), cluster.model, newcomer)
+    )
+    [(node, job)] = (await cluster.primary_assigned(4))[3:]
+    assert (node, job) == (other, str(newcomer))  # it went before A, to the node A let go by
+    await cluster.validate(node, job)
+    await asyncio.wait_for(stranger, GUARD)
+
+    await cluster.finish(home_a, branch_job)
+    [(node, job)] = (await cluster.primary_assigned(5))[4:]
+    assert (node, job) == (home_a, str(turn2))
+    await cluster.validate(node, job)
+    await asyncio.wait_for(waiting, GUARD)
+    row = cluster.read.get_job(str(turn2))
+    assert row is not None and row["route"]["prefix"] == "hit"
+
+
+def test_next_to_go_waits_for_a_busy_home_within_its_slots_and_passes() -> None:
+    """Server a (2 slots, both busy) holds conversations x and y; b has a free slot. The
+    first two waiting for a take turns waiting (they pass); a third waiting for a would wait
+    beyond a's slots, so it takes b's slot. A request that may pass no more takes it too, and
+    one whose prefix nobody holds takes it at once."""
+    router = PrefixRouter()
+    x, y, z = (router.chain(ChatPrompt(talk(seed))) for seed in "xyz")
+    for chain in (x, y, z):
+        router.sent(server_of(plan("a", parallel=2)), chain, cache_blocks=1000)
+    servers = [
+        WarmChoice(plan("a", parallel=2), free_slots=0, degraded=False),
+        WarmChoice(plan("b", parallel=2), free_slots=1, degraded=False),
+    ]
+    assert router.next_to_go([(x, True), (y, True), (z, True)], servers) == (2, [0, 1])
+    assert router.next_to_go([(x, False), (y, True)], servers) == (0, [])
+    assert router.next_to_go([(x, True), (y, True)], servers) == (None, [0, 1])
+    stranger = router.chain(ChatPrompt(talk("w")))
+    assert router.next_to_go([(x, True), (stranger, True)], servers) == (1, [0])
+    # a free slot on a itself: x is home, at once
+    servers[0] = WarmChoice(plan("a", parallel=2), free_slots=1, degraded=False)
+    assert router.next_to_go([(x, True)], servers) == (0, [])
+    # nothing free anywhere: the head tries (a cold plan may start a server for it)
+    full = [WarmChoice(plan("b", parallel=2), free_slots=0, degraded=False)]
+    assert router.next_to_go([(x, True)], full) == (0, [])

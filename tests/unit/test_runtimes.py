@@ -16,7 +16,7 @@ from domain.placement import (
     PlacementRequest,
     PlanNode,
 )
-from domain.runtimes import runtime_of, warm_choice
+from domain.runtimes import runtime_of, warm_choice, warm_choices
 from domain.split_planner import plan_placement
 from domain.states import NodeState
 from tests.unit.domain_builders import ready_node
@@ -118,6 +118,24 @@ def test_no_warm_server_for_another_model_a_full_one_or_another_context() -> Non
         "c": row("c", runtime_of(plan("c", context=4096))),
     }
     assert warm_choice(rows, model_name="m", model_sha256=SHA, context_size=2048) is None
+
+
+def test_busy_servers_are_listed_only_when_asked_for() -> None:
+    """The admission queue asks which busy server holds a waiting prompt: a full server (its
+    node BUSY) is listed with no free slot; a draining or offline one never is."""
+    draining = row("c", runtime_of(plan("c")), jobs=1)
+    draining["drain_requested"] = True
+    rows = {
+        "a": row("a", runtime_of(plan("a")), jobs=4, state="BUSY"),
+        "b": row("b", runtime_of(plan("b")), jobs=1),
+        "c": draining,
+        "d": row("d", runtime_of(plan("d")), state="OFFLINE"),
+    }
+    found = warm_choices(rows, model_name="m", model_sha256=SHA, context_size=2048, busy=True)
+    assert [(c.plan.primary.node_id, c.free_slots) for c in found] == [("b", 3), ("a", 0)]
+    assert [c.running for c in found] == [1, 4]
+    free = warm_choices(rows, model_name="m", model_sha256=SHA, context_size=2048)
+    assert [c.plan.primary.node_id for c in free] == ["b"]
 
 
 def test_a_server_serves_one_registered_name_of_its_file() -> None:
