@@ -25,9 +25,9 @@ def exact_request(
     """A request for ``needs`` whose required bytes are exactly its weights when it has no KV
     cache (no headroom, no overhead); ``reserve`` stays on each GPU beyond its share."""
     return PlacementRequest(
-        needs=needs,
-        context_size=context_size,
-        allowed_peer_cidrs=cidrs,
+        needs,
+        context_size,
+        cidrs,  # allowed_peer_cidrs
         max_nodes=max_nodes,
         exclude=exclude,
         headroom_fraction=0.0,
