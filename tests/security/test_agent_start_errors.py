@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from tests.security.conftest import controller_in
 from tests.security.controller_process import signed_token
 from tests.security.controller_process import token as namespace_token
 from tests.security.netns import Namespace
+from tests.security.node_agent import agent_command, agent_env
 from wire.grpc_verbosity import OPERATOR_VARIABLES
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,26 +71,12 @@ def _token(ca_fingerprint: str | None = None) -> str:
 
 async def agent(tmp_path: Path, url: str, *extra: str, address: str = "127.0.0.1") -> Ended:
     """Runs ``node-agent`` (``python -m agent.main``) until it exits on its own (at most 60 s)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DACP_")}
+    env = agent_env()
     for name in OPERATOR_VARIABLES:
         env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    data_dir = tmp_path / f"agent-{time.monotonic_ns()}"
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "agent.main",
-        "--controller-url",
-        url,
-        "--data-dir",
-        str(tmp_path / f"agent-{time.monotonic_ns()}"),
-        "--node-name",
-        "newcomer",
-        "--advertise-address",
-        address,
-        "--transfer-port",
-        "0",
-        "--no-runtime",
-        *extra,
+        *agent_command(url, data_dir, "newcomer", *extra, address=address),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         env=env,

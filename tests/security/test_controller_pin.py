@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import ipaddress
-import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -42,6 +40,7 @@ from interfaces.controller_main import RunningController, controller
 from tests.conftest import controller_settings
 from tests.integration.control_client import RawSession, control_target, enroll
 from tests.integration.fake_control_plane import FakeControlPlane
+from tests.security.node_agent import agent_command, agent_env
 from wire import control_pb2 as pb
 from wire import control_pb2_grpc as pb_grpc
 
@@ -165,12 +164,6 @@ def mint(ctl: RunningController) -> str:
     ).token
 
 
-def agent_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DACP_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
 class AgentProcess:
     """``node-agent`` (``python -m agent.main``), its stderr in a file the test reads."""
 
@@ -183,23 +176,7 @@ class AgentProcess:
         log = data_dir.parent / f"{data_dir.name}-{time.monotonic_ns()}.log"
         with log.open("wb") as out:
             process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "agent.main",
-                "--controller-url",
-                url,
-                "--data-dir",
-                str(data_dir),
-                "--node-name",
-                "victim",
-                "--advertise-address",
-                "127.0.0.1",
-                "--transfer-port",
-                "0",
-                "--no-runtime",
-                "--heartbeat-interval",
-                "0.2",
-                *extra,
+                *agent_command(url, data_dir, "victim", "--heartbeat-interval", "0.2", *extra),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=out,
                 env=agent_env(),
