@@ -34,7 +34,7 @@ from application.store_guard import StoreGuard
 from common.contract import JobErrorCode
 from domain.access_refusal import AccessRefusal, RefusalTerms
 from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
-from domain.issued_token import IssuedToken, issued_token_id
+from domain.issued_token import IssuedToken, TokenTerms, issued_token_id
 from domain.job import Job
 from domain.model import CHAT, DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
 from domain.model_claims import STORE, Samples, facts_of
@@ -276,23 +276,9 @@ class Controller(Application[UUID]):
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
         return self.aggregates.change(Node, node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
 
-    def record_token(
-        self,
-        token_id: str,
-        *,
-        expires_at: float,
-        single_use: bool,
-        node_name: str | None,
-        minted_by: str,
-    ) -> int:
+    def record_token(self, token_id: str, **terms: Unpack[TokenTerms]) -> int:
         """ENROLLMENT_TOKEN_MINTED: the token and its terms, so it can be listed and revoked."""
-        issued = IssuedToken.mint(
-            token_id,
-            expires_at=expires_at,
-            single_use=single_use,
-            node_name=node_name,
-            minted_by=minted_by,
-        )
+        issued = IssuedToken.mint(token_id, **terms)
         return self.aggregates.run(lambda: [issued])
 
     def revoke_token(self, token_id: str, revoked_by: str, reason: str) -> int:

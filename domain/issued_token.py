@@ -7,7 +7,7 @@ choice, recorded here), so tokens can be listed and revoked. Its id derives from
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 from uuid import NAMESPACE_URL, UUID, uuid5
 
 from eventsourcing.domain import Aggregate
@@ -17,6 +17,17 @@ from domain.errors import IllegalTransition
 
 def issued_token_id(token_id: str) -> UUID:
     return uuid5(NAMESPACE_URL, f"dacp:issued-token:{token_id}")
+
+
+class TokenTerms(TypedDict):
+    """A minted token's terms (:meth:`IssuedToken.mint`'s keywords), for a caller that passes
+    them on: when it expires, whether it enrolls once, the node name it binds (None: any),
+    and who minted it."""
+
+    expires_at: float
+    single_use: bool
+    node_name: str | None
+    minted_by: str
 
 
 class IssuedToken(Aggregate):
