@@ -9,7 +9,8 @@ from domain.job import Job
 from domain.node import Node
 
 
-def new_node(slots: int = 1, name: str = "n1") -> Node:
+def new_node(slots: int = 1, name: str = "n1", credential_sha256: str = "c" * 64) -> Node:
+    """A node just enrolled (REGISTERING) whose credential hashes to ``credential_sha256``."""
     return Node.enroll(
         node_id=uuid.uuid4(),
         name=name,
@@ -18,7 +19,7 @@ def new_node(slots: int = 1, name: str = "n1") -> Node:
         address="10.0.0.5",
         rpc_port=50052,
         labels={},
-        credential_sha256="c" * 64,
+        credential_sha256=credential_sha256,
         token_id="tok",
         slots=slots,
     )

@@ -32,6 +32,7 @@ from interfaces.grpc.grpc_server import (
     ControlPlaneServicer,
     Outbox,
 )
+from tests.unit.domain_builders import new_node
 from wire import control_pb2 as pb
 
 # ------------------------------------------------------------------ bounded text
@@ -220,17 +221,7 @@ def _service(store: _Store) -> EnrollmentService:
 
 
 def _node(credential: str) -> Node:
-    return Node.enroll(
-        node_id=uuid.uuid4(),
-        name="n1",
-        inventory={},
-        agent_version="test",
-        address="127.0.0.1",
-        rpc_port=50052,
-        labels={},
-        credential_sha256=credential_sha256(credential),
-        token_id="t",
-    )
+    return new_node(credential_sha256=credential_sha256(credential))
 
 
 async def test_credentials_are_checked_from_memory_once_known() -> None:
