@@ -96,12 +96,18 @@ async def _eventually_closed(sock: socket.socket) -> bool:
     return not await asyncio.to_thread(_served, sock)
 
 
-async def test_the_guard_replaces_its_set_and_closes_a_revoked_peers_connection(
-    guard: RpcGuard,
-) -> None:
+async def _link_of_primary_a(guard: RpcGuard) -> socket.socket:
+    """Admits only primary ``a`` (127.0.0.1) and opens a connection that the worker serves."""
     guard.admit_only([("a", "127.0.0.1")])
     held = await asyncio.to_thread(_connect, guard)
     assert await asyncio.to_thread(_served, held)
+    return held
+
+
+async def test_the_guard_replaces_its_set_and_closes_a_revoked_peers_connection(
+    guard: RpcGuard,
+) -> None:
+    held = await _link_of_primary_a(guard)
     assert guard.connected() == {"127.0.0.1"}
     guard.admit_only([("b", "10.0.0.9")])  # another primary: new connections refused...
     fresh = await asyncio.to_thread(_connect, guard)
@@ -137,9 +143,7 @@ async def _sent(message: pb.AgentMessage) -> None:
 async def test_a_job_ending_narrows_the_set_and_keeps_the_warm_link(
     handler: LlamaHandler, guard: RpcGuard
 ) -> None:
-    guard.admit_only([("a", "127.0.0.1")])
-    held = await asyncio.to_thread(_connect, guard)
-    assert await asyncio.to_thread(_served, held)
+    held = await _link_of_primary_a(guard)
     await handler.on_rpc_worker_peers(pb.RpcWorkerPeers(reason="job ended"), _sent)
     assert guard.allowed == frozenset()
     assert await asyncio.to_thread(_served, held)  # the warm llama-server keeps its link
@@ -150,9 +154,7 @@ async def test_a_job_ending_narrows_the_set_and_keeps_the_warm_link(
 async def test_a_revoked_primary_loses_its_connection_and_any_later_set(
     handler: LlamaHandler, guard: RpcGuard
 ) -> None:
-    guard.admit_only([("a", "127.0.0.1")])
-    held = await asyncio.to_thread(_connect, guard)
-    assert await asyncio.to_thread(_served, held)
+    held = await _link_of_primary_a(guard)
     await handler.on_nodes_revoked(["a"])
     assert guard.allowed == frozenset()
     assert await _eventually_closed(held)
