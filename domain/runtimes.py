@@ -43,10 +43,15 @@ def runtime_capacity(runtime: Mapping[str, Any] | None, slots: int) -> int:
     return int(runtime["plan"].get("parallel", 1))
 
 
+def server_name(primary_node_id: str, key: str) -> str:
+    """A server's name: its primary and its runtime's key (another runtime on the same node
+    is another server, with another cache)."""
+    return f"{primary_node_id}/{key}"
+
+
 def server_of(plan: ExecutionPlan) -> str:
-    """A server's name: its primary and its runtime (another runtime on the same node is
-    another server, with another cache)."""
-    return f"{plan.primary.node_id}/{plan.runtime_key}"
+    """The name of the server ``plan`` runs on (:func:`server_name`)."""
+    return server_name(plan.primary.node_id, plan.runtime_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from application.deadlines import (
 )
 from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
 from application.metrics_history import DEFAULT_HISTORY_INTERVAL
-from application.worker_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE
+from application.runtime_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE, DEFAULT_SERVER_IDLE_GRACE
 from common.contract import (
     AGENT_RECEIVE_BYTES,
     DEFAULT_ALLOWED_PEER_CIDRS,
@@ -81,6 +81,7 @@ SETTING_NAMES = (
     "RPC_PORT",
     "RPC_WORKER_IDLE_GRACE",
     "RPC_WORKER_START_TIMEOUT",
+    "SERVER_IDLE_GRACE",
     "SETUP_TIMEOUT",
     "SHUTDOWN_TIMEOUT",
     "SHUTDOWN_TIMEOUT",
@@ -178,6 +179,8 @@ class Settings:
     rpc_worker_timeout: float = 30.0
     #: How long an RPC worker no job uses stays up for warm reuse (then StopRpcWorker).
     rpc_worker_idle_grace: float = DEFAULT_RPC_WORKER_IDLE_GRACE
+    #: How long a one-node llama-server no job uses stays up for warm reuse (then StopServer).
+    server_idle_grace: float = DEFAULT_SERVER_IDLE_GRACE
     setup_timeout: float = 120.0
     #: How long SIGTERM/SIGINT waits for running jobs before it ends them (0: not at all).
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
@@ -262,6 +265,7 @@ class Settings:
             record_content=_bool(env, "RECORD_CONTENT", base.record_content),
             rpc_worker_timeout=_float(env, "RPC_WORKER_START_TIMEOUT", base.rpc_worker_timeout),
             rpc_worker_idle_grace=_float(env, "RPC_WORKER_IDLE_GRACE", base.rpc_worker_idle_grace),
+            server_idle_grace=_float(env, "SERVER_IDLE_GRACE", base.server_idle_grace),
             setup_timeout=_float(env, "SETUP_TIMEOUT", base.setup_timeout),
             shutdown_timeout=_float(
                 env, "SHUTDOWN_TIMEOUT", base.shutdown_timeout, zero_means_off=True
@@ -321,6 +325,10 @@ class Settings:
         if settings.rpc_worker_idle_grace <= 0:
             raise SettingsError(
                 f"RPC_WORKER_IDLE_GRACE must be positive, got {settings.rpc_worker_idle_grace}"
+            )
+        if settings.server_idle_grace <= 0:
+            raise SettingsError(
+                f"SERVER_IDLE_GRACE must be positive, got {settings.server_idle_grace}"
             )
         if settings.queue_max < 1:
             raise SettingsError(f"QUEUE_MAX must be at least 1, got {settings.queue_max}")

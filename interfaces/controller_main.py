@@ -26,9 +26,9 @@ from application.model_claims import ModelClaims
 from application.model_transfers import TicketSigner, TransferCoordinator
 from application.node_steering import NodeSteering
 from application.prefix_routing import PrefixRouter
+from application.runtime_reaper import RuntimeReaper
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
-from application.worker_reaper import WorkerReaper
 from common.contract import AGENT_RECEIVE_BYTES, CONTROLLER_RECEIVE_BYTES
 from common.model_file_server import ModelFileServer
 from common.transfer_ticket import TICKET_TTL_SECONDS, Ticket, sign_ticket
@@ -82,7 +82,8 @@ RECONCILE_INTERVAL = 5.0
 DEADLINE_CHECK_INTERVAL = 0.5
 
 SWEEP_INTERVAL = 0.5
-#: How often idle RPC workers are looked for (at most half of RPC_WORKER_IDLE_GRACE).
+#: How often idle runtimes are looked for (at most half of RPC_WORKER_IDLE_GRACE and of
+#: SERVER_IDLE_GRACE).
 REAP_INTERVAL = 5.0
 
 
@@ -240,14 +241,14 @@ def node_certificates(tls: ServerTls | None) -> NodeCertificates | None:
     return lambda node_id, csr: issue_node_cert(ca_pem, ca_key_pem, node_id, csr)
 
 
-async def _reap_workers_forever(reaper: WorkerReaper) -> None:
+async def _reap_runtimes_forever(reaper: RuntimeReaper) -> None:
     while True:
-        await asyncio.sleep(min(REAP_INTERVAL, reaper.grace / 2))
+        await asyncio.sleep(min(REAP_INTERVAL, reaper.grace / 2, reaper.server_grace / 2))
         try:
             for node_id in await reaper.sweep(time.time()):
-                log.info("stopped the idle RPC worker of node %s", node_id)
+                log.info("stopped the idle RPC worker or llama-server of node %s", node_id)
         except Exception:
-            log.exception("RPC worker reaper failed")
+            log.exception("runtime reaper failed")
 
 
 async def start_controller(settings: Settings) -> RunningController:
@@ -409,11 +410,18 @@ async def start_controller(settings: Settings) -> RunningController:
         HealthThresholds(settings.degraded_after, settings.offline_after),
         started_at=time.time(),
     )
-    reaper = WorkerReaper(services.app, node_views, gateway, settings.rpc_worker_idle_grace)
+    reaper = RuntimeReaper(
+        services.app,
+        node_views,
+        gateway,
+        settings.rpc_worker_idle_grace,
+        settings.server_idle_grace,
+        forget=scheduler.router.forget,
+    )
     tasks = [
         asyncio.create_task(http_server.serve(), name="http"),
         asyncio.create_task(_sweep_forever(monitor, jobs), name="health-sweep"),
-        asyncio.create_task(_reap_workers_forever(reaper), name="worker-reaper"),
+        asyncio.create_task(_reap_runtimes_forever(reaper), name="runtime-reaper"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),

@@ -345,7 +345,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers", "prove_model")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers", "prove_model", "stop_server")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class ControllerMessage(_message.Message):
     NODES_REVOKED_FIELD_NUMBER: _ClassVar[int]
     RPC_WORKER_PEERS_FIELD_NUMBER: _ClassVar[int]
     PROVE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STOP_SERVER_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -372,7 +373,8 @@ class ControllerMessage(_message.Message):
     nodes_revoked: NodesRevoked
     rpc_worker_peers: RpcWorkerPeers
     prove_model: ProveModel
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ..., prove_model: _Optional[_Union[ProveModel, _Mapping]] = ...) -> None: ...
+    stop_server: StopServer
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ..., prove_model: _Optional[_Union[ProveModel, _Mapping]] = ..., stop_server: _Optional[_Union[StopServer, _Mapping]] = ...) -> None: ...
 
 class ProveModel(_message.Message):
     __slots__ = ("challenge_id", "model_sha256", "nonce", "ranges")
@@ -663,6 +665,12 @@ class RpcWorkerPeers(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[RpcPeerAccess]
     reason: str
     def __init__(self, peers: _Optional[_Iterable[_Union[RpcPeerAccess, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StopServer(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StopRpcWorker(_message.Message):
     __slots__ = ("job_id", "reason")

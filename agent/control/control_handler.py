@@ -58,6 +58,14 @@ class RpcPeerHandler(Protocol):
     async def on_nodes_revoked(self, node_ids: Sequence[str]) -> None: ...
 
 
+@runtime_checkable
+class ServerHandler(Protocol):
+    """What a handler that runs a llama-server also hears: stop it, the controller retired its
+    idle runtime (``StopServer``). A server a job uses is kept."""
+
+    async def on_stop_server(self, msg: pb.StopServer) -> None: ...
+
+
 NO_RUNTIME = "no runtime configured"
 
 

@@ -19,6 +19,7 @@ import grpc.aio
 from agent.control.control_handler import (
     ControlHandler,
     RpcPeerHandler,
+    ServerHandler,
     job_failure,
     role_name,
     setup_failure,
@@ -138,6 +139,10 @@ class JobTraffic:
         elif kind == "nodes_revoked":
             self.nodes_revoked(message.nodes_revoked.node_ids)
             return
+        elif kind == "stop_server":
+            if not isinstance(handler, ServerHandler):
+                return
+            coro = handler.on_stop_server(message.stop_server)
         elif kind == "rpc_worker_peers":
             if not isinstance(handler, RpcPeerHandler):
                 return

@@ -162,6 +162,8 @@ class LlamaHandler:
         # Jobs holding the llama-server (from setup until their generation ends) and its spec.
         self._server_users = 0
         self._server_spec: ServerSpec | None = None
+        # The stop of a retired idle server under way (StopServer), which setups wait for.
+        self._stopping: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send: Send | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -317,6 +319,8 @@ class LlamaHandler:
         except ValueError as exc:
             raise SetupFailure(INVALID_PLAN, str(exc)) from None
         await self._reserve_server(spec)
+        if self._stopping is not None:  # a retired server is going: start afresh after it
+            await asyncio.shield(self._stopping)
         if not spec.rpc_endpoints:
             # A warm one-node server is used as it is: no thread hop, nothing to probe.
             warm = self.runtime.running_server(spec)
@@ -360,6 +364,24 @@ class LlamaHandler:
             await asyncio.sleep(_BUSY_POLL_SECONDS)
         self._server_users += 1
         self._server_spec = spec
+
+    async def on_stop_server(self, msg: pb.StopServer) -> None:
+        """The controller retired this node's idle runtime: stop its llama-server and free its
+        memory, unless a job uses it (set up after the retirement: that job's plan starts
+        the server it needs)."""
+        if self.runtime.server is None:
+            return
+        if self._server_users > 0:
+            log.info("keeping llama-server (%s): %d job(s) use it", msg.reason, self._server_users)
+            return
+        log.info("stopping the idle llama-server: %s", msg.reason or "retired")
+        stopping = asyncio.ensure_future(asyncio.to_thread(self.runtime.stop_server))
+        self._stopping = stopping
+        try:
+            await stopping
+        finally:
+            if self._stopping is stopping:
+                self._stopping = None
 
     async def release_model(self, path: Path) -> bool:
         """Lets the model file at ``path`` go: stops the llama-server that has it loaded when

@@ -99,6 +99,10 @@ class ProtoAgentGateway:
         stop = pb.StopRpcWorker(reason=reason)
         return self.connections.send(node_id, pb.ControllerMessage(stop_rpc_worker=stop))
 
+    def stop_server(self, node_id: str, reason: str) -> bool:
+        stop = pb.StopServer(reason=reason)
+        return self.connections.send(node_id, pb.ControllerMessage(stop_server=stop))
+
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
         plan = pb.ExecutionPlan(
             job_id=assignment.job_id,

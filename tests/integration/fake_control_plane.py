@@ -174,6 +174,9 @@ class RecordingHandler:
     async def on_stop_rpc_worker(self, msg: pb.StopRpcWorker, send: Send) -> None:
         self.calls.append(f"stop_rpc_worker:{msg.job_id}")
 
+    async def on_stop_server(self, msg: pb.StopServer) -> None:
+        self.calls.append(f"stop_server:{msg.reason}")
+
     async def on_cancel(self, msg: pb.CancelJob, send: Send) -> None:
         self.calls.append(f"cancel:{msg.job_id}")
 

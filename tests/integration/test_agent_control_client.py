@@ -261,8 +261,15 @@ async def test_downlink_messages_reach_the_handler(
         await asyncio.wait_for(handler.drained.wait(), timeout=5)
         outbound.put_nowait(pb.ControllerMessage(resume=pb.Resume()))
         outbound.put_nowait(pb.ControllerMessage(stop_rpc_worker=pb.StopRpcWorker(job_id="j2")))
-        await eventually(lambda: len(handler.calls) == 4)
-    assert handler.calls == ["cancel:j1", "drain", "resume", "stop_rpc_worker:j2"]
+        outbound.put_nowait(pb.ControllerMessage(stop_server=pb.StopServer(reason="idle")))
+        await eventually(lambda: len(handler.calls) == 5)
+    assert handler.calls == [
+        "cancel:j1",
+        "drain",
+        "resume",
+        "stop_rpc_worker:j2",
+        "stop_server:idle",
+    ]
     assert session.state == AgentState.READY  # draining is the controller's state, not ours
 
 

@@ -105,6 +105,7 @@ class FakeAgentGateway:
     cancels: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes told to stop their RPC worker, with the reason.
     worker_stops: list[tuple[str, str]] = field(default_factory=list)
+    server_stops: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes asked to delete a model file.
     evictions: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes asked to fetch a model file.
@@ -154,6 +155,10 @@ class FakeAgentGateway:
 
     def stop_rpc_worker(self, node_id: str, reason: str) -> bool:
         self.worker_stops.append((node_id, reason))
+        return self.is_connected(node_id)
+
+    def stop_server(self, node_id: str, reason: str) -> bool:
+        self.server_stops.append((node_id, reason))
         return self.is_connected(node_id)
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:

@@ -31,6 +31,7 @@ from agent.runtime.job_messages import (
 from agent.runtime.llama_binaries import RuntimeBinaries
 from agent.runtime.llama_handler import LlamaHandler, _Job
 from agent.runtime.llama_server import ChatDelta, ChatRequest, LlamaServer
+from agent.runtime.runtime import RuntimeManager
 from tests.unit.test_runtime_paths import FINAL_CHUNK
 from wire import control_pb2 as pb
 
@@ -283,3 +284,33 @@ async def test_job_result_carries_the_cached_prompt_tokens(handler: LlamaHandler
     result = sent.sent[-1].job_result
     assert (result.job_id, result.ok, result.finish_reason) == ("j", True, "stop")
     assert (result.prompt_tokens, result.cached_prompt_tokens) == (1600, 1536)
+
+
+class StoppableRuntime:
+    """The runtime manager's server slot: a server stand-in and the stops asked for."""
+
+    def __init__(self) -> None:
+        self.server: object | None = object()
+        self.stops = 0
+
+    def stop_server(self) -> None:
+        self.stops += 1
+        self.server = None
+
+    def close(self) -> None:
+        pass
+
+
+async def test_stop_server_stops_an_idle_server_and_keeps_one_a_job_uses(
+    handler: LlamaHandler,
+) -> None:
+    runtime = StoppableRuntime()
+    handler.runtime = cast(RuntimeManager, runtime)
+    handler._server_users = 1  # a job set up after the retirement uses it
+    await handler.on_stop_server(pb.StopServer(reason="idle for 900 s"))
+    assert (runtime.stops, runtime.server is not None) == (0, True)
+    handler._server_users = 0
+    await handler.on_stop_server(pb.StopServer(reason="idle for 900 s"))
+    assert (runtime.stops, runtime.server) == (1, None)
+    await handler.on_stop_server(pb.StopServer(reason="again"))  # nothing left to stop
+    assert runtime.stops == 1 and handler._stopping is None

@@ -35,7 +35,8 @@ def test_service_methods_and_streaming() -> None:
         (
             pb.ControllerMessage,
             "welcome execution_plan start_rpc_worker stop_rpc_worker cancel_job drain resume "
-            "message_rejected fetch_model evict_model nodes_revoked rpc_worker_peers prove_model",
+            "message_rejected fetch_model evict_model nodes_revoked rpc_worker_peers prove_model "
+            "stop_server",
         ),
     ],
 )
