@@ -194,6 +194,8 @@ def project_node(row: dict[str, Any] | None, event: object) -> dict[str, Any] | 
     elif isinstance(event, Node.RuntimeRetired):
         new["runtime"] = None
         new["rpc_workers"] = {}
+    elif isinstance(event, Node.LinksMeasured):
+        new["links"] = {peer: {**link, "measured_at": at} for peer, link in event.links.items()}
     elif isinstance(event, Node.JobAssigned):
         new["current_jobs"] = sorted({*row["current_jobs"], event.job_id})
         new["runtime"] = event.runtime
@@ -351,14 +353,10 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             tokens_per_second=event.tokens_per_second,
             cached_prompt_tokens=event.cached_prompt_tokens,
         )
-    elif isinstance(event, Job.Failed):
-        new.update(
-            ended_at=at,
-            failure_phase=event.phase,
-            failure_reason=event.reason,
-            error_code=event.error_code,
-        )
-    elif isinstance(event, Job.Rejected):
+    elif isinstance(event, Job.Failed | Job.Rejected):
+        # A rejection is the client's error: no phase of the job's run failed.
+        if isinstance(event, Job.Failed):
+            new["failure_phase"] = event.phase
         new.update(ended_at=at, failure_reason=event.reason, error_code=event.error_code)
     elif isinstance(event, Job.Cancelled):
         new.update(ended_at=at, failure_reason=event.reason, error_code="cancelled")
