@@ -4,6 +4,11 @@ node (:mod:`common.transfer_ticket`), on a connection whose client certificate i
 Everyone else gets 401/403 and no byte of the file; so does a node revoked since its ticket
 was signed (:meth:`ModelFileServer.revoke`).
 
+It also answers link probes (:mod:`common.link_probe`): ``GET /probe/<n>`` streams ``n`` zero
+bytes (at most ``MAX_PROBE_BYTES``, else 400) to a node whose ticket names ``PROBE_SUBJECT``
+instead of a model, authorized as a file is; a probe ticket fetches no file, and a file's
+ticket no probe.
+
 Nodes serve the files they hold with it (``agent.models.model_transfers``), and the controller its
 own model store (``interfaces.model_store_server``): one implementation for both ends.
 
@@ -17,8 +22,9 @@ certificate:
 * at most ``max_connections`` are open at once, at most ``per_address`` of them from one
   address; one more is closed as soon as it is accepted;
 * only a complete request, from a client whose certificate the CA issued, reaches one of at
-  most ``workers`` threads, which sends the file (one request per connection); a fetcher that
-  takes more than ``send_timeout`` seconds over a 1 MiB piece of it is cut.
+  most ``workers`` threads, which sends the file or the probe's bytes (one request per
+  connection); a fetcher that takes more than ``send_timeout`` seconds over a 1 MiB piece of
+  it is cut.
 
 A transfer moves hundreds of megabytes and must be bound by the link, not by a loop: the
 workers write with blocking sockets, outside any event loop.
@@ -45,6 +51,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+from common.link_probe import MAX_PROBE_BYTES, PROBE_PATH, PROBE_SUBJECT
 from common.transfer_ticket import MODELS_PATH, TicketError, peer_node_id, verify_ticket
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,7 @@ CHUNK = 1 << 20
 #: A piece of a chunk written with the time left of the chunk's deadline.
 WRITE_PIECE = 256 << 10
 _PATH = re.compile(r"^" + re.escape(MODELS_PATH) + r"([0-9a-f]{64})$")
+_PROBE = re.compile(r"^" + re.escape(PROBE_PATH) + r"(\d{1,12})$")
 _RANGE = re.compile(r"^bytes=(\d+)-$")
 #: The largest request head (request line and headers) a server reads.
 MAX_REQUEST_HEAD = 16 << 10
@@ -160,8 +168,8 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _write_within(self, data: memoryview, seconds: float) -> None:
-        """Sends ``data`` (a piece of the file) within ``seconds``, or raises TimeoutError: a
-        fetcher that reads a byte now and then cannot hold a worker."""
+        """Sends ``data`` (a piece of the file or probe) within ``seconds``, or raises
+        TimeoutError: a fetcher that reads a byte now and then cannot hold a worker."""
         deadline = time.monotonic() + seconds
         for at in range(0, len(data), WRITE_PIECE):
             left = deadline - time.monotonic()
@@ -171,32 +179,71 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.sendall(data[at : at + WRITE_PIECE])
 
     def do_GET(self) -> None:
+        if self.path.startswith(PROBE_PATH):
+            self._probe()
+            return
         match = _PATH.match(self.path)
         if match is None:
             self._refuse(HTTPStatus.NOT_FOUND, "no such path")
             return
         sha256 = match.group(1)
-        auth = self.headers.get("Authorization", "")
-        if not auth.startswith("Bearer "):
-            self._refuse(HTTPStatus.UNAUTHORIZED, "a transfer ticket is required")
-            return
-        try:
-            ticket = verify_ticket(auth.removeprefix("Bearer "), self.server.ca_pem, time.time())
-        except TicketError as e:
-            self._refuse(HTTPStatus.FORBIDDEN, str(e))
-            return
-        client = peer_node_id(self.connection.getpeercert())  # type: ignore[attr-defined]
-        if ticket.sha256 != sha256 or client is None or ticket.node_id != client:
-            self._refuse(HTTPStatus.FORBIDDEN, "the ticket is for another model or node")
-            return
-        if client in self.server.revoked:
-            self._refuse(HTTPStatus.FORBIDDEN, f"node {client} has been revoked")
+        client = self._authorized(sha256)
+        if client is None:
             return
         path = self.server.resolve(sha256)
         if path is None:
             self._refuse(HTTPStatus.NOT_FOUND, "this node does not hold that model")
             return
         self._send(path, client)
+
+    def _authorized(self, subject: str) -> str | None:
+        """The node this request comes from, when its ticket names ``subject`` (a model's
+        sha256, or ``PROBE_SUBJECT``) and that node, and the node is not revoked; otherwise
+        None, the refusal sent."""
+        auth = self.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            self._refuse(HTTPStatus.UNAUTHORIZED, "a transfer ticket is required")
+            return None
+        try:
+            ticket = verify_ticket(auth.removeprefix("Bearer "), self.server.ca_pem, time.time())
+        except TicketError as e:
+            self._refuse(HTTPStatus.FORBIDDEN, str(e))
+            return None
+        client = peer_node_id(self.connection.getpeercert())  # type: ignore[attr-defined]
+        if ticket.sha256 != subject or client is None or ticket.node_id != client:
+            self._refuse(HTTPStatus.FORBIDDEN, "the ticket is for another model or node")
+            return None
+        if client in self.server.revoked:
+            self._refuse(HTTPStatus.FORBIDDEN, f"node {client} has been revoked")
+            return None
+        return client
+
+    def _probe(self) -> None:
+        """``GET /probe/<n>``: ``n`` zero bytes, for a peer measuring its link to this node."""
+        client = self._authorized(PROBE_SUBJECT)
+        if client is None:
+            return
+        match = _PROBE.match(self.path)
+        size = int(match.group(1)) if match is not None else 0
+        if not 1 <= size <= MAX_PROBE_BYTES:
+            why = f"a probe asks for 1 to {MAX_PROBE_BYTES} bytes: /probe/<bytes>"
+            self._refuse(HTTPStatus.BAD_REQUEST, why)
+            return
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        zeros = memoryview(bytes(min(CHUNK, size)))
+        sent = 0
+        try:
+            while sent < size:
+                n = min(len(zeros), size - sent)
+                self._write_within(zeros[:n], self.server.limits.send_timeout)
+                sent += n
+        except OSError as e:  # the prober went away: its measure fails, nothing else
+            log.info("model server: probe to node %s cut after %d bytes: %s", client, sent, e)
+            return
+        log.debug("model server: sent a %d-byte probe to node %s", size, client)
 
     def _send(self, path: Path, client: str) -> None:
         size = path.stat().st_size
@@ -261,7 +308,7 @@ class ModelFileServer:
         self.ca_pem = ca_pem.encode()
         self.resolve = resolve
         self.limits = limits or ServerLimits()
-        #: Bytes sent since start.
+        #: Bytes of model files sent since start (probes not counted).
         self.bytes_sent = 0
         #: Connections closed at accept: beyond ``max_connections`` or an address's share.
         self.refused = 0

@@ -134,6 +134,8 @@ class JobTraffic:
             coro = self.transfers.on_fetch(message.fetch_model, send)
         elif kind == "evict_model":
             coro = self.transfers.on_evict(message.evict_model, send)
+        elif kind == "probe_links":
+            coro = self.transfers.on_probe_links(message.probe_links, send)
         elif kind == "prove_model":
             coro = prove(self.transfers.store, message.prove_model, send)
         elif kind == "nodes_revoked":

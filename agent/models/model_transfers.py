@@ -10,7 +10,9 @@ PROGRESS at each quarter, then COMPLETED or FAILED. A source that announces anot
 the model's, sends too slowly or takes too long (``--fetch-*``) is given up for the next one; a
 URL source on a refused network (:mod:`common.model_sources`; ``allowed_source_cidrs`` in
 ``FetchModel`` widens it) is never connected to. A second ``FetchModel`` for a model being
-fetched already is answered by the first one's reports.
+fetched already is answered by the first one's reports. A ``ProbeLinks`` measures the links to
+the peers it names (:mod:`agent.models.link_probe`) in a thread, with the same certificate, and
+is answered by one ``LinkReport``.
 
 Agent code: imports only the standard library, third-party packages and ``proto``.
 """
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from agent.models.fetch_limits import FetchLimits
+from agent.models.link_probe import measure_links
 from agent.models.model_fetch import DiskLimit, Source, TransferError, fetch
 from agent.models.model_store import ModelStore
 from agent.node.node_tls import NodeTls
@@ -74,6 +78,8 @@ class ModelTransfers:
         self.ca_pem = ""
         #: Fetches running now, by model sha256.
         self.fetching: set[str] = set()
+        #: Held while links are measured (``ProbeLinks``).
+        self._probing = asyncio.Lock()
 
     def csr(self, node_id: str) -> str:
         return self.tls.csr(node_id)
@@ -180,6 +186,22 @@ class ModelTransfers:
             await send(failed)
         finally:
             self.fetching.discard(msg.model_sha256)
+
+    async def on_probe_links(self, msg: pb.ProbeLinks, send: Send) -> None:
+        """Measures the links to ``msg.peers`` one after another (in a thread); sends one
+        ``LinkReport``, a measure per peer in their order."""
+        context: ssl.SSLContext | None = None
+        if self.tls.ready and self.ca_pem:
+            try:
+                context = self.tls.client_context(self.ca_pem)
+            except (OSError, ValueError) as e:  # reported as no certificate, per peer
+                log.warning("cannot use the node certificate to probe links: %s", e)
+        peers = list(msg.peers)
+        async with self._probing:  # one probe at a time: each bandwidth is its own
+            report = await asyncio.to_thread(
+                measure_links, msg.probe_id, peers, msg.probe_bytes, context
+            )
+        await send(pb.AgentMessage(link_report=report))
 
     async def on_evict(self, msg: pb.EvictModel, send: Send) -> None:
         """Deletes a model file, unless a job uses it or it is being fetched."""
