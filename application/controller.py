@@ -273,6 +273,10 @@ class Controller(Application[UUID]):
         """NODE_RUNTIME_RETIRED: the node no longer serves the idle runtime ``key``."""
         return self.aggregates.change(Node, node_id, lambda n: n.retire_runtime(key, idle_seconds))
 
+    def record_links(self, node_id: UUID | str, links: dict[str, dict[str, Any]]) -> int:
+        """NODE_LINKS_MEASURED: what the node measured of its links to its peers."""
+        return self.aggregates.change(Node, node_id, lambda n: n.links_measured(links))
+
     def rpc_worker_stopped(self, node_id: UUID | str, job_id: str, reason: str) -> int:
         return self.aggregates.change(Node, node_id, lambda n: n.rpc_worker_stopped(job_id, reason))
 

@@ -60,6 +60,26 @@ class RpcPeer:
     port: int
 
 
+@dataclass(frozen=True)
+class LinkPeer:
+    """A peer whose link a node measures (``LinkPeer``): its model file server and the
+    ticket that lets the node probe it."""
+
+    node_id: str
+    host: str
+    port: int
+    ticket: str
+
+
+@dataclass(frozen=True)
+class LinkProbeRequest:
+    """What ``ProbeLinks`` asks a node to measure (application/link_probes.py)."""
+
+    probe_id: str
+    peers: tuple[LinkPeer, ...]
+    probe_bytes: int
+
+
 @dataclass(frozen=True, order=True)
 class AllowedPeer:
     """A primary that may reach an RPC worker: its node, and the address it connects from."""
@@ -146,6 +166,10 @@ class AgentGateway(Protocol):
 
     def stop_server(self, node_id: str, reason: str) -> bool:
         """Stops the node's llama-server (``StopServer``): its runtime was retired idle."""
+        ...
+
+    def probe_links(self, node_id: str, request: LinkProbeRequest) -> bool:
+        """Asks the node to measure its links to peers (``ProbeLinks``)."""
         ...
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool: ...

@@ -28,6 +28,7 @@ from domain.placement import (
     Candidate,
     Device,
     ExecutionPlan,
+    Link,
     ModelNeeds,
     NoCapacity,
     PlacementRequest,
@@ -43,6 +44,8 @@ from domain.states import NodeState
 class SchedulerConfig:
     allowed_peer_cidrs: tuple[str, ...]
     max_nodes: int = 8
+    #: No split over a link measured slower than this, in Mbit/s (MIN_SPLIT_LINK_MBPS; 0: any).
+    min_link_mbps: float = 0.0
 
 
 def _reports_devices(node: dict[str, Any]) -> bool:
@@ -166,6 +169,16 @@ def _cache_blocks(needs: ModelNeeds, plan: ExecutionPlan) -> int:
     return server_cache_blocks(needs.kv_bytes_per_token, plan.context_size, plan.parallel)
 
 
+def links_of(row: dict[str, Any]) -> dict[str, Link]:
+    """The node's links to its peers as it last measured them (NODE_LINKS_MEASURED); a link
+    it could not measure is not one."""
+    found = {}
+    for peer, link in (row.get("links") or {}).items():
+        if isinstance(link, dict) and not link.get("error") and float(link.get("mbps") or 0) > 0:
+            found[str(peer)] = Link(float(link["mbps"]), float(link.get("rtt_ms") or 0.0))
+    return found
+
+
 def idle_eligibility(node: dict[str, Any]) -> dict[str, Any] | None:
     """The eligibility row ``node`` would have with none of its slots taken."""
     if node["state"] == NodeState.BUSY:
@@ -244,6 +257,7 @@ class Scheduler:
                 warm=bool(row.get("runtime")),
                 devices=node_devices(row, live, self.budgets),
                 rpc_protocol=str((row.get("resources") or {}).get("rpc_protocol") or ""),
+                links=links_of(row),
             )
         if not fresh:
             self._candidates[row["node_id"]] = (row, live, model_key, candidate)
@@ -408,6 +422,7 @@ class Scheduler:
             context_size=context_size,
             allowed_peer_cidrs=self.config.allowed_peer_cidrs,
             max_nodes=self.config.max_nodes,
+            min_link_mbps=self.config.min_link_mbps,
             exclude=exclude,
         )
         result = plan_placement(request, candidates)

@@ -28,6 +28,7 @@ NODE_EVENTS: tuple[type[Node.Event] | type[Node.Enrolled], ...] = (
     Node.RpcWorkerStarted,
     Node.RpcWorkerStopped,
     Node.RuntimeRetired,
+    Node.LinksMeasured,
     Node.ModelTransferStarted,
     Node.ModelTransferProgressed,
     Node.ModelTransferCompleted,

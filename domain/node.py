@@ -191,6 +191,16 @@ class Node(Aggregate):
             node.runtime = None
             node.rpc_workers = {}
 
+    class LinksMeasured(Event):
+        """The node measured its links to peers (``LinkReport``): per peer node id,
+        ``{"rtt_ms", "mbps", "error"}`` (an error and zeros when it could not)."""
+
+        code: ClassVar[str] = "NODE_LINKS_MEASURED"
+        links: dict[str, dict[str, Any]]
+
+        def evolve(self, node: Node) -> None:
+            pass  # the split planner reads them from the read model; the node keeps nothing
+
     class SecurityViolation(Event):
         code: ClassVar[str] = "SECURITY_VIOLATION"
         address: str
@@ -552,6 +562,11 @@ class Node(Aggregate):
         self.trigger_event(
             self.RpcWorkerStarted, state=self.state, job_id=job_id, host=host, port=port
         )
+
+    def links_measured(self, links: dict[str, dict[str, Any]]) -> None:
+        if self.revoked:
+            raise self._refuse("record its links", "the node was revoked")
+        self.trigger_event(self.LinksMeasured, state=self.state, links=links)
 
     def rpc_worker_stopped(self, job_id: str, reason: str) -> None:
         if job_id not in self.rpc_workers:

@@ -12,7 +12,7 @@ import hashlib
 import ipaddress
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.contract import DEVICE_CPU as _DEVICE_CPU
@@ -52,6 +52,11 @@ NODE_LIMIT = "NODE_LIMIT"
 #: The warm server holding the job's conversation (its prompt's prefix) is busy: the job waits
 #: for a slot there rather than take a free one elsewhere (application/prefix_routing.py).
 WAITS_FOR_CACHE = "WAITS_FOR_CACHE"
+#: The slowest link a split goes over by default, in Mbit/s (MIN_SPLIT_LINK_MBPS): below it a
+#: split's setup sends gigabytes of weights for minutes, and every token waits on the link.
+DEFAULT_MIN_SPLIT_LINK_MBPS = 50.0
+#: Only a split over a link measured slower than MIN_SPLIT_LINK_MBPS would hold the model.
+SLOW_LINK = "SLOW_LINK"
 #: The nodes that together would hold the model speak different llama.cpp RPC protocols.
 RPC_VERSION_MISMATCH = "RPC_VERSION_MISMATCH"
 
@@ -151,6 +156,23 @@ class Device:
 
 
 @dataclass(frozen=True, slots=True)
+class Link:
+    """A link from one node to a peer, as the node measured it (``NODE_LINKS_MEASURED``)."""
+
+    mbps: float
+    rtt_ms: float
+
+
+def link_between(a: Candidate, b: Candidate) -> Link | None:
+    """The link between two nodes: the slower of the two directions measured (the lower
+    bandwidth, the longer round trip), or None when neither node measured it."""
+    found = [link for link in (a.links.get(b.node_id), b.links.get(a.node_id)) if link]
+    if not found:
+        return None
+    return Link(min(x.mbps for x in found), max(x.rtt_ms for x in found))
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A node as the scheduler sees it at one instant.
 
@@ -176,6 +198,8 @@ class Candidate:
     #: The ggml RPC protocol version its llama.cpp speaks ("" when it does not say); a split
     #: never mixes two.
     rpc_protocol: str = ""
+    #: Its links to peers by node id, as it measured them (the planner prefers fast ones).
+    links: Mapping[str, Link] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +214,8 @@ class PlacementRequest:
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
     #: What each GPU keeps beyond its share (compute buffers): see DEFAULT_DEVICE_RESERVE_BYTES.
     device_reserve_bytes: int = DEFAULT_DEVICE_RESERVE_BYTES
+    #: No split over a measured link slower than this (Mbit/s; 0: any link): MIN_SPLIT_LINK_MBPS.
+    min_link_mbps: float = 0.0
 
     def __post_init__(self) -> None:
         # tolerate a list / set from configuration; keep the request hashable

@@ -60,6 +60,7 @@ The result does not depend on the order of the candidates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -77,6 +78,7 @@ from domain.placement import (
     NO_ELIGIBLE_NODES,
     NODE_LIMIT,
     RPC_VERSION_MISMATCH,
+    SLOW_LINK,
     SPLIT_RESOLUTION,
     TIER_CPU,
     TIER_CPU_OVER_RPC,
@@ -95,6 +97,7 @@ from domain.placement import (
     PlanNode,
     _allowed,
     _parse_address,
+    link_between,
     required_bytes,
 )
 from domain.states import NodeState
@@ -301,9 +304,38 @@ def _ineligible(c: Candidate, exclude: frozenset[str]) -> bool:
 _node_id = operator.attrgetter("node_id")
 
 
+def _too_slow(primary: Candidate, worker: Candidate, min_mbps: float) -> bool:
+    """The link between them was measured slower than ``min_mbps`` (0: no floor)."""
+    link = link_between(primary, worker)
+    return min_mbps > 0 and link is not None and link.mbps < min_mbps
+
+
+def _link_rank(primary: Candidate, worker: Candidate) -> tuple[int, float, float]:
+    """Measured links first, the fastest (then the nearest) first; unmeasured ones last."""
+    link = link_between(primary, worker)
+    return (1, 0.0, 0.0) if link is None else (0, -link.mbps, link.rtt_ms)
+
+
+def _link_order(
+    primary: Candidate, rank: Callable[[Candidate], tuple[int, str]], worker: Candidate
+) -> tuple[tuple[int, float, float], tuple[int, str]]:
+    """Workers by their link to ``primary`` (:func:`_link_rank`), then by ``rank``."""
+    return _link_rank(primary, worker), rank(worker)
+
+
+def _links_cost(primary: Candidate, workers: Sequence[Candidate]) -> float:
+    """Minus the slowest link's Mbit/s between the primary and its workers (an unmeasured
+    link counts as 0): a plan whose slowest link is faster ranks first."""
+    slowest = min(
+        ((link.mbps if (link := link_between(primary, w)) else 0.0) for w in workers),
+        default=0.0,
+    )
+    return -slowest
+
+
 @dataclass(frozen=True, slots=True)
 class _Choice:
-    key: tuple[int, int, tuple[int, ...], int, int, str]
+    key: tuple[int, int, tuple[int, ...], float, int, int, str]
     tier: _Tier
     primary: Candidate
     workers: tuple[Candidate, ...]
@@ -340,6 +372,7 @@ def _best_in_tier(
                         p_degraded,
                         int(p.warm),
                         cost,
+                        0.0,
                         p_degraded,
                         -weights[p.node_id],
                         p.node_id,
@@ -354,19 +387,37 @@ def _best_in_tier(
             others = [
                 c
                 for c in workers_pool
-                if c.node_id != p.node_id and c.rpc_protocol == p.rpc_protocol
+                if c.node_id != p.node_id
+                and c.rpc_protocol == p.rpc_protocol
+                and not _too_slow(p, c, request.min_link_mbps)
             ]
-            ready = [c for c in others if c.state == NodeState.READY]
-            degraded = [c for c in others if c.state != NodeState.READY]
+            # Fastest links first; the roomiest first when those do not hold the model.
+            fastest = sorted(others, key=functools.partial(_link_order, p, rank))
             for d in range(0, k):
-                if k - 1 - d > len(ready) or d > len(degraded):
+                workers_found = None
+                for order in (fastest, others):
+                    ready = [c for c in order if c.state == NodeState.READY]
+                    degraded = [c for c in order if c.state != NodeState.READY]
+                    if k - 1 - d > len(ready) or d > len(degraded):
+                        break
+                    workers = sorted([*ready[: k - 1 - d], *degraded[:d]], key=rank)
+                    cost = tier.fit((p, *workers), required, request)
+                    if cost is not None:
+                        workers_found = (workers, cost)
+                        break
+                if workers_found is None:
                     continue
-                workers = sorted([*ready[: k - 1 - d], *degraded[:d]], key=rank)
-                cost = tier.fit((p, *workers), required, request)
-                if cost is None:
-                    continue
+                workers, cost = workers_found
                 warm = int(p.warm) + sum(int(w.warm) for w in workers)
-                key = (d + p_degraded, warm, cost, p_degraded, -weights[p.node_id], p.node_id)
+                key = (
+                    d + p_degraded,
+                    warm,
+                    cost,
+                    _links_cost(p, workers),
+                    p_degraded,
+                    -weights[p.node_id],
+                    p.node_id,
+                )
                 if best is None or key < best.key:
                     best = _Choice(key, tier, p, tuple(workers))
                 break  # more DEGRADED workers for this primary can only rank lower
@@ -642,6 +693,26 @@ def _no_capacity(
                 needed_bytes=required,
                 available_bytes=_host_capacity(pool, limit),
             )
+    if request.min_link_mbps > 0:
+        unbounded = _best(pool, dataclasses.replace(request, min_link_mbps=0.0), limit)
+        if unbounded is not None:
+            slow = [
+                f"{_label(unbounded.primary)} to {_label(w)} ({link.mbps:.0f} Mbit/s, "
+                f"{link.rtt_ms:.1f} ms)"
+                for w in unbounded.workers
+                if (link := link_between(unbounded.primary, w)) is not None
+                and link.mbps < request.min_link_mbps
+            ]
+            return NoCapacity(
+                reason=(
+                    f"{model} needs {_fmt(required)}, which only a split over a link slower "
+                    f"than MIN_SPLIT_LINK_MBPS={request.min_link_mbps:g} could hold: "
+                    f"{'; '.join(slow)}; a split decodes over that link token by token"
+                ),
+                code=SLOW_LINK,
+                needed_bytes=required,
+                available_bytes=_host_capacity(pool, limit),
+            )
     available = _host_capacity(pool, limit)
     total = sum(c.usable_memory_bytes for c in pool)
     context = f"with context {request.context_size}"
@@ -680,6 +751,10 @@ def _no_capacity(
         needed_bytes=required,
         available_bytes=available,
     )
+
+
+def _label(c: Candidate) -> str:
+    return c.name or c.node_id
 
 
 def _fmt_exact(n: int) -> str:

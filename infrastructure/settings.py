@@ -14,6 +14,7 @@ from application.deadlines import (
     Deadlines,
 )
 from application.feed_tickets import DEFAULT_FEED_SESSION_SECONDS
+from application.link_probes import DEFAULT_LINK_PROBE_INTERVAL
 from application.metrics_history import DEFAULT_HISTORY_INTERVAL
 from application.runtime_reaper import DEFAULT_RPC_WORKER_IDLE_GRACE, DEFAULT_SERVER_IDLE_GRACE
 from common.contract import (
@@ -31,6 +32,7 @@ from common.model_file_server import (
     DEFAULT_WORKERS,
 )
 from common.model_sources import parse_cidrs
+from domain.placement import DEFAULT_MIN_SPLIT_LINK_MBPS
 from wire import keepalive
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -59,8 +61,10 @@ SETTING_NAMES = (
     "GRPC_PORT",
     "HEARTBEAT_INTERVAL",
     "HOST",
+    "LINK_PROBE_INTERVAL",
     "MAX_REQUEST_BYTES",
     "METRICS_HISTORY_INTERVAL",
+    "MIN_SPLIT_LINK_MBPS",
     "MODEL_SOURCE_ALLOWED_CIDRS",
     "MODEL_STORE_CONNECTIONS_PER_ADDRESS",
     "MODEL_STORE_DIR",
@@ -118,6 +122,19 @@ def _float(
     if value < 0 or (value == 0 and not zero_means_off):
         limit = "at least 0 (0: off)" if zero_means_off else "positive"
         raise SettingsError(f"{key} must be {limit}, got {raw!r}")
+    return value
+
+
+def _mbps(env: Mapping[str, str], key: str, default: float) -> float:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise SettingsError(f"{key} must be a number of Mbit/s, got {raw!r}") from e
+    if not value >= 0 or value == float("inf"):
+        raise SettingsError(f"{key} must be 0 (any link) or more Mbit/s, got {raw!r}")
     return value
 
 
@@ -227,6 +244,10 @@ class Settings:
     #: A conversation's next turn goes to the warm server holding its prompt's prefix
     #: (application/prefix_routing.py); PREFIX_ROUTING=off places every job as if it had none.
     prefix_routing: bool = True
+    #: How often each node measures its links to its peers (application/link_probes.py).
+    link_probe_interval: float = DEFAULT_LINK_PROBE_INTERVAL
+    #: No split over a link measured slower than this, in Mbit/s (0: any link).
+    min_split_link_mbps: float = DEFAULT_MIN_SPLIT_LINK_MBPS
 
     @property
     def model_store_dir(self) -> Path:
@@ -305,6 +326,8 @@ class Settings:
                 c.strip() for c in env.get("MODEL_SOURCE_ALLOWED_CIDRS", "").split(",") if c.strip()
             ),
             prefix_routing=_bool(env, "PREFIX_ROUTING", base.prefix_routing),
+            link_probe_interval=_float(env, "LINK_PROBE_INTERVAL", base.link_probe_interval),
+            min_split_link_mbps=_mbps(env, "MIN_SPLIT_LINK_MBPS", base.min_split_link_mbps),
         )
         try:
             settings.deadlines()
@@ -325,6 +348,10 @@ class Settings:
         if settings.rpc_worker_idle_grace <= 0:
             raise SettingsError(
                 f"RPC_WORKER_IDLE_GRACE must be positive, got {settings.rpc_worker_idle_grace}"
+            )
+        if settings.link_probe_interval <= 0:
+            raise SettingsError(
+                f"LINK_PROBE_INTERVAL must be positive, got {settings.link_probe_interval}"
             )
         if settings.server_idle_grace <= 0:
             raise SettingsError(

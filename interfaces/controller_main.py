@@ -22,6 +22,7 @@ from application.context_guard import ContextGuard
 from application.enrollment import EnrollmentService
 from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
+from application.link_probes import LinkProbes
 from application.model_claims import ModelClaims
 from application.model_transfers import TicketSigner, TransferCoordinator
 from application.node_steering import NodeSteering
@@ -82,6 +83,8 @@ RECONCILE_INTERVAL = 5.0
 DEADLINE_CHECK_INTERVAL = 0.5
 
 SWEEP_INTERVAL = 0.5
+#: How often the nodes due to measure their links are looked for.
+LINK_SWEEP_INTERVAL = 5.0
 #: How often idle runtimes are looked for (at most half of RPC_WORKER_IDLE_GRACE and of
 #: SERVER_IDLE_GRACE).
 REAP_INTERVAL = 5.0
@@ -241,6 +244,16 @@ def node_certificates(tls: ServerTls | None) -> NodeCertificates | None:
     return lambda node_id, csr: issue_node_cert(ca_pem, ca_key_pem, node_id, csr)
 
 
+async def _probe_links_forever(links: LinkProbes) -> None:
+    """Asks the nodes that are due to measure their links (LinkProbes.sweep decides who)."""
+    while True:
+        await asyncio.sleep(LINK_SWEEP_INTERVAL)
+        try:
+            links.sweep(time.time())
+        except Exception:
+            log.exception("link probes failed")
+
+
 async def _reap_runtimes_forever(reaper: RuntimeReaper) -> None:
     while True:
         await asyncio.sleep(min(REAP_INTERVAL, reaper.grace / 2, reaper.server_grace / 2))
@@ -278,7 +291,7 @@ async def start_controller(settings: Settings) -> RunningController:
     scheduler = Scheduler(
         node_views,
         core.live,
-        SchedulerConfig(settings.allowed_peer_cidrs),
+        SchedulerConfig(settings.allowed_peer_cidrs, min_link_mbps=settings.min_split_link_mbps),
         catch_up=lambda: core.follower.wait(core.app.position(), timeout=5),
         router=PrefixRouter(enabled=settings.prefix_routing),
     )
@@ -309,11 +322,13 @@ async def start_controller(settings: Settings) -> RunningController:
         ControllerModelStore(settings.model_store_dir).read_ranges,
         on_proven=queue.wake,
     )
+    signer = ticket_signer(core.tls.ca_key_pem if core.tls else None)
+    links = LinkProbes(core.app, node_views, gateway, signer, settings.link_probe_interval)
     transfers = TransferCoordinator(
         core.app,
         node_views,
         gateway,
-        ticket_signer(core.tls.ca_key_pem if core.tls else None),
+        signer,
         on_model_added=queue.wake,
         primary_if_held=primary_if_held,
         store_port=store_server.port if store_server is not None else 0,
@@ -339,7 +354,7 @@ async def start_controller(settings: Settings) -> RunningController:
         live=core.live,
         connections=core.connections,
         heartbeat_interval=settings.heartbeat_interval,
-        uplink=JobUplink(jobs, transfers, claims),
+        uplink=JobUplink(jobs, transfers, claims, links),
         allowed_cidrs=settings.allowed_peer_cidrs,
         allow_nat=settings.enroll_allow_nat,
         node_certificates=node_certificates(core.tls),
@@ -422,6 +437,7 @@ async def start_controller(settings: Settings) -> RunningController:
         asyncio.create_task(http_server.serve(), name="http"),
         asyncio.create_task(_sweep_forever(monitor, jobs), name="health-sweep"),
         asyncio.create_task(_reap_runtimes_forever(reaper), name="runtime-reaper"),
+        asyncio.create_task(_probe_links_forever(links), name="link-probes"),
         asyncio.create_task(_wake_queue_forever(jobs), name="queue-waker"),
         asyncio.create_task(_deadlines_forever(jobs), name="deadlines"),
         asyncio.create_task(_lease_forever(services, jobs), name="lease"),

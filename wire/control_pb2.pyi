@@ -143,7 +143,7 @@ class EnrollResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[str] = ..., controller_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted", "model_proof", "stopping")
+    __slots__ = ("hello", "heartbeat", "resource_report", "setup_result", "rpc_worker_status", "token_chunk", "job_result", "runtime_fault", "goodbye", "model_transfer", "model_evicted", "model_proof", "stopping", "link_report")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESOURCE_REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class AgentMessage(_message.Message):
     MODEL_EVICTED_FIELD_NUMBER: _ClassVar[int]
     MODEL_PROOF_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    LINK_REPORT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     resource_report: ResourceReport
@@ -170,7 +171,28 @@ class AgentMessage(_message.Message):
     model_evicted: ModelEvicted
     model_proof: ModelProof
     stopping: Stopping
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ..., model_proof: _Optional[_Union[ModelProof, _Mapping]] = ..., stopping: _Optional[_Union[Stopping, _Mapping]] = ...) -> None: ...
+    link_report: LinkReport
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., resource_report: _Optional[_Union[ResourceReport, _Mapping]] = ..., setup_result: _Optional[_Union[SetupResult, _Mapping]] = ..., rpc_worker_status: _Optional[_Union[RpcWorkerStatus, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_result: _Optional[_Union[JobResult, _Mapping]] = ..., runtime_fault: _Optional[_Union[RuntimeFault, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., model_transfer: _Optional[_Union[ModelTransfer, _Mapping]] = ..., model_evicted: _Optional[_Union[ModelEvicted, _Mapping]] = ..., model_proof: _Optional[_Union[ModelProof, _Mapping]] = ..., stopping: _Optional[_Union[Stopping, _Mapping]] = ..., link_report: _Optional[_Union[LinkReport, _Mapping]] = ...) -> None: ...
+
+class LinkReport(_message.Message):
+    __slots__ = ("probe_id", "links")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    probe_id: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasure]
+    def __init__(self, probe_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasure, _Mapping]]] = ...) -> None: ...
+
+class LinkMeasure(_message.Message):
+    __slots__ = ("node_id", "rtt_ms", "mbps", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    MBPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    rtt_ms: float
+    mbps: float
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., mbps: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("agent_version", "node_id", "csr_pem")
@@ -345,7 +367,7 @@ class RuntimeFault(_message.Message):
     def __init__(self, message: _Optional[str] = ..., fatal: _Optional[bool] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers", "prove_model", "stop_server")
+    __slots__ = ("welcome", "execution_plan", "start_rpc_worker", "stop_rpc_worker", "cancel_job", "drain", "resume", "message_rejected", "fetch_model", "evict_model", "nodes_revoked", "rpc_worker_peers", "prove_model", "stop_server", "probe_links")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PLAN_FIELD_NUMBER: _ClassVar[int]
     START_RPC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +382,7 @@ class ControllerMessage(_message.Message):
     RPC_WORKER_PEERS_FIELD_NUMBER: _ClassVar[int]
     PROVE_MODEL_FIELD_NUMBER: _ClassVar[int]
     STOP_SERVER_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LINKS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     execution_plan: ExecutionPlan
     start_rpc_worker: StartRpcWorker
@@ -374,7 +397,8 @@ class ControllerMessage(_message.Message):
     rpc_worker_peers: RpcWorkerPeers
     prove_model: ProveModel
     stop_server: StopServer
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ..., prove_model: _Optional[_Union[ProveModel, _Mapping]] = ..., stop_server: _Optional[_Union[StopServer, _Mapping]] = ...) -> None: ...
+    probe_links: ProbeLinks
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., execution_plan: _Optional[_Union[ExecutionPlan, _Mapping]] = ..., start_rpc_worker: _Optional[_Union[StartRpcWorker, _Mapping]] = ..., stop_rpc_worker: _Optional[_Union[StopRpcWorker, _Mapping]] = ..., cancel_job: _Optional[_Union[CancelJob, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., message_rejected: _Optional[_Union[MessageRejected, _Mapping]] = ..., fetch_model: _Optional[_Union[FetchModel, _Mapping]] = ..., evict_model: _Optional[_Union[EvictModel, _Mapping]] = ..., nodes_revoked: _Optional[_Union[NodesRevoked, _Mapping]] = ..., rpc_worker_peers: _Optional[_Union[RpcWorkerPeers, _Mapping]] = ..., prove_model: _Optional[_Union[ProveModel, _Mapping]] = ..., stop_server: _Optional[_Union[StopServer, _Mapping]] = ..., probe_links: _Optional[_Union[ProbeLinks, _Mapping]] = ...) -> None: ...
 
 class ProveModel(_message.Message):
     __slots__ = ("challenge_id", "model_sha256", "nonce", "ranges")
@@ -671,6 +695,28 @@ class StopServer(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ProbeLinks(_message.Message):
+    __slots__ = ("probe_id", "peers", "probe_bytes")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    probe_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[LinkPeer]
+    probe_bytes: int
+    def __init__(self, probe_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[LinkPeer, _Mapping]]] = ..., probe_bytes: _Optional[int] = ...) -> None: ...
+
+class LinkPeer(_message.Message):
+    __slots__ = ("node_id", "host", "port", "ticket")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host: str
+    port: int
+    ticket: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class StopRpcWorker(_message.Message):
     __slots__ = ("job_id", "reason")

@@ -25,9 +25,10 @@ from application.commands import (
     TransferReport,
 )
 from application.job_manager import JobManager
+from application.link_probes import LinkMeasure, LinkProbes
 from application.model_claims import ModelClaims, ProofAnswer, ProofChallenge
 from application.model_transfers import TransferCoordinator
-from application.ports import AllowedPeer, PrimaryAssignment
+from application.ports import AllowedPeer, LinkProbeRequest, PrimaryAssignment
 from domain.bounded_text import ID_MAX, bounded
 from interfaces.grpc.grpc_server import AgentConnections
 from wire import control_pb2 as pb
@@ -102,6 +103,17 @@ class ProtoAgentGateway:
     def stop_server(self, node_id: str, reason: str) -> bool:
         stop = pb.StopServer(reason=reason)
         return self.connections.send(node_id, pb.ControllerMessage(stop_server=stop))
+
+    def probe_links(self, node_id: str, request: LinkProbeRequest) -> bool:
+        probe = pb.ProbeLinks(
+            probe_id=request.probe_id,
+            peers=[
+                pb.LinkPeer(node_id=p.node_id, host=p.host, port=p.port, ticket=p.ticket)
+                for p in request.peers
+            ],
+            probe_bytes=request.probe_bytes,
+        )
+        return self.connections.send(node_id, pb.ControllerMessage(probe_links=probe))
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:
         plan = pb.ExecutionPlan(
@@ -206,11 +218,14 @@ class JobUplink:
         jobs: JobManager,
         transfers: TransferCoordinator | None = None,
         claims: ModelClaims | None = None,
+        links: LinkProbes | None = None,
     ) -> None:
         self.jobs = jobs
         self.transfers = transfers
         #: Judges the nodes' answers to model-proof challenges.
         self.claims = claims
+        #: Records the links the nodes measured.
+        self.links = links
 
     async def on_agent_message(self, node_id: str, message: pb.AgentMessage) -> Rejection | None:
         kind = message.WhichOneof("payload")
@@ -225,6 +240,8 @@ class JobUplink:
             return None
         if kind == "model_proof":
             return await self._proof(node_id, message.model_proof)
+        if kind == "link_report":
+            return await self._links(node_id, message.link_report)
         typed = job_message(message)
         if typed is None or isinstance(typed, Rejection):
             return typed
@@ -256,6 +273,15 @@ class JobUplink:
             proof.challenge_id, proof.model_sha256, tuple(proof.digests), proof.error
         )
         refused = await self.claims.answer(node_id, answer)
+        return None if refused is None else Rejection(refused)
+
+    async def _links(self, node_id: str, report: pb.LinkReport) -> Rejection | None:
+        if self.links is None:
+            return Rejection("a link report, and this controller sends no link probes")
+        measures = [
+            LinkMeasure(m.node_id, float(m.rtt_ms), float(m.mbps), m.error) for m in report.links
+        ]
+        refused = await self.links.reported(node_id, report.probe_id, measures)
         return None if refused is None else Rejection(refused)
 
     async def on_node_disconnected(self, node_id: str) -> None:

@@ -457,3 +457,41 @@ async def test_the_live_feed_outlives_its_tickets_sessions(
         assert await page.locator("#toast.bad").count() == 0
         assert not problems, problems
         await page.close()
+
+
+async def test_each_node_shows_the_links_it_measured(
+    ctl: RunningController, browser: Browser
+) -> None:
+    """NODE_LINKS_MEASURED reaches the nodes table through the feed: each peer's bandwidth and
+    round trip, the fastest first, and a link the node could not measure marked as such."""
+    expect.set_options(timeout=WAIT_MS)
+    target = control_target(ctl)
+    agents = [
+        await FakeAgent(target, token(), name, memory=4 << 30).start()
+        for name in ("alpha", "beta", "gamma")
+    ]
+    read = ctl.services.read_model
+    for agent in agents:
+        await wait_for(lambda a=agent: (read.get_node(a.node_id) or {}).get("state") == "READY")
+    alpha, beta, gamma = agents
+    page = await browser.new_page(viewport={"width": 1440, "height": 960})
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    await page.goto(f"http://127.0.0.1:{ctl.http_port}/dashboard")
+    await sign_in(page, "test-admin-key")
+    await expect(page.locator("#feed-status")).to_have_text("live")
+    links = {
+        gamma.node_id: {"rtt_ms": 5.12, "mbps": 95.3, "error": ""},
+        beta.node_id: {"rtt_ms": 0.21, "mbps": 941.0, "error": ""},
+    }
+    await asyncio.to_thread(ctl.services.app.record_links, alpha.node_id, links)
+    row = page.locator(f'#nodes-table tr[data-node-id="{alpha.node_id}"] .links')
+    await expect(row).to_have_text("links: beta 941 Mbit/s, 0.2 ms · gamma 95 Mbit/s, 5.1 ms")
+    failed = {beta.node_id: {"rtt_ms": 0.0, "mbps": 0.0, "error": "connect refused"}}
+    await asyncio.to_thread(ctl.services.app.record_links, alpha.node_id, failed)
+    await expect(row).to_have_text("links: beta unmeasured")
+    await expect(row.locator(".link.failed")).to_have_attribute("title", re.compile("refused"))
+    assert not problems, problems
+    await page.close()
+    for agent in agents:
+        await agent.stop()

@@ -10,7 +10,7 @@ from typing import Any
 
 from application.commands import FetchRequest
 from application.controller import Controller
-from application.ports import AllowedPeer, PrimaryAssignment
+from application.ports import AllowedPeer, LinkProbeRequest, PrimaryAssignment
 from application.read_models import eligibility_of, project_job, project_model, project_node
 
 
@@ -106,6 +106,7 @@ class FakeAgentGateway:
     #: Nodes told to stop their RPC worker, with the reason.
     worker_stops: list[tuple[str, str]] = field(default_factory=list)
     server_stops: list[tuple[str, str]] = field(default_factory=list)
+    link_probes: list[tuple[str, LinkProbeRequest]] = field(default_factory=list)
     #: Nodes asked to delete a model file.
     evictions: list[tuple[str, str]] = field(default_factory=list)
     #: Nodes asked to fetch a model file.
@@ -159,6 +160,10 @@ class FakeAgentGateway:
 
     def stop_server(self, node_id: str, reason: str) -> bool:
         self.server_stops.append((node_id, reason))
+        return self.is_connected(node_id)
+
+    def probe_links(self, node_id: str, request: LinkProbeRequest) -> bool:
+        self.link_probes.append((node_id, request))
         return self.is_connected(node_id)
 
     def assign_primary(self, node_id: str, assignment: PrimaryAssignment) -> bool:

@@ -30,13 +30,14 @@ def test_service_methods_and_streaming() -> None:
         (
             pb.AgentMessage,
             "hello heartbeat resource_report setup_result rpc_worker_status token_chunk "
-            "job_result runtime_fault goodbye model_transfer model_evicted model_proof stopping",
+            "job_result runtime_fault goodbye model_transfer model_evicted model_proof stopping "
+            "link_report",
         ),
         (
             pb.ControllerMessage,
             "welcome execution_plan start_rpc_worker stop_rpc_worker cancel_job drain resume "
             "message_rejected fetch_model evict_model nodes_revoked rpc_worker_peers prove_model "
-            "stop_server",
+            "stop_server probe_links",
         ),
     ],
 )

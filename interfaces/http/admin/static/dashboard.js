@@ -162,6 +162,7 @@ function resources(node) {
     main.join(" · "),
     extra.length ? el("span", { class: "sub", text: extra.join(" · ") }) : null,
     devices(node),
+    links(node),
     llamaBuild(node),
     heldModels(node),
     fetching(node),
@@ -185,6 +186,33 @@ function devices(node) {
         },
         el("span", { class: "device-name", text: d.name }),
         ` ${d.description || ""} · ${gib(d.memory_free_bytes)} free / ${gib(d.memory_total_bytes)}`,
+      ),
+    ),
+  );
+}
+
+// Its links to its peers as it last measured them (NODE_LINKS_MEASURED): the bandwidth and
+// round trip to each, the fastest first; a link it could not measure says why.
+function links(node) {
+  const measured = Object.entries(node.links || {});
+  if (!measured.length) return null;
+  measured.sort(([, a], [, b]) => (b.mbps || 0) - (a.mbps || 0));
+  return el(
+    "span",
+    { class: "sub links" },
+    "links: ",
+    ...measured.map(([peer, link], i) =>
+      el(
+        "span",
+        {
+          class: `link${link.error ? " failed" : ""}`,
+          dataset: { peer },
+          title: `measured ${link.measured_at || ""}${link.error ? `: ${link.error}` : ""}`,
+        },
+        `${i ? " · " : ""}${sourceName(peer)} `,
+        link.error
+          ? "unmeasured"
+          : `${Math.round(link.mbps).toLocaleString()} Mbit/s, ${Number(link.rtt_ms).toFixed(1)} ms`,
       ),
     ),
   );
