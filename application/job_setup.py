@@ -387,6 +387,10 @@ class JobSetup:
                         return Unplaced(result.no_capacity.reason, transient=True)
                     return await self._unplaced(run, result.no_capacity.reason)
                 plan = result.plan
+                if plan.workers and not result.warm and self._fetcher is not None:
+                    # Replicas before splits: the split serves this job now, and a node
+                    # that could run the model alone fetches it for the next ones.
+                    self._fetcher.fetch_replica(run.model_row)
                 roles = {plan.primary.node_id: "primary"}
                 roles.update({w.node_id: "worker" for w in plan.workers})
                 # Reserved here before the write, so the next placement sees the slot taken

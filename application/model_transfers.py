@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 #: Signs a ticket for (model sha256, fetching node id).
 TicketSigner = Callable[[str, str], str]
 #: A plan for a model as if some nodes held its file: (model, those nodes) → the primary's
-#: node id, or None when even that gives no plan.
+#: node id, or None when even that gives no plan (``replica_if_held``: no plan of one node).
 PrimaryIfHeld = Callable[[dict[str, Any], frozenset[str]], str | None]
 #: How long a finished fetch counts as under way, until the node reports the file.
 REPORT_GRACE_SECONDS = 30.0
@@ -95,6 +95,7 @@ class TransferCoordinator:
         signer: TicketSigner | None,
         on_model_added: Callable[[], None] = lambda: None,
         primary_if_held: PrimaryIfHeld | None = None,
+        replica_if_held: PrimaryIfHeld | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_port: int = 0,
         source_cidrs: tuple[str, ...] = (),
@@ -113,6 +114,8 @@ class TransferCoordinator:
         #: Files each source node is sending now.
         self.uploads: Counter[str] = Counter()
         self.primary_if_held = primary_if_held
+        #: As ``primary_if_held``, for a plan of that one node alone (no split).
+        self.replica_if_held = replica_if_held
         self.clock = clock
         #: The port the controller's model store serves on (0: it serves no files).
         self.store_port = store_port
@@ -187,6 +190,17 @@ class TransferCoordinator:
     def fetch_for(self, model: dict[str, Any]) -> bool:
         """Whether a fetch of ``model`` is under way, or starts now, onto a node that could then
         run its jobs (as their primary): jobs that cannot start wait for it in the queue."""
+        return self._fetch_onto_primary(model, self.primary_if_held)
+
+    def fetch_replica(self, model: dict[str, Any]) -> bool:
+        """Whether a fetch of ``model`` is under way, or starts now, onto a node that could
+        then run its jobs alone: the next jobs get a replica there instead of a split (the
+        split serves the job that asked meanwhile)."""
+        return self._fetch_onto_primary(model, self.replica_if_held)
+
+    def _fetch_onto_primary(self, model: dict[str, Any], primary_if: PrimaryIfHeld | None) -> bool:
+        """A fetch under way, or started onto the first target ``primary_if`` names as the
+        primary of a plan it would then have."""
         sha256 = model["sha256"]
         now = self.clock()
         # A fetch whose node went away reports nothing more: it no longer holds jobs back.
@@ -200,7 +214,7 @@ class TransferCoordinator:
             return True
         if self.proving(model):
             return True
-        if self.signer is None or self.primary_if_held is None:
+        if self.signer is None or primary_if is None:
             return False
         holders = self.holders(model)
         if not holders and not self.stores(model):
@@ -224,7 +238,7 @@ class TransferCoordinator:
         targets.sort(key=lambda n: -int((n.get("resources") or {}).get("ram_free_bytes") or 0))
         for target in targets[:MAX_FETCH_TARGETS]:
             node_id = target["node_id"]
-            if self.primary_if_held(model, frozenset({node_id})) != node_id:
+            if primary_if(model, frozenset({node_id})) != node_id:
                 continue
             try:
                 self.pull(model, [node_id])

@@ -253,6 +253,11 @@ class ModelFetcher(Protocol):
         """Whether such a fetch is under way or starts now (jobs then wait for it)."""
         ...
 
+    def fetch_replica(self, model: dict[str, Any]) -> bool:
+        """Whether a fetch is under way, or starts now, onto a node that could then run the
+        model's jobs alone: a replica, for the load a split is serving meanwhile."""
+        ...
+
 
 class PromptCounter(Protocol):
     """Counts a prompt's tokens as the model's own server will (chat template, tokenizer).

@@ -300,6 +300,11 @@ async def start_controller(settings: Settings) -> RunningController:
         placed = scheduler.place(model, connected=gateway.is_connected, pretend_holding=nodes)
         return placed.plan.primary.node_id if placed.plan is not None else None
 
+    def replica_if_held(model: dict[str, Any], nodes: frozenset[str]) -> str | None:
+        placed = scheduler.place(model, connected=gateway.is_connected, pretend_holding=nodes)
+        alone = placed.plan is not None and not placed.plan.workers
+        return placed.plan.primary.node_id if placed.plan is not None and alone else None
+
     def revoked_nodes() -> list[str]:
         return [n["node_id"] for n in node_views.list_nodes() if n.get("revoked")]
 
@@ -331,6 +336,7 @@ async def start_controller(settings: Settings) -> RunningController:
         signer,
         on_model_added=queue.wake,
         primary_if_held=primary_if_held,
+        replica_if_held=replica_if_held,
         store_port=store_server.port if store_server is not None else 0,
         source_cidrs=settings.model_source_allowed_cidrs,
         proving=claims.proving,

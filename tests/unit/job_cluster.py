@@ -17,7 +17,7 @@ from application.commands import ChatPrompt, JobParams, Submission
 from application.controller import Controller
 from application.job_manager import JobManager
 from application.job_run import JobRun
-from application.ports import Metrics
+from application.ports import Metrics, ModelFetcher
 from application.scheduler import Scheduler, SchedulerConfig
 from application.token_recorder import TokenChunkRecorder
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS
@@ -55,6 +55,7 @@ class Cluster:
         slots: int = 1,
         ram: int = 8 * GIB,
         metrics: Metrics | None = None,
+        fetcher: ModelFetcher | None = None,
     ) -> None:
         self.slots = slots
         self.ram = ram
@@ -84,6 +85,7 @@ class Cluster:
             queue=AdmissionQueue(queue_max),
             queue_timeout=queue_timeout,
             metrics=metrics,
+            fetcher=fetcher,
         )
         self.app.register_model(MODEL["name"], MODEL["sha256"], MODEL["file_name"], 2048)
         self.node_ids = [self.add_node(f"n{i:02d}") for i in range(nodes)]

@@ -202,3 +202,27 @@ async def test_a_fetch_whose_node_went_away_no_longer_holds_jobs_back() -> None:
     cluster.gateway.disconnected.add(first)  # its agent died mid-fetch
     assert transfers.fetch_for(MODEL)  # another node fetches instead
     assert [node for node, _ in cluster.gateway.fetches] == [first, ({c, d} - {first}).pop()]
+
+
+async def test_a_replica_fetch_goes_only_where_the_model_would_run_alone() -> None:
+    """fetch_replica asks replica_if_held (a plan of that one node), never primary_if_held
+    (which a split would satisfy)."""
+    cluster = Cluster(nodes=0)
+    serving(cluster, "a")
+    c, d = lacking(cluster, "c"), lacking(cluster, "d")
+    transfers = TransferCoordinator(
+        cluster.app,
+        cluster.read,
+        cluster.gateway,
+        lambda sha, node: f"ticket:{node}",
+        primary_if_held=lambda model, nodes: next(iter(nodes)),  # anyone, in a split
+        replica_if_held=lambda model, nodes: d if d in nodes else None,  # d alone holds it
+        clock=lambda: 100.0,
+    )
+    assert transfers.fetch_replica(MODEL)
+    assert [node for node, _ in cluster.gateway.fetches] == [d]
+    assert transfers.fetch_replica(MODEL)  # under way: no second fetch
+    assert len(cluster.gateway.fetches) == 1
+    assert c not in {node for node, _ in cluster.gateway.fetches}
+    nobody = coordinator(Cluster(nodes=0), lambda model, nodes: next(iter(nodes)))
+    assert not nobody.fetch_replica(MODEL)  # no replica_if_held: no replica fetch

@@ -5,9 +5,11 @@ where one node holds the model, more load runs another replica on another node."
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from domain.placement import (
     GIB,
+    MIB,
     TIER_CPU,
     TIER_CPU_OVER_RPC,
     TIER_GPUS_AND_HOST,
@@ -15,7 +17,7 @@ from domain.placement import (
     TIERS,
 )
 from domain.split_planner import plan_placement
-from tests.unit.job_cluster import Cluster, count, submission
+from tests.unit.job_cluster import GUARD, Cluster, count, submission
 from tests.unit.test_device_placement import node, request
 
 SPLITS = (TIER_GPUS_OVER_RPC, TIER_CPU_OVER_RPC)
@@ -89,3 +91,42 @@ async def test_two_concurrent_jobs_run_on_two_replicas_not_a_split_nor_a_queue()
         assert plan is not None and plan["tier"] == TIER_CPU
         assert plan["primary"]["node_id"] == node_id and plan["workers"] == []
     assert count(cluster, "JOB_QUEUED") == 0
+
+
+class RecordingFetcher:
+    """A ModelFetcher that records what it is asked (a fake: it fetches nothing)."""
+
+    def __init__(self) -> None:
+        self.replicas: list[str] = []
+
+    def fetch_for(self, model: dict[str, Any]) -> bool:
+        return False
+
+    def fetch_replica(self, model: dict[str, Any]) -> bool:
+        self.replicas.append(model["name"])
+        return True
+
+
+async def test_a_cold_split_serves_now_and_fetches_a_replica_for_the_next_jobs() -> None:
+    """The node holding the file is too small alone; a roomy node lacks it: the job runs split
+    over both at once, and the roomy node is asked to fetch the file (as a replica's primary it
+    then takes the load the split cannot); a one-node plan fetches nothing."""
+    fetcher = RecordingFetcher()
+    cluster = Cluster(nodes=1, ram=60 * MIB, fetcher=fetcher)
+    cluster.add_node("roomy", holds_model=False, ram=8 * GIB)
+    task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
+    async def split_started() -> None:  # the split starts its RPC workers
+        while not cluster.gateway.workers:
+            cluster.gateway.worker_asked.clear()
+            if not cluster.gateway.workers:
+                await cluster.gateway.worker_asked.wait()
+
+    await asyncio.wait_for(split_started(), GUARD)
+    assert fetcher.replicas == [cluster.model["name"]]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+    alone = RecordingFetcher()
+    one = Cluster(nodes=1, fetcher=alone)
+    await one.running_job()
+    assert alone.replicas == []
