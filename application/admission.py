@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from application.errors import ApplicationError
+from common.contract import JobErrorCode
 
 DEFAULT_QUEUE_MAX = 512
 DEFAULT_QUEUE_TIMEOUT = 120.0
@@ -41,7 +42,7 @@ REORDER_WINDOW = 16
 class CapacityError(ApplicationError):
     """The request cannot run now; HTTP 503 with ``Retry-After`` and an OpenAI error code."""
 
-    code = "no_capacity"
+    code: str = JobErrorCode.NO_CAPACITY
 
     def __init__(self, message: str, retry_after: int = 5) -> None:
         super().__init__(message)
@@ -49,11 +50,11 @@ class CapacityError(ApplicationError):
 
 
 class QueueFullError(CapacityError):
-    code = "queue_full"
+    code = JobErrorCode.QUEUE_FULL
 
 
 class QueueTimeoutError(CapacityError):
-    code = "queue_timeout"
+    code = JobErrorCode.QUEUE_TIMEOUT
 
 
 @dataclass(eq=False)
