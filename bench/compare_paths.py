@@ -11,7 +11,11 @@ Paths (all serve the cached SmolLM2-135M GGUF, all are streamed with the same Op
   ``--tensor-split`` (and context, layers, threads) the ``b2`` primary was started with, read
   from its log: the like-for-like direct baseline for ``b2``;
 * ``cg`` -- ``c`` with each ``ggml-rpc-server`` gated as an agent gates it (the accept filter of
-  ``agent/runtime/rpc_filter.py``, letting in 127.0.0.1 only): ``cg/c`` is the gate's own cost.
+  ``agent/runtime/rpc_filter.py``, letting in 127.0.0.1 only): ``cg/c`` is the gate's own cost;
+* ``cl`` -- ``c`` over an emulated 1 GbE LAN: each ``ggml-rpc-server`` in a network namespace
+  of its own behind a veth shaped by ``tbf`` to 1 Gbit/s, with 0.2 ms added round trip
+  (:mod:`bench.emulated_lan`): ``cl/c`` is what the network costs a split's decode. Needs root
+  and iproute2; without them it is skipped (one line says why) and the other paths run.
 
 ``a`` likewise mirrors the settings of the ``b1`` agent's ``llama-server``. Each path gets one
 warm-up request (not counted; its time to first token includes any model load), then the
@@ -26,6 +30,7 @@ by the time from the first to the last content delta). Results: a table, the rat
     python -m bench.compare_paths                # 30 prompts x 64 tokens, all paths
     python -m bench.compare_paths --quick        # 3 prompts x 16 tokens
     python -m bench.compare_paths --paths a,c    # direct paths only
+    python -m bench.compare_paths --paths c,cl --lan-rtt-ms 0   # the shaping alone
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from agent.runtime import (
 from agent.runtime.endpoints import free_loopback_port
 from agent.runtime.llama_backend import choose_backend
 from agent.runtime.rpc_filter import PeerFilter
-from bench import stats
+from bench import emulated_lan, stats
 from ops import artifacts, paths
 from ops.local_cluster import (
     DEFAULT_MEMORY_LIMIT,
@@ -72,13 +77,14 @@ from ops.local_cluster import (
 )
 
 LOOPBACK = "127.0.0.1"
-PATH_ORDER = ("a", "b1", "c", "cg", "b2")
+PATH_ORDER = ("a", "b1", "c", "cg", "cl", "b2")
 CONTROLLER_PATHS = frozenset({"b1", "b2"})
 LABELS = {
     "a": "direct llama-server, one process",
     "b1": "controller -> 1 agent (one-node plan)",
     "c": "direct llama-server split over local RPC",
     "cg": "c, RPC workers behind the agent's accept filter",
+    "cl": "c, RPC workers over an emulated 1 GbE LAN",
     "b2": "controller -> 2 agents (RPC split)",
 }
 #: (numerator, denominator, meaning) -- the ratios printed, controller over direct first.
@@ -87,6 +93,7 @@ COMPARISONS = (
     ("b2", "c", "controller+agents overhead, two-node split"),
     ("c", "a", "RPC split cost without the controller"),
     ("cg", "c", "the agent's RPC worker gate (accept filter)"),
+    ("cl", "c", "decode over an emulated 1 GbE LAN vs loopback"),
 )
 
 PROMPTS = (
@@ -447,6 +454,7 @@ class PathRun:
     warmup: Sample | None = None
     samples: list[Sample] = field(default_factory=list)
     failure: str | None = None
+    skipped: str | None = None  # why the path could not run on this machine (not a failure)
     diagnostics: list[str] = field(default_factory=list)
     cluster: LocalCluster | None = None
     consecutive_errors: int = 0
@@ -511,6 +519,11 @@ def fail(run: PathRun, reason: str, var_dir: Path | None) -> None:
         print("\n".join(run.diagnostics), file=sys.stderr, flush=True)
 
 
+def skip(run: PathRun, reason: str) -> None:
+    run.skipped = reason
+    _say(f"[{run.key}] skipped: {reason}")
+
+
 def start_cluster(
     stack: contextlib.ExitStack, run: PathRun, config: ClusterConfig
 ) -> LocalCluster | None:
@@ -544,32 +557,23 @@ def start_direct(
     rpc_workers: int,
     rpc_threads: int | None,
     gated: bool = False,
+    lan: emulated_lan.LinkShape | None = None,
 ) -> None:
     """``llama-server`` (and its RPC workers, each behind the agent's accept filter when
-    ``gated``) via the agent's runtime, stopped by ``stack``."""
+    ``gated``, each over an emulated LAN link shaped like ``lan`` when given) via the agent's
+    runtime, stopped by ``stack``."""
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     endpoints: list[str] = []
     try:
-        for _ in range(rpc_workers):
-            port = free_loopback_port()
-            gate = None
-            if gated:
-                if binaries.accept_filter is None:
-                    raise runtime_errors.RuntimeMissingError(
-                        "the RPC accept filter is not built: run python -m ops.build_llama"
-                    )
-                gate = PeerFilter(
-                    LOOPBACK, port, binaries.accept_filter, log_dir / f"peers-{port}", (LOOPBACK,)
-                )
-                gate.admit_only([("", LOOPBACK)])
-            worker = rpc_worker.RpcWorker(
-                binaries, LOOPBACK, port, log_dir=log_dir, threads=rpc_threads, accept_filter=gate
-            )
-            stack.callback(worker.stop)
-            worker.start()
-            endpoints.append(worker.endpoint)
+        if lan is not None:
+            network = stack.enter_context(emulated_lan.EmulatedLan(rpc_workers, lan, log_dir))
+            run.details["lan"] = network.describe()
+            for index in range(rpc_workers):
+                endpoints.append(network.start_rpc_worker(index, binaries, threads=rpc_threads))
+        else:
+            endpoints = loopback_workers(stack, binaries, log_dir, rpc_workers, rpc_threads, gated)
         split = settings.tensor_split if rpc_workers else ()
         if rpc_workers and len(split) != rpc_workers:
             split = tuple(1.0 / rpc_workers for _ in range(rpc_workers))
@@ -586,6 +590,9 @@ def start_direct(
         server = llama_server.LlamaServer(binaries, spec, log_dir=log_dir)
         stack.callback(server.stop)
         server.start()
+    except emulated_lan.LanUnavailable as exc:
+        skip(run, f"no emulated LAN here: {exc}")
+        return
     except (runtime_errors.LlamaRuntimeError, OSError, ValueError) as exc:
         fail(run, f"{type(exc).__name__}: {exc}", log_dir)
         return
@@ -603,6 +610,38 @@ def start_direct(
         f"[{run.key}] llama-server at {server.base_url} ({run.details['startup_s']} s): "
         + shlex.join(run.details["argv"][1:])
     )
+
+
+def loopback_workers(
+    stack: contextlib.ExitStack,
+    binaries: llama_binaries.RuntimeBinaries,
+    log_dir: Path,
+    count: int,
+    threads: int | None,
+    gated: bool,
+) -> list[str]:
+    """``count`` RPC workers on loopback (each behind the agent's accept filter when
+    ``gated``), stopped by ``stack``; their endpoints."""
+    endpoints = []
+    for _ in range(count):
+        port = free_loopback_port()
+        gate = None
+        if gated:
+            if binaries.accept_filter is None:
+                raise runtime_errors.RuntimeMissingError(
+                    "the RPC accept filter is not built: run python -m ops.build_llama"
+                )
+            gate = PeerFilter(
+                LOOPBACK, port, binaries.accept_filter, log_dir / f"peers-{port}", (LOOPBACK,)
+            )
+            gate.admit_only([("", LOOPBACK)])
+        worker = rpc_worker.RpcWorker(
+            binaries, LOOPBACK, port, log_dir=log_dir, threads=threads, accept_filter=gate
+        )
+        stack.callback(worker.stop)
+        worker.start()
+        endpoints.append(worker.endpoint)
+    return endpoints
 
 
 def warm_up(run: PathRun, args: argparse.Namespace, var_dir: Path) -> None:
@@ -718,7 +757,7 @@ def results_table(runs: Sequence[PathRun]) -> str:
         rows.append(
             [
                 run.key,
-                run.label if run.failure is None else f"{run.label} [FAILED]",
+                run_label(run),
                 f"{s['ok']}/{len(run.samples)}",
                 stats.fmt(ttft["median"] if ttft else None, 1, scale=1000),
                 stats.fmt(ttft["p90"] if ttft else None, 1, scale=1000),
@@ -742,6 +781,12 @@ def results_table(runs: Sequence[PathRun]) -> str:
         "bg CPU % med",
     ]
     return stats.format_table(headers, rows, align="llrrrrrrrr")
+
+
+def run_label(run: PathRun) -> str:
+    if run.skipped is not None:
+        return f"{run.label} [skipped]"
+    return run.label if run.failure is None else f"{run.label} [FAILED]"
 
 
 def ratios_table(comparisons: Sequence[dict[str, Any]]) -> str:
@@ -796,7 +841,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--paths",
         default=",".join(PATH_ORDER),
-        help="comma-separated subset of a,b1,c,cg,b2 (default all)",
+        help="comma-separated subset of a,b1,c,cg,cl,b2 (default all)",
+    )
+    parser.add_argument(
+        "--lan-rate",
+        default=emulated_lan.LinkShape.rate,
+        help="tbf rate of path cl's emulated links (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lan-rtt-ms",
+        type=float,
+        default=emulated_lan.LinkShape.rtt_ms,
+        help="round trip path cl's delay proxies add (default %(default)s; 0: no proxies)",
     )
     parser.add_argument(
         "--split",
@@ -847,7 +903,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--split takes comma-separated numbers, got {args.split!r}")
     if args.prompts < 1 or args.max_tokens < 1:
         parser.error("--prompts and --max-tokens must be positive")
+    if args.lan_rtt_ms < 0:
+        parser.error("--lan-rtt-ms must not be negative")
+    args.lan_shape = emulated_lan.LinkShape(rate=args.lan_rate, rtt_ms=args.lan_rtt_ms)
     return args
+
+
+def ran(runs: dict[str, PathRun], *keys: str) -> bool:
+    """Whether every one of ``keys`` was asked for and not skipped (a failed path still is)."""
+    return all(key in runs and runs[key].skipped is None for key in keys)
 
 
 def prompt_list(count: int) -> list[str]:
@@ -950,7 +1014,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
                 rpc_threads=None,
             )
             warm_up(runs["a"], args, var_dir / "a-direct")
-        for key in ("c", "cg"):
+        for key in ("c", "cg", "cl"):
             if key not in runs:
                 continue
             start_direct(
@@ -962,6 +1026,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
                 rpc_workers=split.rpc_count or len(args.split_values),
                 rpc_threads=rpc_threads,
                 gated=key == "cg",
+                lan=args.lan_shape if key == "cl" else None,
             )
             warm_up(runs[key], args, var_dir / f"{key}-direct")
 
@@ -1021,15 +1086,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
     with contextlib.suppress(OSError, AttributeError):
         machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     ordered = [runs[k] for k in PATH_ORDER if k in runs]
+    compared = [(num, den, meaning) for num, den, meaning in COMPARISONS if ran(runs, num, den)]
     comparisons = [
-        {**compare(runs[num], runs[den]), "meaning": meaning}
-        for num, den, meaning in COMPARISONS
-        if num in runs and den in runs
+        {**compare(runs[num], runs[den]), "meaning": meaning} for num, den, meaning in compared
     ]
     quiet_comparisons = [
         {**compare(runs[num], runs[den], max_background=args.quiet), "meaning": meaning}
-        for num, den, meaning in COMPARISONS
-        if num in runs and den in runs
+        for num, den, meaning in compared
     ]
     result = {
         "benchmark": "compare_paths",
@@ -1057,6 +1120,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
                 "label": run.label,
                 "base_url": run.base_url,
                 "failure": run.failure,
+                "skipped": run.skipped,
                 "details": run.details,
                 "summary": run.summary(),
                 "warmup": asdict(run.warmup) if run.warmup else None,
@@ -1083,6 +1147,10 @@ def report(result: dict[str, Any], runs: Sequence[PathRun]) -> str:
         "",
         results_table(runs),
     ]
+    for run in runs:
+        if "lan" in run.details:
+            workers = ", ".join(link["worker"] for link in run.details["lan"]["links"])
+            lines.append(f"{run.key}: RPC workers at {workers}, {run.details['lan']['shape']}")
     if result["comparisons"]:
         lines += [
             "",
@@ -1095,9 +1163,11 @@ def report(result: dict[str, Any], runs: Sequence[PathRun]) -> str:
             "background CPU:",
             ratios_table(result["quiet_comparisons"]),
         ]
-    failed = [r for r in runs if r.failure]
-    for run in failed:
-        lines.append(f"\npath {run.key} FAILED: {run.failure}")
+    for run in runs:
+        if run.skipped:
+            lines.append(f"\npath {run.key} skipped: {run.skipped}")
+        elif run.failure:
+            lines.append(f"\npath {run.key} FAILED: {run.failure}")
     return "\n".join(lines)
 
 
@@ -1109,7 +1179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(stats.json_safe(result), indent=2) + "\n")
     print(f"\nresults: {output}", flush=True)
-    ok = all(r.failure is None and any(s.error is None for s in r.samples) for r in runs)
+    ok = all(
+        r.skipped is not None or (r.failure is None and any(s.error is None for s in r.samples))
+        for r in runs
+    )
     return 0 if ok else 1
 
 

@@ -301,7 +301,7 @@ def test_parse_args_quick_and_paths() -> None:
         64,
         42,
     )  # the issue asks for at least 30 paired prompts
-    assert args.path_keys == ["a", "b1", "c", "cg", "b2"]
+    assert args.path_keys == ["a", "b1", "c", "cg", "cl", "b2"]
     with pytest.raises(SystemExit):
         compare_paths.parse_args(["--paths", "a,zz"])
 
