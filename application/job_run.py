@@ -109,6 +109,12 @@ class JobRun:
     phase: Literal["setup", "execution"] = "setup"
     worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
     setup_future: asyncio.Future[SetupOutcome] | None = None
+    #: The primary was told to run the job while its dispatch was being recorded (a warm
+    #: one-node plan): the setup only waits for its answer.
+    assigned_early: bool = False
+    #: A placement of this job lost a slot to another controller: it is recorded before its
+    #: primary is told, from then on.
+    raced: bool = False
     #: Set once JOB_SETUP_VALIDATED is recorded; tokens may arrive (and be relayed) before.
     validated: asyncio.Event = field(default_factory=asyncio.Event)
     held: list[Delta] = field(default_factory=list)

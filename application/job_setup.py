@@ -398,11 +398,15 @@ class JobSetup:
                 self._scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
             try:
                 route = router.route_of(run.submission.prompt, result.route)
-                await self._dispatch(run, plan, roles, result.fallback_used, failure, route)
+                if result.warm and not plan.workers and failure is None and not run.raced:
+                    await self._dispatch_at_once(run, plan, roles, result.fallback_used, route)
+                else:
+                    await self._dispatch(run, plan, roles, result.fallback_used, failure, route)
                 if route is not None:
                     self._metrics.count_prefix_route(str(route.get("prefix")))
             except SlotTaken as e:
                 self._scheduler.release(run.job_id)  # nothing was written
+                run.raced = True  # told the primary once already: record first from now on
                 log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
                 try:
                     await in_thread(self._scheduler.catch_up)  # learn who took it
@@ -413,6 +417,31 @@ class JobSetup:
                 continue
             return plan
         return Unplaced(f"lost the race for a slot {MAX_PLACEMENT_RACES} times", transient=True)
+
+    async def _dispatch_at_once(
+        self,
+        run: JobRun,
+        plan: ExecutionPlan,
+        roles: dict[str, str],
+        degraded: bool,
+        route: dict[str, Any] | None,
+    ) -> None:
+        """A warm one-node plan: its primary is told to run the job while the dispatch is
+        being recorded, so the transaction is off the first token's path. The primary's
+        answers wait for the records as they always do (its result for JOB_SETUP_VALIDATED,
+        which follows the dispatch). If the store refuses the dispatch, the primary is told
+        to stop and the store's error stands."""
+        run.plan, run.nodes, run.primary = plan, set(plan.node_ids), plan.primary.node_id
+        run.setup_future = asyncio.get_running_loop().create_future()
+        run.assigned_early = self._gateway.assign_primary(run.primary, self._assignment(run, plan))
+        try:
+            await self._dispatch(run, plan, roles, degraded, None, route)
+        except BaseException:
+            if run.assigned_early:
+                cancel_on_primary(self._gateway, run, "its dispatch could not be recorded")
+            run.assigned_early = False
+            run.setup_future = None
+            raise
 
     async def _dispatch(
         self,
@@ -494,6 +523,34 @@ class JobSetup:
                 if not outcome.ok:
                     why = f"RPC worker on node {self._label(node_id)} failed: {outcome.error}"
                     return self._setup_failure(why, plan, node_id, outcome)
+        if run.assigned_early:  # told while its dispatch was being recorded
+            run.assigned_early = False
+            return await self._setup_result(run, plan)
+        run.setup_future = loop.create_future()
+        if not self._gateway.assign_primary(run.primary, self._assignment(run, plan)):
+            why = f"primary node {self._label(run.primary)} is not connected"
+            return SetupFailure(why, run.primary)
+        return await self._setup_result(run, plan)
+
+    async def _setup_result(self, run: JobRun, plan: ExecutionPlan) -> SetupFailure | None:
+        """Waits for the primary's setup result; why it failed, or None."""
+        assert run.setup_future is not None
+        try:
+            result = await asyncio.wait_for(
+                asyncio.shield(run.setup_future), self._settings.setup_timeout
+            )
+        except TimeoutError:
+            why = f"primary node {self._label(run.primary)} did not validate setup in time"
+            return SetupFailure(why, run.primary)
+        if not result.ok:
+            why = f"{result.error_code or JobErrorCode.SETUP_FAILED}: {result.error}"
+            return self._setup_failure(why, plan, result.failed_node_id or run.primary, result)
+        return None
+
+    @staticmethod
+    def _assignment(run: JobRun, plan: ExecutionPlan) -> PrimaryAssignment:
+        """What the primary of ``plan`` is told to set up and run for ``run``."""
+        workers = rpc_worker_nodes(plan)
         multi = bool(plan.workers)
         endpoints = {n.node_id: f"{n.address}:{n.rpc_port}" for n in plan.nodes}
         assignment = PrimaryAssignment(
@@ -521,21 +578,7 @@ class JobSetup:
             ),
             n_gpu_layers=plan.n_gpu_layers,
         )
-        run.setup_future = loop.create_future()
-        if not self._gateway.assign_primary(run.primary, assignment):
-            why = f"primary node {self._label(run.primary)} is not connected"
-            return SetupFailure(why, run.primary)
-        try:
-            result = await asyncio.wait_for(
-                asyncio.shield(run.setup_future), self._settings.setup_timeout
-            )
-        except TimeoutError:
-            why = f"primary node {self._label(run.primary)} did not validate setup in time"
-            return SetupFailure(why, run.primary)
-        if not result.ok:
-            why = f"{result.error_code or JobErrorCode.SETUP_FAILED}: {result.error}"
-            return self._setup_failure(why, plan, result.failed_node_id or run.primary, result)
-        return None
+        return assignment
 
     def _setup_failure(
         self, why: str, plan: ExecutionPlan, blamed: str, outcome: SetupOutcome

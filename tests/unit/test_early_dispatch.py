@@ -1,0 +1,82 @@
+"""A warm one-node plan's primary is told to run the job while its dispatch is being recorded
+(application/job_setup.py: JobSetup._dispatch_at_once), so the store's transaction is off the
+first token's path; if the store refuses the dispatch, the primary is told to stop and the
+store's error stands. Cold plans and splits are recorded first, as before. On the fake
+cluster: the write is held or refused in its thread, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from tests.unit.job_cluster import GUARD, MODEL, Cluster, submission
+from tests.unit.test_job_admission import held_write
+
+
+async def warm_cluster() -> tuple[Cluster, str]:
+    """One node whose server is warm: one job ran on it to its end."""
+    cluster = Cluster(nodes=1, slots=2)
+    node, job, _ = await cluster.running_job()
+    await cluster.finish(node, job)
+    return cluster, node
+
+
+async def test_the_primary_of_a_warm_server_is_told_before_the_dispatch_is_stored() -> None:
+    cluster, node = await warm_cluster()
+    started, release = await held_write(cluster, "record_new_jobs")
+    job_id = uuid4()
+    task = asyncio.create_task(cluster.jobs.start(submission("warm"), MODEL, job_id))
+    await asyncio.wait_for(started.wait(), GUARD)
+    [(assigned_to, assignment)] = (await cluster.primary_assigned(2))[1:]
+    assert (assigned_to, assignment) == (node, str(job_id))
+    assert cluster.job_codes(str(job_id)) == []  # nothing stored yet: the write is held
+    await cluster.validate(node, str(job_id))  # the primary answers meanwhile
+    assert not task.done()  # the job starts only once its dispatch is stored
+    release.set()
+    run = await asyncio.wait_for(task, GUARD)
+    assert run.primary == node
+    await cluster.finish(node, str(job_id))
+    codes = cluster.job_codes(str(job_id))
+    assert codes[0] == "JOB_SUBMITTED" and codes[-1] == "JOB_COMPLETED"
+    assert codes.index("JOB_DISPATCHED") < codes.index("JOB_SETUP_VALIDATED")
+
+
+async def test_a_dispatch_the_store_refuses_stops_the_primary_and_the_error_stands() -> None:
+    cluster, node = await warm_cluster()
+    real = cluster.app.record_new_jobs
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        setattr(cluster.app, "record_new_jobs", real)  # noqa: B010  (once)
+        raise RuntimeError("the store is down")
+
+    setattr(cluster.app, "record_new_jobs", refused)  # noqa: B010
+    job_id = uuid4()
+    with pytest.raises(RuntimeError, match="the store is down"):
+        await cluster.jobs.start(submission("refused"), MODEL, job_id)
+    assert cluster.gateway.primaries[-1][1].job_id == str(job_id)  # it was told
+    assert (node, str(job_id)) in cluster.gateway.cancels  # and then told to stop
+    assert cluster.job_codes(str(job_id)) == []
+    # the slot is free again: the next job runs there
+    before = len(cluster.gateway.primaries)
+    task = asyncio.create_task(cluster.jobs.start(submission("next"), MODEL))
+    [(again, job)] = (await cluster.primary_assigned(before + 1))[before:]
+    await cluster.validate(again, job)
+    await asyncio.wait_for(task, GUARD)
+    assert again == node and cluster.job_codes(job)[0] == "JOB_SUBMITTED"
+
+
+async def test_a_cold_plan_is_stored_before_its_primary_is_told() -> None:
+    cluster = Cluster(nodes=1)
+    started, release = await held_write(cluster, "record_new_jobs")
+    task = asyncio.create_task(cluster.jobs.start(submission("cold"), MODEL))
+    await asyncio.wait_for(started.wait(), GUARD)
+    for _ in range(20):  # let everything that could run, run
+        await asyncio.sleep(0)
+    assert cluster.gateway.primaries == []
+    release.set()
+    [(node, job)] = await cluster.primary_assigned(1)
+    await cluster.validate(node, job)
+    await asyncio.wait_for(task, GUARD)
