@@ -12,9 +12,10 @@ takes split partners over the fastest ones and refuses a split over a link slowe
 :meth:`LinkProbes.sweep` decides who probes, from the clock it is given and the node rows: a
 node in service probes every ``LINK_PROBE_INTERVAL``, and sooner (at most every
 :data:`RETRY_SECONDS`) while it has no measure of a peer in service, so a node that joins is
-measured within seconds, by it and by the others. A report is believed only for a probe this
-controller sent that node, and only for the peers it was asked about, with figures a link can
-have.
+measured soon, by it and by the others. One node probes at a time (the next is asked once
+its report is in, or :data:`PROBE_TIMEOUT` has passed): two downloads from one peer at once
+would each see half its link. A report is believed only for a probe this controller sent that
+node, and only for the peers it was asked about, with figures a link can have.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 DEFAULT_LINK_PROBE_INTERVAL = 600.0
 #: How soon a node that lacks a measure of a peer in service probes again.
 RETRY_SECONDS = 30.0
+#: How long a probe may go unanswered before the next node is asked anyway.
+PROBE_TIMEOUT = 60.0
 #: The most a link may claim: a report beyond it is refused, not believed.
 MAX_MBPS = 1_000_000.0
 MAX_RTT_MS = 60_000.0
@@ -111,14 +114,18 @@ class LinkProbes:
         return since >= self.interval or (missing and since >= RETRY_SECONDS)
 
     def sweep(self, now: float) -> list[str]:
-        """Asks each node that is due to measure its links (see the module's docstring);
-        returns the nodes asked. Nothing without a ticket signer (no TLS): the file servers
-        the probes use serve only with tickets."""
+        """Asks the first node that is due to measure its links, unless a probe is under way
+        (see the module's docstring); returns the node asked, if any. Nothing without a
+        ticket signer (no TLS): the file servers the probes use serve only with tickets."""
         if self.signer is None:
             return []
+        if self._in_flight(now):
+            return []
         serving = self._serving()
-        asked = []
-        for row in serving:
+        asked: list[str] = []
+        # The node asked longest ago first (never asked: first of all), so one that does not
+        # answer holds nobody else's turn.
+        for row in sorted(serving, key=lambda r: self._asked.get(r["node_id"], (-1.0,))[0]):
             node_id = row["node_id"]
             peers = [p for p in serving if p["node_id"] != node_id]
             if not peers or not self.due(row, [p["node_id"] for p in peers], now):
@@ -141,7 +148,14 @@ class LinkProbes:
                 peer_ids = frozenset(p.node_id for p in request.peers)
                 self._asked[node_id] = (now, request.probe_id, peer_ids)
                 asked.append(node_id)
+                break  # one at a time
         return asked
+
+    def _in_flight(self, now: float) -> bool:
+        """Whether a node was asked less than :data:`PROBE_TIMEOUT` ago and has not answered."""
+        return any(
+            probe_id and now - at < PROBE_TIMEOUT for at, probe_id, _ in self._asked.values()
+        )
 
     async def reported(
         self, node_id: str, probe_id: str, links: Sequence[LinkMeasure]

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from application.controller import Controller
-from application.link_probes import RETRY_SECONDS, LinkMeasure, LinkProbes
+from application.link_probes import PROBE_TIMEOUT, RETRY_SECONDS, LinkMeasure, LinkProbes
 from application.scheduler import links_of
 from common.contract import TRANSFER_PORT_LABEL
 from common.link_probe import PROBE_SUBJECT
@@ -56,7 +56,7 @@ class Nodes:
 
 def test_each_node_is_asked_about_every_other_with_a_probe_ticket() -> None:
     nodes = Nodes()
-    assert nodes.probes.sweep(0.0) == nodes.ids
+    assert nodes.probes.sweep(0.0) == nodes.ids[:1]  # one node probes at a time
     node, request = nodes.gateway.link_probes[0]
     assert node == nodes.ids[0] and request.probe_bytes == 1 << 20
     assert [(p.node_id, p.host, p.port) for p in request.peers] == [
@@ -67,32 +67,47 @@ def test_each_node_is_asked_about_every_other_with_a_probe_ticket() -> None:
     assert nodes.tickets[0] == (PROBE_SUBJECT, nodes.ids[0])
 
 
-async def test_reports_are_recorded_and_probes_repeat_at_the_interval() -> None:
+async def answer(nodes: Nodes, node: str, mbps: float = 940.0) -> None:
+    probe_id, peers = nodes.request(node)
+    measures = [LinkMeasure(peer, 0.25, mbps) for peer in peers]
+    assert await nodes.probes.reported(node, probe_id, measures) is None
+
+
+async def probe_round(nodes: Nodes, now: float) -> list[str]:
+    """Sweeps at ``now`` until nobody is due, each node answering at once; the order asked."""
+    order = []
+    while asked := nodes.probes.sweep(now):
+        order += asked
+        await answer(nodes, asked[0])
+    return order
+
+
+async def test_one_node_probes_at_a_time_and_probes_repeat_at_the_interval() -> None:
+    """Two downloads from one peer at once would each see half its link: the next node is
+    asked once the last one answered, or after PROBE_TIMEOUT."""
     nodes = Nodes()
-    nodes.probes.sweep(0.0)
-    for node in nodes.ids:
-        probe_id, peers = nodes.request(node)
-        measures = [LinkMeasure(peer, 0.25, 940.0) for peer in peers]
-        assert await nodes.probes.reported(node, probe_id, measures) is None
+    assert nodes.probes.sweep(0.0) == nodes.ids[:1]
+    assert nodes.probes.sweep(1.0) == []  # n0 has not answered yet
+    assert nodes.probes.sweep(PROBE_TIMEOUT) == nodes.ids[1:2]  # n0 never will
+    await answer(nodes, nodes.ids[1])
+    # then the one never asked, then n0 again (asked longest ago, still lacking its links)
+    assert await probe_round(nodes, PROBE_TIMEOUT) == [nodes.ids[2], nodes.ids[0]]
+    assert await probe_round(nodes, PROBE_TIMEOUT + RETRY_SECONDS) == []
     row = nodes.read.get_node(nodes.ids[0])
     assert row is not None and set(row["links"]) == set(nodes.ids[1:])
     assert row["links"][nodes.ids[1]]["mbps"] == 940.0 and row["links"][nodes.ids[1]]["measured_at"]
     assert links_of(row) == {peer: Link(940.0, 0.25) for peer in nodes.ids[1:]}
-    assert nodes.probes.sweep(INTERVAL - 1) == []  # every link is known: not before the interval
-    assert nodes.probes.sweep(INTERVAL) == nodes.ids
+    assert await probe_round(nodes, INTERVAL - 1) == []  # every link known: not before the interval
+    assert await probe_round(nodes, INTERVAL + PROBE_TIMEOUT) == nodes.ids
 
 
 async def test_a_node_that_joins_is_measured_soon_by_everyone() -> None:
     nodes = Nodes(2)
-    nodes.probes.sweep(0.0)
-    for node in nodes.ids:
-        probe_id, peers = nodes.request(node)
-        await nodes.probes.reported(node, probe_id, [LinkMeasure(p, 0.3, 900.0) for p in peers])
+    assert await probe_round(nodes, 0.0) == nodes.ids
     late = ready_node(nodes.app, "late", address="10.0.0.9", labels={TRANSFER_PORT_LABEL: "1"})
-    assert nodes.probes.sweep(RETRY_SECONDS - 1) == [late]  # it was never asked
-    assert nodes.probes.sweep(RETRY_SECONDS) == nodes.ids  # they lack a measure of it
-    again = nodes.probes.sweep(2 * RETRY_SECONDS)  # still no report from anyone
-    assert sorted(again) == sorted([late, *nodes.ids])
+    assert await probe_round(nodes, 1.0) == [late]  # it was never asked
+    assert await probe_round(nodes, RETRY_SECONDS) == nodes.ids  # they lack a measure of it
+    assert await probe_round(nodes, 2 * RETRY_SECONDS) == []  # everyone knows everyone
 
 
 async def test_a_report_is_believed_only_as_asked_and_only_once() -> None:
@@ -117,12 +132,13 @@ async def test_a_report_is_believed_only_as_asked_and_only_once() -> None:
     assert links_of(row) == {peers[0]: Link(800.0, 0.4)}  # a failed link is no link
 
 
-def test_nodes_not_connected_here_or_without_a_file_server_are_left_out() -> None:
+async def test_nodes_not_connected_here_or_without_a_file_server_are_left_out() -> None:
     nodes = Nodes()
     nodes.gateway.disconnected.add(nodes.ids[2])
     plain = ready_node(nodes.app, "plain", address="10.0.0.8")  # serves no model files
-    assert nodes.probes.sweep(0.0) == nodes.ids[:2]
-    assert plain not in nodes.request(nodes.ids[0])[1]
+    assert await probe_round(nodes, 0.0) == nodes.ids[:2]
+    assert nodes.request(nodes.ids[0])[1] == [nodes.ids[1]]
+    assert plain not in nodes.request(nodes.ids[1])[1]
     no_tls = LinkProbes(nodes.app, nodes.read, nodes.gateway, None)
     assert no_tls.sweep(0.0) == []  # no tickets, no probes
 
