@@ -115,6 +115,7 @@ async def test_a_cold_split_serves_now_and_fetches_a_replica_for_the_next_jobs()
     cluster = Cluster(nodes=1, ram=60 * MIB, fetcher=fetcher)
     cluster.add_node("roomy", holds_model=False, ram=8 * GIB)
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
+
     async def split_started() -> None:  # the split starts its RPC workers
         while not cluster.gateway.workers:
             cluster.gateway.worker_asked.clear()
