@@ -18,6 +18,7 @@ from typing import Any
 
 from domain.node import settled_state
 from domain.runtimes import runtime_capacity
+from domain.set_index import discard
 from domain.states import NodeState
 
 
@@ -40,7 +41,7 @@ class SlotLedger:
             left = self._held.get(job_id, set()) - nodes
             self._drop_release(job_id)
             for node in left:  # a re-plan moved the job: its old nodes count as released
-                _discard(self._held_at, node, job_id)
+                discard(self._held_at, node, job_id)
                 self._seen.discard((job_id, node))
                 self._released.setdefault(job_id, set()).add(node)
                 self._released_at.setdefault(node, set()).add(job_id)
@@ -56,18 +57,18 @@ class SlotLedger:
             if nodes:
                 self._released[job_id] = nodes
                 for node in nodes:
-                    _discard(self._held_at, node, job_id)
+                    discard(self._held_at, node, job_id)
                     self._released_at.setdefault(node, set()).add(job_id)
                     self._seen.discard((job_id, node))
 
     def _drop_release(self, job_id: str) -> None:
         for node in self._released.pop(job_id, ()):
-            _discard(self._released_at, node, job_id)
+            discard(self._released_at, node, job_id)
 
     def _forget_hold(self, job_id: str, node_id: str) -> None:
         self._seen.discard((job_id, node_id))
-        _discard(self._held_at, node_id, job_id)
-        _discard(self._held, job_id, node_id)
+        discard(self._held_at, node_id, job_id)
+        discard(self._held, job_id, node_id)
         if job_id not in self._held:
             self._runtime.pop(job_id, None)
 
@@ -106,8 +107,8 @@ class SlotLedger:
                 if job in listed:
                     released.add(job)
                 else:  # the read model has caught up with this release
-                    _discard(self._released_at, node_id, job)
-                    _discard(self._released, job, node_id)
+                    discard(self._released_at, node_id, job)
+                    discard(self._released, job, node_id)
         jobs = (listed - released) | held
         if jobs == listed and runtime is row.get("runtime"):
             return row
@@ -120,12 +121,3 @@ class SlotLedger:
     def __len__(self) -> int:
         with self._lock:
             return len(self._held) + len(self._released)
-
-
-def _discard(index: dict[str, set[str]], key: str, member: str) -> None:
-    """Takes ``member`` out of ``index[key]``, and the key out once its set is empty."""
-    members = index.get(key)
-    if members is not None:
-        members.discard(member)
-        if not members:
-            del index[key]

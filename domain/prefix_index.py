@@ -37,7 +37,8 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from domain.set_index import discard
 
 #: Characters a prefix block covers: about 64 tokens of English, so a 6 KB system prompt is
 #: 24 blocks and a turn of a few sentences adds one or two.
@@ -178,17 +179,9 @@ class PrefixIndex:
         if not self._blocks[server]:
             del self._blocks[server]
         self._size -= len(chain)
-        _discard(self._ends, (server, chain[-1]), key)
+        discard(self._ends, (server, chain[-1]), key)
         for digest in chain:
-            _discard(self._holders, digest, key)
-
-
-def _discard(index: dict[Any, set[_Key]], at: Any, key: _Key) -> None:
-    entries = index.get(at)
-    if entries is not None:
-        entries.discard(key)
-        if not entries:
-            del index[at]
+            discard(self._holders, digest, key)
 
 
 def load_bound(running: int, servers: int, epsilon: float = DEFAULT_EPSILON) -> int:

@@ -110,7 +110,12 @@ class SettingsError(ValueError):
 
 
 def _float(
-    env: Mapping[str, str], key: str, default: float, *, zero_means_off: bool = False
+    env: Mapping[str, str],
+    key: str,
+    default: float,
+    *,
+    zero_means_off: bool = False,
+    unit: str = "seconds",
 ) -> float:
     raw = env.get(key, "").strip()
     if not raw:
@@ -118,23 +123,10 @@ def _float(
     try:
         value = float(raw)
     except ValueError as e:
-        raise SettingsError(f"{key} must be a number of seconds, got {raw!r}") from e
-    if value < 0 or (value == 0 and not zero_means_off):
+        raise SettingsError(f"{key} must be a number of {unit}, got {raw!r}") from e
+    if not 0 <= value < float("inf") or (value == 0 and not zero_means_off):
         limit = "at least 0 (0: off)" if zero_means_off else "positive"
         raise SettingsError(f"{key} must be {limit}, got {raw!r}")
-    return value
-
-
-def _mbps(env: Mapping[str, str], key: str, default: float) -> float:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise SettingsError(f"{key} must be a number of Mbit/s, got {raw!r}") from e
-    if not value >= 0 or value == float("inf"):
-        raise SettingsError(f"{key} must be 0 (any link) or more Mbit/s, got {raw!r}")
     return value
 
 
@@ -327,7 +319,13 @@ class Settings:
             ),
             prefix_routing=_bool(env, "PREFIX_ROUTING", base.prefix_routing),
             link_probe_interval=_float(env, "LINK_PROBE_INTERVAL", base.link_probe_interval),
-            min_split_link_mbps=_mbps(env, "MIN_SPLIT_LINK_MBPS", base.min_split_link_mbps),
+            min_split_link_mbps=_float(
+                env,
+                "MIN_SPLIT_LINK_MBPS",
+                base.min_split_link_mbps,
+                zero_means_off=True,
+                unit="Mbit/s",
+            ),
         )
         try:
             settings.deadlines()

@@ -25,14 +25,14 @@ CONTROLLER_PACKAGES = ("application", "infrastructure", "interfaces")
 _NAME = r"""["']([A-Z][A-Z0-9_]*)["']"""
 #: Environment reads with a literal variable name: ``os.environ.get("X")``,
 #: ``os.environ["X"]``, ``os.getenv("X")``, ``env.get("X")``, ``env["X"]``,
-#: ``environment.get("X")`` and the settings helpers ``_int(env, "X", …)`` (``_mbps`` too).
+#: ``environment.get("X")`` and the settings helpers ``_int(env, "X", …)``.
 ENV_READ_PATTERNS = (
     re.compile(r"\bos\.environ\.get\(\s*" + _NAME),
     re.compile(r"\bos\.environ\[\s*" + _NAME + r"\s*\]"),
     re.compile(r"\bos\.getenv\(\s*" + _NAME),
     re.compile(r"\b(?:env|environ|environment)\.get\(\s*" + _NAME),
     re.compile(r"\b(?:env|environ|environment)\[\s*" + _NAME + r"\s*\]"),
-    re.compile(r"\b_(?:int|float|bool|str|path|mbps)\(\s*env\s*,\s*" + _NAME),
+    re.compile(r"\b_(?:int|float|bool|str|path)\(\s*env\s*,\s*" + _NAME),
 )
 #: Process-environment reads whose variable name the scan above could not see.
 UNSCANNABLE_ENV_READ = re.compile(r"""\bos\.(?:environ\.get\(|environ\[|getenv\()\s*(?!["'])""")
