@@ -24,13 +24,13 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from application.controller import Controller
 from application.errors import NotFound
-from application.ports import AgentGateway, LinkPeer, LinkProbeRequest, ReadModel
+from application.ports import AgentGateway, LinkPeer, LinkProbeRequest, ReadModel, TicketSigner
 from common.contract import TRANSFER_PORT_LABEL
 from common.link_probe import DEFAULT_PROBE_BYTES, PROBE_SUBJECT
 from domain.errors import DomainError
@@ -56,9 +56,6 @@ _IN_SERVICE = frozenset(
         NodeState.DRAINING.value,
     }
 )
-
-#: Signs a transfer ticket for (subject, fetching node id): application/model_transfers.py's.
-TicketSigner = Callable[[str, str], str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 from application.commands import FetchRequest, TransferReport, TransferSource
 from application.controller import Controller
 from application.errors import NotFound
-from application.ports import AgentGateway, ReadModel
+from application.ports import AgentGateway, ReadModel, TicketSigner
 from application.read_models import model_facts, proven_holders
 from common.contract import TRANSFER_PORT_LABEL
 from common.transfer_ticket import CONTROLLER_SOURCE_ID
@@ -34,8 +34,6 @@ from domain.states import NodeState
 
 log = logging.getLogger(__name__)
 
-#: Signs a ticket for (model sha256, fetching node id).
-TicketSigner = Callable[[str, str], str]
 #: A plan for a model as if some nodes held its file: (model, those nodes) → the primary's
 #: node id, or None when even that gives no plan (``replica_if_held``: no plan of one node).
 PrimaryIfHeld = Callable[[dict[str, Any], frozenset[str]], str | None]

@@ -3,6 +3,7 @@ and ``interfaces``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -58,6 +59,11 @@ class RpcPeer:
     node_id: str
     host: str
     port: int
+
+
+#: Signs a transfer ticket (common/transfer_ticket.py) for (subject, fetching node id): the
+#: subject is a model's sha256, or common/link_probe.py PROBE_SUBJECT for a link probe.
+TicketSigner = Callable[[str, str], str]
 
 
 @dataclass(frozen=True)

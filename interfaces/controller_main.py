@@ -24,8 +24,9 @@ from application.health import HealthMonitor, HealthThresholds
 from application.job_manager import JobManager
 from application.link_probes import LinkProbes
 from application.model_claims import ModelClaims
-from application.model_transfers import TicketSigner, TransferCoordinator
+from application.model_transfers import TransferCoordinator
 from application.node_steering import NodeSteering
+from application.ports import TicketSigner
 from application.prefix_routing import PrefixRouter
 from application.runtime_reaper import RuntimeReaper
 from application.scheduler import Scheduler, SchedulerConfig
