@@ -436,8 +436,12 @@ class LlamaHandler:
             if oom is not None:
                 blame = oom[0]
                 failure = (OUT_OF_MEMORY, oom_message(blame, oom[1], exc))
+        except BaseException:
+            sender.discard()  # cancelled: nothing more of it is sent
+            raise
         finally:
             await stream.aclose()
+        await sender.flush()  # every piece before the result
         job.phase = _FINISHED  # a late CancelJob must not add a second JobResult
         if failure is not None:
             log.warning("job %s: generation failed (%s): %s", job.job_id, *failure)

@@ -67,7 +67,7 @@ def chunks(messages: list[pb.AgentMessage]) -> list[list[tuple[int, str, int]]]:
 
 async def test_delta_sender_sends_each_piece_at_once_numbered_from_zero() -> None:
     send = Collect()
-    sender = DeltaSender("j", send)
+    sender = DeltaSender("j", send, interval=0.0)
     await sender.push("a")
     assert chunks(send.sent) == [[(0, "a", 1)]]
     await sender.push("b")
@@ -75,6 +75,42 @@ async def test_delta_sender_sends_each_piece_at_once_numbered_from_zero() -> Non
     assert chunks(send.sent) == [[(0, "a", 1)], [(1, "b", 1)], [(2, "c", 2)]]
     assert all(m.token_chunk.job_id == "j" for m in send.sent)
     assert sender.next_seq == 3
+
+
+async def test_pieces_after_the_first_go_together_at_most_every_interval() -> None:
+    """The first piece at once; those within the interval of the last chunk wait and go as
+    one chunk (flush, or the flusher when the interval is up); one after it goes at once.
+    The clock and the flusher's sleep are the test's: no time passes."""
+    now = [0.0]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 6))
+
+    send = Collect()
+    sender = DeltaSender("j", send, interval=0.025, clock=lambda: now[0], sleep=sleep)
+    await sender.push("a")  # t=0: at once
+    now[0] = 0.010
+    await sender.push("b")
+    await sender.push("c", tokens=2)
+    assert chunks(send.sent) == [[(0, "a", 1)]]  # b and c wait
+    await sender.flush()  # the job's result comes next
+    assert chunks(send.sent) == [[(0, "a", 1)], [(1, "b", 1), (2, "c", 2)]]
+    now[0] = 0.040  # the interval since the last chunk is up: at once
+    await sender.push("d")
+    assert chunks(send.sent)[-1] == [(3, "d", 1)]
+    now[0] = 0.050
+    await sender.push("e")  # waits; the flusher sleeps what is left of the interval
+    await sender.push("f")
+    for _ in range(3):
+        await asyncio.sleep(0)  # the flusher runs
+    assert slept == [0.015]
+    assert chunks(send.sent)[-1] == [(4, "e", 1), (5, "f", 1)]
+    now[0] = 0.060
+    await sender.push("g")
+    sender.discard()  # cancelled: g is never sent
+    await sender.flush()
+    assert chunks(send.sent)[-1] == [(4, "e", 1), (5, "f", 1)] and sender.next_seq == 7
 
 
 async def test_pieces_queued_behind_a_pending_write_go_out_as_one_chunk(tmp_path: Path) -> None:
@@ -85,7 +121,7 @@ async def test_pieces_queued_behind_a_pending_write_go_out_as_one_chunk(tmp_path
     session.traffic.conn = conn
     writer = asyncio.create_task(session._write_loop(conn))
     try:
-        sender = DeltaSender("j", session.traffic.send)
+        sender = DeltaSender("j", session.traffic.send, interval=0.0)
         await sender.push("a")
         await asyncio.wait_for(call.writing.wait(), 5)  # "a" is being written (and blocks)
         for text in "bcd":
