@@ -109,6 +109,9 @@ class JobRun:
     phase: Literal["setup", "execution"] = "setup"
     worker_futures: dict[str, asyncio.Future[SetupOutcome]] = field(default_factory=dict)
     setup_future: asyncio.Future[SetupOutcome] | None = None
+    #: Its prompt's prefix chain (PrefixRouter.chain), hashed once: placements and the
+    #: admission queue route by it.
+    prefix: tuple[int, ...] = ()
     #: The primary was told to run the job while its dispatch was being recorded (a warm
     #: one-node plan): the setup only waits for its answer.
     assigned_early: bool = False

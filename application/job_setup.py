@@ -129,6 +129,7 @@ class JobSetup:
         """
         uid = job_id or uuid4()
         run = JobRun(str(uid), submission, model)
+        run.prefix = self._scheduler.router.chain(submission.prompt)
         self._runs.add(run)
         try:
             await self._setup(run)
@@ -281,8 +282,8 @@ class JobSetup:
         deadline = queued_at + self._settings.queue_timeout
         ticket: Ticket | None = None
         try:
-            chain = self._scheduler.router.chain(run.submission.prompt)
-            ticket = self._queue.join(run.model, run.job_id, chain)  # QueueFullError: no record
+            # QueueFullError: no record
+            ticket = self._queue.join(run.model, run.job_id, run.prefix)
             run.ticket = ticket
             # Joined and handed to the batcher with no await between: the store lists
             # JOB_QUEUED in queue order (the batcher writes new jobs in the order they came).
@@ -363,7 +364,6 @@ class JobSetup:
         (:class:`SlotTaken`), which costs a fresh placement, never a re-plan or an event.
         """
         router = self._scheduler.router
-        prefix = router.chain(run.submission.prompt)
         for _race in range(MAX_PLACEMENT_RACES):
             async with self._placing:
                 result = await self._decide(
@@ -371,8 +371,7 @@ class JobSetup:
                     run.model_row,
                     frozenset(run.excluded),
                     connected=self._gateway.is_connected,
-                    prefix=prefix,
-                    job_id=run.job_id,
+                    prefix=run.prefix,
                     wait_for_cache=wait_for_cache,
                 )
                 for v in result.violations:

@@ -289,13 +289,13 @@ class Scheduler:
         facts: tuple[dict[str, Any], str],
         exclude: frozenset[str],
         connected: Callable[[str], bool] | None,
+        live: dict[str, LiveNode],
         *,
         busy: bool = False,
     ) -> list[WarmChoice]:
         """The warm servers that could take a job for ``model`` now (:func:`warm_choices`),
         less those whose plan gives a device more than its budget; ``busy``: those with no
-        free slot too."""
-        live = self.live.all()
+        free slot too. ``live`` is the live state read once for the whole decision."""
         basis = facts[1]
 
         def reachable(node_id: str) -> bool:
@@ -333,7 +333,8 @@ class Scheduler:
         facts = model_facts(model, nodes)
         if facts is None:
             return 0, []
-        servers = self._warm_choices(nodes, model, facts, frozenset(), connected, busy=True)
+        live = self.live.all()
+        servers = self._warm_choices(nodes, model, facts, frozenset(), connected, live, busy=True)
         return self.router.next_to_go(waiting, servers)
 
     def place(
@@ -345,15 +346,14 @@ class Scheduler:
         assume_idle: bool = False,
         pretend_holding: frozenset[str] = frozenset(),
         prefix: tuple[int, ...] = (),
-        job_id: str = "",
         wait_for_cache: bool = False,
     ) -> PlacementResult:
         """A plan for ``model`` now, or why there is none.
 
-        ``prefix`` is job ``job_id``'s prompt prefix chain (:meth:`PrefixRouter.chain`):
-        among warm servers the one holding the longest prefix takes the job, within the load
-        bound; a plan made for real (not ``assume_idle`` nor ``pretend_holding``) is
-        remembered as holding it (:meth:`release` when the job ends).
+        ``prefix`` is the job's prompt prefix chain (:meth:`PrefixRouter.chain`): among warm
+        servers the one holding the longest prefix takes the job, within the load bound; the
+        server a plan made for real (not ``assume_idle`` nor ``pretend_holding``) goes to is
+        remembered as holding it (:meth:`PrefixRouter.sent`).
 
         ``wait_for_cache``: when the busy server holding the job's longest prefix should take
         it (:meth:`PrefixRouter.next_to_go`), no plan (``WAITS_FOR_CACHE``): the job waits in
@@ -386,7 +386,7 @@ class Scheduler:
         live = self.live.all()
         context_size = min(int(model["context_size"]), needs.context_length_max)
         if not assume_idle and not pretend_holding:
-            servers = self._warm_choices(nodes, model, facts, exclude, connected, busy=True)
+            servers = self._warm_choices(nodes, model, facts, exclude, connected, live, busy=True)
             home_busy = wait_for_cache and prefix != ()
             if home_busy and self.router.next_to_go([(prefix, True)], servers)[0] is None:
                 return PlacementResult(

@@ -69,6 +69,18 @@ async def sign_in(page: Page, key: str) -> None:
     await page.get_by_role("button", name="Open dashboard").click()
 
 
+async def live_dashboard(browser: Browser, ctl: RunningController) -> tuple[Page, list[str]]:
+    """A page signed in to ``ctl``'s dashboard with its live feed up; the list collects the
+    page's errors."""
+    page = await browser.new_page(viewport={"width": 1440, "height": 960})
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    await page.goto(f"http://127.0.0.1:{ctl.http_port}/dashboard")
+    await sign_in(page, "test-admin-key")
+    await expect(page.locator("#feed-status")).to_have_text("live")
+    return page, problems
+
+
 async def test_dashboard_shows_the_cluster_live(ctl: RunningController, browser: Browser) -> None:
     expect.set_options(timeout=WAIT_MS)
     base = f"http://127.0.0.1:{ctl.http_port}"
@@ -223,12 +235,7 @@ async def test_dashboard_shows_model_transfers_under_way(
     for agent in (alpha, beta):
         await wait_for(lambda a=agent: (read.get_node(a.node_id) or {}).get("state") == "READY")
 
-    page = await browser.new_page(viewport={"width": 1440, "height": 960})
-    problems: list[str] = []
-    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
-    await page.goto(f"{base}/dashboard")
-    await sign_in(page, "test-admin-key")
-    await expect(page.locator("#feed-status")).to_have_text("live")
+    page, problems = await live_dashboard(browser, ctl)
     alpha_row = page.locator(f'#nodes-table tr[data-node-id="{alpha.node_id}"]')
     beta_row = page.locator(f'#nodes-table tr[data-node-id="{beta.node_id}"]')
     await expect(alpha_row.locator(".models")).to_have_text("holds m.gguf (100.0 MiB)")
@@ -474,12 +481,7 @@ async def test_each_node_shows_the_links_it_measured(
     for agent in agents:
         await wait_for(lambda a=agent: (read.get_node(a.node_id) or {}).get("state") == "READY")
     alpha, beta, gamma = agents
-    page = await browser.new_page(viewport={"width": 1440, "height": 960})
-    problems: list[str] = []
-    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
-    await page.goto(f"http://127.0.0.1:{ctl.http_port}/dashboard")
-    await sign_in(page, "test-admin-key")
-    await expect(page.locator("#feed-status")).to_have_text("live")
+    page, problems = await live_dashboard(browser, ctl)
     links = {
         gamma.node_id: {"rtt_ms": 5.12, "mbps": 95.3, "error": ""},
         beta.node_id: {"rtt_ms": 0.21, "mbps": 941.0, "error": ""},
