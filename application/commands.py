@@ -7,6 +7,7 @@ from typing import Any
 from uuid import UUID
 
 from common.contract import Endpoint
+from domain.api_keys import OPEN, Grant
 
 #: How ``JOB_SUBMITTED`` records a completion's prompt and the inputs of embeddings among the
 #: job's messages.
@@ -137,6 +138,8 @@ class Submission:
     prompt: JobInput
     params: JobParams = field(default_factory=JobParams)
     stream: bool = False
+    #: What the request's API key allows (``domain/api_keys.py``); its id is recorded.
+    grant: Grant = OPEN
 
     @property
     def endpoint(self) -> Endpoint:

@@ -515,6 +515,7 @@ class Controller(Application[UUID]):
             message_count=len(messages),
             stream=submission.stream,
             controller=self.owner,
+            key_id=submission.grant.key_id,
         )
 
     def submit(self, submission: Submission, job_id: UUID | None = None) -> CommandResult:

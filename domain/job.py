@@ -52,6 +52,8 @@ class Job(Aggregate):
         stream: bool
         #: The controller process that runs the job (absent in jobs recorded before).
         controller: str = ""
+        #: The API key the job was asked with (``domain/api_keys.py``; absent before keys).
+        key_id: str = ""
 
     class Queued(Event):
         """No plan could start at once; the job waits in its model's admission queue."""
@@ -183,9 +185,11 @@ class Job(Aggregate):
         message_count: int,
         stream: bool,
         controller: str = "",
+        key_id: str = "",
     ) -> None:
         self.model = model
         self.controller = controller
+        self.key_id = key_id
         self.params = params
         self.messages = messages
         self.prompt_sha256 = prompt_sha256
@@ -227,6 +231,7 @@ class Job(Aggregate):
         message_count: int,
         stream: bool,
         controller: str = "",
+        key_id: str = "",
     ) -> Job:
         if not model:
             raise InvalidCommand("a job needs a model")
@@ -242,6 +247,7 @@ class Job(Aggregate):
             message_count=message_count,
             stream=stream,
             controller=controller,
+            key_id=key_id,
         )
 
     def enqueue(self, position: int, reason: str) -> None:
