@@ -9,6 +9,8 @@ from typing import Any, Protocol, TypeVar
 
 from application.agent_messages import Rejection
 from application.commands import FetchRequest, JobInput, JobParams, Prompt
+from application.rate_limits import LimitDecision
+from domain.api_keys import Grant
 
 
 @dataclass(frozen=True)
@@ -323,3 +325,29 @@ class NullMetrics:
 
     def count_prompt_tokens(self, prompt: int, cached: int) -> None:
         pass
+
+
+class RateLimiter(Protocol):
+    """A key's limits (``application/rate_limits.py`` states the rule), held where every
+    controller sharing them sees the same counters. ``now`` is unix time (the month is UTC's).
+    Only grants with a limit are passed (``rate_limits.limited``)."""
+
+    async def acquire(self, grant: Grant, now: float) -> LimitDecision:
+        """One atomic check of requests/minute, tokens/minute (not in debt), concurrency and
+        the monthly budget; when all allow, the request is counted and its concurrency lease
+        taken (``LimitDecision.lease``). Nothing is counted for a refused request."""
+        ...
+
+    async def settle(
+        self,
+        grant: Grant,
+        lease: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        now: float,
+    ) -> None:
+        """Charges what an admitted request's job used to tokens/minute and the month, and
+        releases its lease; called exactly once however the job ended."""
+        ...
+
+    async def close(self) -> None: ...
