@@ -251,8 +251,9 @@ class JobSetup:
     async def _admit(self, run: JobRun, failure: SetupFailure | None) -> ExecutionPlan:
         """A dispatched plan for the job: placed at once, or after waiting in the queue.
 
-        A new request for a model whose queue is not empty joins the queue (first come,
-        first served); a re-plan tries at once, as its job already waited its turn.
+        A new request for a model whose queue is not empty joins the queue (it goes in the
+        queue's order: application/admission.py); a re-plan tries at once, as its job
+        already waited its turn.
         """
         if failure is not None or self._queue.depth(run.model) == 0:
             placed = await self._place(run, failure, wait_for_cache=failure is None)
@@ -283,7 +284,7 @@ class JobSetup:
         ticket: Ticket | None = None
         try:
             # QueueFullError: no record
-            ticket = self._queue.join(run.model, run.job_id, run.prefix)
+            ticket = self._queue.join(run.model, run.job_id, run.prefix, run.submission.grant)
             run.ticket = ticket
             # Joined and handed to the batcher with no await between: the store lists
             # JOB_QUEUED in queue order (the batcher writes new jobs in the order they came).
@@ -305,6 +306,7 @@ class JobSetup:
                     continue
                 placed = await self._place(run, None)
                 if isinstance(placed, ExecutionPlan):
+                    self._queue.dispatched(ticket)  # its key's turn is used
                     self._metrics.observe_queue_wait(self._settings.clock() - queued_at)
                     return placed
                 if not placed.transient:

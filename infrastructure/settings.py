@@ -52,6 +52,7 @@ SETTING_NAMES = (
     "DATABASE_URL",
     "DEGRADED_AFTER",
     "ENROLL_ALLOW_NAT",
+    "FAIR_QUEUEING",
     "FEED_SESSION_SECONDS",
     "FIRST_TOKEN_TIMEOUT",
     "GRPC_HOST",
@@ -195,6 +196,9 @@ class Settings:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     queue_max: int = DEFAULT_QUEUE_MAX
+    #: API keys take turns in a model's admission queue, interactive before batch
+    #: (application/admission.py); FAIR_QUEUEING=off: first in, first out.
+    fair_queueing: bool = True
     token_record_interval: float = 1.0
     first_token_timeout: float = DEFAULT_FIRST_TOKEN_TIMEOUT
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT
@@ -285,6 +289,7 @@ class Settings:
             ),
             queue_timeout=_float(env, "QUEUE_TIMEOUT", base.queue_timeout),
             queue_max=_int(env, "QUEUE_MAX", base.queue_max),
+            fair_queueing=_bool(env, "FAIR_QUEUEING", base.fair_queueing),
             token_record_interval=_float(env, "TOKEN_RECORD_INTERVAL", base.token_record_interval),
             first_token_timeout=_float(env, "FIRST_TOKEN_TIMEOUT", base.first_token_timeout),
             stream_idle_timeout=_float(env, "STREAM_IDLE_TIMEOUT", base.stream_idle_timeout),

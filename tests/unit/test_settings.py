@@ -29,6 +29,11 @@ def test_prefix_routing_is_on_unless_turned_off(off: str) -> None:
     assert Settings.from_env({"PREFIX_ROUTING": off}).prefix_routing is False
 
 
+def test_fair_queueing_is_on_unless_turned_off() -> None:
+    assert Settings.from_env({}).fair_queueing is True
+    assert Settings.from_env({"FAIR_QUEUEING": "off"}).fair_queueing is False
+
+
 def test_deadlines_from_the_environment() -> None:
     env = {"FIRST_TOKEN_TIMEOUT": "20", "STREAM_IDLE_TIMEOUT": "5", "REQUEST_TIMEOUT": "600"}
     assert Settings.from_env(env).deadlines() == Deadlines(20.0, 5.0, 600.0)
