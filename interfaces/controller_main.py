@@ -319,7 +319,7 @@ async def start_controller(settings: Settings) -> RunningController:
         ) from e
     # Whatever may free capacity (a model added to a node, a claim proven, a job's end)
     # wakes the queued requests: the admission queue, built before the job manager it feeds.
-    queue = AdmissionQueue(settings.queue_max)
+    queue = AdmissionQueue(settings.queue_max, fair=settings.fair_queueing)
     # Nodes prove the model files they claim before they are planned as their primaries.
     claims = ModelClaims(
         core.app,
