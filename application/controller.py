@@ -33,6 +33,7 @@ from application.errors import NotFound, TokenAlreadyUsed, TokenRevoked
 from application.store_guard import StoreGuard
 from common.contract import JobErrorCode
 from domain.access_refusal import AccessRefusal, RefusalTerms
+from domain.api_key import ApiKey
 from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
 from domain.issued_token import IssuedToken, TokenTerms, issued_token_id
 from domain.job import Job
@@ -45,7 +46,12 @@ from domain.states import EXECUTION_PHASE_STATES, TERMINAL_JOB_STATES
 from domain.token_redemption import TokenRedemption, redemption_id
 
 #: What a NotFound calls each aggregate ("unknown node ...").
-KINDS: dict[type[Aggregate], str] = {Node: "node", Job: "job", RegisteredModel: "model"}
+KINDS: dict[type[Aggregate], str] = {
+    Node: "node",
+    Job: "job",
+    RegisteredModel: "model",
+    ApiKey: "api_key",
+}
 
 
 def sha256_text(text: str) -> str:

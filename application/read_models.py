@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from domain.access_refusal import AccessRefusal
+from domain.api_key import CHANGEABLE, ApiKey
 from domain.catalog import code_of
 from domain.issued_token import IssuedToken
 from domain.job import Job
@@ -293,6 +294,8 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "message_count": event.message_count,
             "prompt_sha256": event.prompt_sha256,
             "controller": event.__dict__.get("controller", ""),  # absent in older events
+            #: The API key it was asked with ("" in events recorded before keys).
+            "key_id": event.__dict__.get("key_id", ""),
             "plan": None,
             "nodes": [],
             "replans": 0,
@@ -466,3 +469,40 @@ def project_token(row: dict[str, Any] | None, event: object) -> dict[str, Any] |
     if isinstance(event, IssuedToken.Revoked) and row is not None:
         return {**row, "revoked": True, "revoked_at": at, "revoked_by": event.revoked_by}
     return row
+
+
+def project_api_key(row: dict[str, Any] | None, event: object) -> dict[str, Any] | None:
+    """The ``api_keys`` row of a managed key: its terms and whether it was revoked; never its
+    hash (nor, of course, the key)."""
+    at = event.timestamp.isoformat()  # type: ignore[attr-defined]
+    if isinstance(event, ApiKey.Created):
+        return {
+            "id": str(event.originator_id),
+            "name": event.name,
+            "owner": event.owner,
+            "models": event.models,
+            "limits": event.limits,
+            "priority": event.priority,
+            "expires_at": event.expires_at,
+            "created_at": at,
+            "updated_at": at,
+            "revoked": False,
+            "revoked_at": None,
+            "revoked_by": None,
+            "revoke_reason": None,
+        }
+    if row is None:
+        return None
+    if isinstance(event, ApiKey.Changed):
+        changed = {k: v for k, v in event.changes.items() if k in CHANGEABLE}
+        return {**row, **changed, "updated_at": at}
+    if isinstance(event, ApiKey.Revoked):
+        return {
+            **row,
+            "revoked": True,
+            "revoked_at": at,
+            "revoked_by": event.revoked_by,
+            "revoke_reason": event.reason,
+            "updated_at": at,
+        }
+    return None

@@ -28,8 +28,8 @@ from domain.node import Node
 
 #: Event fields that every entry already shows on its own (or that are plumbing).
 _ENVELOPE = frozenset({"originator_id", "originator_version", "timestamp", "originator_topic"})
-#: Fields never shown, even to an administrator (a hash of the node's credential).
-_REDACTED = frozenset({"credential_sha256"})
+#: Fields never shown, even to an administrator (a hash of a node's credential or of an API key).
+_REDACTED = frozenset({"credential_sha256", "key_sha256"})
 
 Entry = dict[str, Any]
 

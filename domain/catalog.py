@@ -6,6 +6,7 @@ Each code is documented in docs/reference.md, 'Event catalogue'.
 from __future__ import annotations
 
 from domain.access_refusal import AccessRefusal
+from domain.api_key import ApiKey
 from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel
@@ -69,6 +70,9 @@ OTHER_EVENTS: tuple[type, ...] = (
     TokenRedemption.Redeemed,
     IssuedToken.Minted,
     IssuedToken.Revoked,
+    ApiKey.Created,
+    ApiKey.Changed,
+    ApiKey.Revoked,
 )
 
 CATALOG: dict[str, type] = {

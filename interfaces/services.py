@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TypeAlias, TypeVar
 
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
 
+from application.api_keys import KeyBook
 from application.context_guard import ContextGuard
 from application.controller import Controller
 from application.enrollment import EnrollmentService
@@ -56,6 +58,12 @@ class CoreServices:
     tls: ServerTls | None = None
     #: Refused HTTP keys by (api, status): counted for /metrics, not recorded as events.
     auth_failures: Counter[tuple[str, int]] = field(default_factory=Counter)
+
+    @cached_property
+    def keys(self) -> KeyBook:
+        """The managed inference keys (checked by ``inference_guard``, kept by the admin API)."""
+        return KeyBook(self.app, self.read_model)
+
 
 
 @dataclass

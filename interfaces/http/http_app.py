@@ -11,12 +11,16 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from application.version import CONTROLLER_VERSION
+from domain.api_keys import Grant
 from infrastructure.settings import DEFAULT_MAX_REQUEST_BYTES
 from interfaces.http.admin.admin_api import AdminRoutes, health
 from interfaces.http.admin.admin_jobs_api import AdminJobRoutes
+from interfaces.http.admin.api_keys_api import AdminApiKeyRoutes
 from interfaces.http.admin.event_feed import event_stream
 from interfaces.http.admin.models_api import AdminModelRoutes
 from interfaces.http.admin.operations_api import operations_handlers
+from interfaces.http.admin.usage_api import AdminUsageRoutes
+from interfaces.http.http_auth import granted
 from interfaces.http.http_errors import EXCEPTION_HANDLERS, not_running
 from interfaces.http.openai.openai_api import (
     chat_completions,
@@ -39,7 +43,8 @@ def _body_limit(services: Services | None) -> int:
 
 def dependencies(services: Services | None) -> dict[str, Provide]:
     """What handlers declare by name: ``svc`` (the services: 503 in an app built without
-    them), and each running part, None where this app runs without it (the route says so)."""
+    them), each running part, None where this app runs without it (the route says so), and
+    ``grant``, the Grant of an inference request's key (``inference_guard``'s routes only)."""
 
     def svc() -> Services:
         if services is None:
@@ -61,9 +66,10 @@ def dependencies(services: Services | None) -> dict[str, Provide]:
         "history": lambda s: s.history,
         "steering": lambda s: s.steering,
     }
-    return {"svc": Provide(svc, sync_to_thread=False)} | {
-        name: Provide(part(of), sync_to_thread=False) for name, of in parts.items()
-    }
+    return {
+        "svc": Provide(svc, sync_to_thread=False),
+        "grant": Provide(granted, sync_to_thread=False),
+    } | {name: Provide(part(of), sync_to_thread=False) for name, of in parts.items()}
 
 
 def create_app(services: Services | None, extra_handlers: list[Any] | None = None) -> Litestar:
@@ -73,6 +79,8 @@ def create_app(services: Services | None, extra_handlers: list[Any] | None = Non
             AdminRoutes,
             AdminModelRoutes,
             AdminJobRoutes,
+            AdminApiKeyRoutes,
+            AdminUsageRoutes,
             # The OpenAI routes check AI_API_KEY in their guard; the router documents it.
             Router(
                 "/",
@@ -92,7 +100,7 @@ def create_app(services: Services | None, extra_handlers: list[Any] | None = Non
         exception_handlers=EXCEPTION_HANDLERS,
         dependencies=dependencies(services),
         # Modules that import Services for type checking only (it holds their parts).
-        signature_namespace={"Services": Services, "Provided": Provided},
+        signature_namespace={"Services": Services, "Provided": Provided, "Grant": Grant},
         openapi_config=OpenAPIConfig(
             title="Distributed AI Compute Platform",
             version=CONTROLLER_VERSION,

@@ -350,6 +350,47 @@ class IssuedTokens(TypedDict):
     data: list[IssuedTokenRow]
 
 
+class ApiKeyLimits(TypedDict):
+    """A key's limits; null: no limit."""
+
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    concurrent_requests: int | None
+    monthly_tokens: int | None
+
+
+class ApiKeyRow(TypedDict):
+    """A managed inference key as the views hold it (never the key, nor its hash)."""
+
+    id: str
+    name: str
+    owner: str
+    #: null: every model.
+    models: list[str] | None
+    limits: ApiKeyLimits
+    priority: Literal["interactive", "batch"]
+    expires_at: str | None
+    created_at: str
+    updated_at: str
+    revoked: bool
+    revoked_at: str | None
+    revoked_by: str | None
+    revoke_reason: str | None
+    #: Neither revoked nor expired now.
+    active: bool
+
+
+class NewApiKey(ApiKeyRow):
+    """A key just created, with its text: shown this once, never again."""
+
+    key: str
+
+
+class ApiKeys(TypedDict):
+    object: Literal["list"]
+    data: list[ApiKeyRow]
+
+
 class FeedTicket(TypedDict):
     ticket: str
     expires_at: int

@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     NODE_NOT_FOUND = "node_not_found"
     JOB_NOT_FOUND = "job_not_found"
     TOKEN_NOT_FOUND = "token_not_found"
+    API_KEY_NOT_FOUND = "api_key_not_found"
     #: The command does not fit the state of what it acts on.
     ILLEGAL_TRANSITION = "illegal_transition"
     INVALID_COMMAND = "invalid_command"

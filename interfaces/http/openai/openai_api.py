@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from application.read_models import proven_holders
 from application.store_guard import STORE_UNAVAILABLE
 from application.timeline import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX, answer_id
 from common.contract import CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJECTED
+from domain.api_keys import Grant
 from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
 from interfaces.http.http_auth import inference_guard
@@ -88,7 +90,10 @@ def _spawn(coro: Any) -> None:
 _SERVING = {NodeState.READY.value, NodeState.BUSY.value, NodeState.DEGRADED.value}
 
 
-async def _cards(svc: Services, transfers: TransferCoordinator | None) -> list[ModelCard]:
+async def _cards(
+    svc: Services, transfers: TransferCoordinator | None, grant: Grant
+) -> list[ModelCard]:
+    """The cards of the models the request's key may use."""
     models, nodes = await asyncio.gather(
         asyncio.to_thread(svc.read_model.list_models), asyncio.to_thread(svc.read_model.list_nodes)
     )
@@ -114,6 +119,7 @@ async def _cards(svc: Services, transfers: TransferCoordinator | None) -> list[M
             "available": held(r) or fetchable(r),
         }
         for r in models
+        if grant.may_use(r["name"])
     ]
 
 
@@ -129,9 +135,9 @@ async def _cards(svc: Services, transfers: TransferCoordinator | None) -> list[M
     responses={**success(ModelCards, "The registered models"), **errors(401, 503)},
 )
 async def list_models(
-    svc: Provided[Services], transfers: Provided[TransferCoordinator | None]
+    svc: Provided[Services], transfers: Provided[TransferCoordinator | None], grant: Provided[Grant]
 ) -> dict[str, Any]:
-    return {"object": "list", "data": await _cards(svc, transfers)}
+    return {"object": "list", "data": await _cards(svc, transfers, grant)}
 
 
 @get(
@@ -148,13 +154,14 @@ async def list_models(
 async def get_model(
     svc: Provided[Services],
     transfers: Provided[TransferCoordinator | None],
+    grant: Provided[Grant],
     model: Annotated[
         str,
         PathParameter(description=f"The model's name (`{MODEL_NAME_PATTERN}`; it may hold `/`)"),
     ],
 ) -> ModelCard:
     name = model.removeprefix("/")
-    for card in await _cards(svc, transfers):
+    for card in await _cards(svc, transfers, grant):
         if card["id"] == name:
             return card
     raise ApiError(
@@ -234,9 +241,12 @@ _GENERATED = "The completion (JSON), or with `stream: true` its chunks"
     _GENERATED,
 )
 async def chat_completions(
-    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+    svc: Provided[Services],
+    jobs: Provided[JobManager | None],
+    grant: Provided[Grant],
+    request: Request[Any, Any, Any],
 ) -> Response[Any]:
-    submission = parse_chat_request(await _body(request))
+    submission = dataclasses.replace(parse_chat_request(await _body(request)), grant=grant)
     return await _generate(
         svc, jobs, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
     )
@@ -250,9 +260,12 @@ async def chat_completions(
     _GENERATED,
 )
 async def completions(
-    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+    svc: Provided[Services],
+    jobs: Provided[JobManager | None],
+    grant: Provided[Grant],
+    request: Request[Any, Any, Any],
 ) -> Response[Any]:
-    submission = parse_completion_request(await _body(request))
+    submission = dataclasses.replace(parse_completion_request(await _body(request)), grant=grant)
     return await _generate(
         svc, jobs, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
     )
@@ -266,9 +279,13 @@ async def completions(
     "One vector per input, in order",
 )
 async def create_embeddings(
-    svc: Provided[Services], jobs: Provided[JobManager | None], request: Request[Any, Any, Any]
+    svc: Provided[Services],
+    jobs: Provided[JobManager | None],
+    grant: Provided[Grant],
+    request: Request[Any, Any, Any],
 ) -> Response[Any]:
-    submission, encoding = parse_embeddings_request(await _body(request))
+    parsed, encoding = parse_embeddings_request(await _body(request))
+    submission = dataclasses.replace(parsed, grant=grant)
     started = await _started(svc, jobs, request, submission, EMBEDDING)
     if isinstance(started, Response):
         return started
@@ -315,10 +332,11 @@ async def _body(request: Request[Any, Any, Any]) -> Any:
         ) from e
 
 
-async def _model(svc: Services, name: str, kind: str) -> dict[str, Any]:
-    # A name no model can have is not looked up (a NUL byte would break a Postgres query).
+async def _model(svc: Services, name: str, kind: str, grant: Grant) -> dict[str, Any]:
+    # A name no model can have is not looked up (a NUL byte would break a Postgres query); a
+    # model the key may not use is answered as one that does not exist.
     model = None
-    if is_model_name(name):
+    if is_model_name(name) and grant.may_use(name):
         model = await asyncio.to_thread(svc.read_model.get_model, name)
     if model is None:
         raise ApiError(
@@ -349,7 +367,7 @@ async def _started(
 ) -> tuple[JobManager, JobRun, StreamItem] | Response[Any]:
     """The job, admitted and with its first stream item (or its failure raised); a 499
     response when the client left first."""
-    model = await _model(svc, submission.model, kind)
+    model = await _model(svc, submission.model, kind, submission.grant)
     prompt = prompt_of(submission)
     if prompt is not None:
         try:
