@@ -65,7 +65,6 @@ class CoreServices:
         return KeyBook(self.app, self.read_model)
 
 
-
 @dataclass
 class Services(CoreServices):
     """The core and the running parts (None: not running in this app)."""
