@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from application.agent_messages import Rejection
 from application.commands import FetchRequest, JobInput, JobParams, Prompt
 from application.rate_limits import LimitDecision
 from domain.api_keys import Grant
+
+if TYPE_CHECKING:
+    from application.usage import UsageQuery
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,21 @@ class ApiKeyViews(Protocol):
         ...
 
     def get_api_key(self, key_id: str) -> dict[str, Any] | None: ...
+
+
+class UsageReader(Protocol):
+    """Usage per API key: sums over the ``jobs`` view (``application/usage.py`` says what
+    counts), implemented with the other views in ``infrastructure``."""
+
+    def usage(self, query: UsageQuery) -> list[dict[str, Any]]:
+        """One row per group of ``query.group_by`` that has an ended job: ``key_id``,
+        ``model``, ``day`` (each only when grouped by it), ``requests``, ``prompt_tokens`` and
+        ``completion_tokens``, ordered by the groups."""
+        ...
+
+    def key_names(self) -> dict[str, str]:
+        """The names of the managed keys, by key id (none while there is no key book)."""
+        ...
 
 
 class ModelFetcher(Protocol):

@@ -294,6 +294,8 @@ def project_job(row: dict[str, Any] | None, event: object) -> dict[str, Any] | N
             "message_count": event.message_count,
             "prompt_sha256": event.prompt_sha256,
             "controller": event.__dict__.get("controller", ""),  # absent in older events
+            #: The API key it was asked with ("" in events recorded before keys).
+            "key_id": event.__dict__.get("key_id", ""),
             "plan": None,
             "nodes": [],
             "replans": 0,

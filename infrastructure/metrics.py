@@ -5,7 +5,8 @@ Three kinds of figures, each from where it is cheapest and truest:
 * latency histograms observed on the hot paths through the application's ``Metrics`` port
   (time to first token, inter-token latency, event-store append latency);
 * counters moved by the projection follower's event listener, once per applied event
-  (jobs by terminal state, failures by phase, tokens generated, events by catalog code);
+  (jobs by terminal state, failures by phase, tokens generated, events by catalog code;
+  requests and tokens by API key and model, ``infrastructure/key_usage_metrics.py``);
 * gauges collected at scrape time (nodes by state from the read model, nodes connected,
   jobs active on this controller, store positions).
 
@@ -36,6 +37,7 @@ from prometheus_client.registry import Collector
 from application.ports import LiveNode
 from domain.catalog import code_of
 from domain.states import NodeState
+from infrastructure.key_usage_metrics import KeyUsageCounters
 from infrastructure.loop_histogram import LoopHistogram
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,8 @@ class PrometheusMetrics:
             ["code"],
             registry=r,
         )
+        #: Requests and tokens by API key and model (bounded labels: the module says how).
+        self.key_usage = KeyUsageCounters(r)
         for state in TERMINAL_CODES.values():
             self.jobs_finished.labels(state)
         for phase in ("setup", "execution"):
@@ -180,6 +184,7 @@ class PrometheusMetrics:
             return
         code = code_of(event)
         self.events.labels(code).inc()
+        self.key_usage.on_event(code, event)
         if code == "JOB_SUBMITTED":
             self.jobs_submitted.inc()
         elif code == "TOKEN_STREAM_CHUNK":

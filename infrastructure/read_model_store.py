@@ -8,6 +8,7 @@ SQL serves Postgres and SQLite: only the placeholder and the table qualification
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -29,12 +30,28 @@ from application.read_models import (
     project_token,
 )
 from application.store_guard import StoreGuard
+from application.usage import UsageQuery
 from domain.access_refusal import AccessRefusal
 from domain.api_key import ApiKey
 from domain.issued_token import IssuedToken
 from domain.job import Job
 from domain.model import RegisteredModel
 from domain.node import Node
+
+#: The ``jobs`` view's columns for usage accounting (``application/usage.py``), with their
+#: SQL types: views made before them get them at open (:meth:`_ReadModelViews.migrate_views`).
+USAGE_COLUMNS = (
+    ("key_id", "TEXT NOT NULL DEFAULT ''"),
+    ("ended_at", "TEXT"),
+    ("prompt_tokens", "BIGINT"),
+    ("completion_tokens", "BIGINT"),
+)
+#: What usage is grouped by: the SQL of each group and its name in a row.
+_USAGE_GROUPS = {
+    "key": ("key_id", "key_id"),
+    "model": ("model", "model"),
+    "day": ("substr(ended_at, 1, 10)", "day"),
+}
 
 VIEW_TABLES = (
     "nodes",
@@ -192,7 +209,9 @@ class _ReadModelViews:
             "free_memory_bytes BIGINT NOT NULL, data TEXT NOT NULL)",
             f"CREATE TABLE IF NOT EXISTS {self._t('jobs')} ("
             "job_id TEXT PRIMARY KEY, state TEXT NOT NULL, model TEXT NOT NULL, "
-            "submitted_at TEXT NOT NULL, data TEXT NOT NULL)",
+            "submitted_at TEXT NOT NULL, data TEXT NOT NULL, "
+            + ", ".join(f"{name} {kind}" for name, kind in USAGE_COLUMNS)
+            + ")",
             f"CREATE TABLE IF NOT EXISTS {self._t('job_nodes')} ("
             "job_id TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (job_id, node_id))",
             f"CREATE TABLE IF NOT EXISTS {self._t('models')} ("
@@ -214,6 +233,46 @@ class _ReadModelViews:
             f"CREATE INDEX IF NOT EXISTS {self.view_name}_jobs_submitted "
             f"ON {self._t('jobs')} (submitted_at)",
         ]
+
+    def migrate_views(self) -> None:
+        """Brings views made by an earlier version up to date, at every open (idempotent, safe
+        for two controllers starting at once): a ``jobs`` view without the usage columns gets
+        them (:data:`USAGE_COLUMNS`), filled from each row's data, and their index."""
+        with cast(Any, self).datastore.transaction(commit=True) as c:
+            have = self._columns(c, "jobs")
+            missing = [(name, kind) for name, kind in USAGE_COLUMNS if name not in have]
+            for name, kind in missing:
+                c.execute(f"ALTER TABLE {self._t('jobs')} ADD COLUMN {self._add} {name} {kind}")
+            if missing:
+                json = self._json_field
+                c.execute(
+                    f"UPDATE {self._t('jobs')} SET key_id = COALESCE({json('key_id')}, ''), "
+                    f"ended_at = {json('ended_at')}, "
+                    f"prompt_tokens = {json('prompt_tokens', number=True)}, "
+                    f"completion_tokens = {json('completion_tokens', number=True)}"
+                )
+            c.execute(
+                f"CREATE INDEX IF NOT EXISTS {self.view_name}_jobs_ended "
+                f"ON {self._t('jobs')} (ended_at)"
+            )
+
+    #: How ``ALTER TABLE`` adds a column (Postgres: only when it is not there yet).
+    _add = ""
+
+    def _columns(self, c: Any, table: str) -> set[str]:
+        c.execute(f"PRAGMA table_info({self._t(table)})")
+        return {str(row["name"]) for row in c.fetchall()}
+
+    def _json_field(self, name: str, *, number: bool = False) -> str:
+        """SQL reading the top-level field ``name`` of a row's ``data`` (null when absent)."""
+        return f"json_extract(data, '$.{name}')"
+
+    def _has_table(self, c: Any, table: str) -> bool:
+        c.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+            (f"{self.view_name}_{table}",),
+        )
+        return c.fetchone() is not None
 
     # ------------------------------------------------------------------ writes
 
@@ -439,12 +498,25 @@ class _ReadModelViews:
             return
         c.executemany(
             self._sql(
-                f"INSERT INTO {self._t('jobs')} (job_id, state, model, submitted_at, data) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET "
-                "state = excluded.state, data = excluded.data"
+                f"INSERT INTO {self._t('jobs')} (job_id, state, model, submitted_at, data, "
+                "key_id, ended_at, prompt_tokens, completion_tokens) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id) DO UPDATE SET "
+                "state = excluded.state, data = excluded.data, key_id = excluded.key_id, "
+                "ended_at = excluded.ended_at, prompt_tokens = excluded.prompt_tokens, "
+                "completion_tokens = excluded.completion_tokens"
             ),
             [
-                (ident, job["state"], job["model"], job["submitted_at"], _dumps(job))
+                (
+                    ident,
+                    job["state"],
+                    job["model"],
+                    job["submitted_at"],
+                    _dumps(job),
+                    job.get("key_id") or "",
+                    job.get("ended_at"),
+                    job.get("prompt_tokens"),
+                    job.get("completion_tokens"),
+                )
                 for ident, job, _ in jobs
             ],
         )
@@ -561,6 +633,44 @@ class _ReadModelViews:
             )
         ]
 
+    def usage(self, query: UsageQuery) -> list[dict[str, Any]]:
+        """Ended jobs summed by ``query.group_by`` (:class:`application.ports.UsageReader`)."""
+        where, params = ["ended_at IS NOT NULL"], []
+        for condition, value in (
+            ("key_id = ?", query.key_id),
+            ("model = ?", query.model),
+            ("ended_at >= ?", _stamp(query.start)),
+            ("ended_at < ?", _stamp(query.end)),
+        ):
+            if value is not None:
+                where.append(condition)
+                params.append(value)
+        groups = [_USAGE_GROUPS[g] for g in ("day", "key", "model") if g in query.group_by]
+        chosen = "".join(f"{expression} AS {alias}, " for expression, alias in groups)
+        grouped = ", ".join(expression for expression, _ in groups)
+        tail = f" GROUP BY {grouped} ORDER BY {grouped}" if groups else ""
+        statement = (
+            f"SELECT {chosen}COUNT(*) AS requests, "
+            "CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT) AS prompt_tokens, "
+            "CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT) AS completion_tokens "
+            f"FROM {self._t('jobs')} WHERE {' AND '.join(where)}{tail}"
+        )
+        with self._transaction(commit=False) as c:
+            c.execute(self._sql(statement), tuple(params))
+            rows = [dict(row) for row in c.fetchall()]
+        return [row for row in rows if row["requests"]]
+
+    def key_names(self) -> dict[str, str]:
+        """The managed keys' names by key id (:class:`application.ports.UsageReader`): none
+        in views that have no ``api_keys`` table."""
+        with self._transaction(commit=False) as c:
+            if not self._has_table(c, "api_keys"):
+                return {}
+            c.execute(f"SELECT key_id, data FROM {self._t('api_keys')}")
+            rows = c.fetchall()
+        names = {str(row["key_id"]): (_loads(row["data"]) or {}).get("name") for row in rows}
+        return {key: str(name) for key, name in names.items() if name}
+
     def eligibility(self) -> list[dict[str, Any]]:
         return self._all(
             f"SELECT data FROM {self._t('eligibility')} "
@@ -598,6 +708,10 @@ class SQLiteReadModel(_ReadModelViews, SQLiteTrackingRecorder):
     def construct_create_table_statements(self) -> list[str]:
         return [*super().construct_create_table_statements(), *self.view_statements()]
 
+    def create_table(self) -> None:
+        super().create_table()
+        self.migrate_views()
+
     def tracking_table(self) -> str:
         return "tracking"
 
@@ -612,11 +726,39 @@ class PostgresReadModel(_ReadModelViews, PostgresTrackingRecorder):
     def _t(self, table: str) -> str:
         return f'"{self.datastore.schema}"."{self.view_name}_{table}"'
 
+    def create_table(self) -> None:
+        super().create_table()
+        self.migrate_views()
+
+    _add = "IF NOT EXISTS"
+
+    def _columns(self, c: Any, table: str) -> set[str]:
+        c.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_schema = %s AND table_name = %s",
+            (self.datastore.schema, f"{self.view_name}_{table}"),
+        )
+        return {str(row["column_name"]) for row in c.fetchall()}
+
+    def _json_field(self, name: str, *, number: bool = False) -> str:
+        text = f"(data::jsonb ->> '{name}')"
+        return f"{text}::bigint" if number else text
+
+    def _has_table(self, c: Any, table: str) -> bool:
+        c.execute("SELECT to_regclass(%s) IS NOT NULL AS there", (self._t(table),))
+        row = c.fetchone()
+        return bool(row and row["there"])
+
     def tracking_table(self) -> str:
         return f'"{self.datastore.schema}"."{self.tracking_table_name}"'
 
 
 ReadModelStore = SQLiteReadModel | PostgresReadModel
+
+
+def _stamp(moment: dt.datetime | None) -> str | None:
+    """A moment as the views store times (events' ISO 8601 in UTC), for comparing with them."""
+    return moment.astimezone(dt.UTC).isoformat() if moment is not None else None
 
 
 def open_read_model(env: Mapping[str, str], view_name: str = "dacp_readmodel") -> ReadModelStore:

@@ -294,8 +294,8 @@ def _admin_url_option(command: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # events, replay, diagnose, projections; nodes; the model store; API keys
-    from interfaces.cli import events_cli, keys_cli, nodes_cli, store_cli
+    # events, replay, diagnose, projections; nodes; the model store; usage; API keys
+    from interfaces.cli import events_cli, keys_cli, nodes_cli, store_cli, usage_cli
 
     parser = argparse.ArgumentParser(prog="dacp", description="Distributed AI Compute Platform")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -408,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     events_cli.register(sub)
     nodes_cli.register(sub)
     keys_cli.register(sub)
+    usage_cli.register(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ from interfaces.http.admin.api_keys_api import AdminApiKeyRoutes
 from interfaces.http.admin.event_feed import event_stream
 from interfaces.http.admin.models_api import AdminModelRoutes
 from interfaces.http.admin.operations_api import operations_handlers
+from interfaces.http.admin.usage_api import AdminUsageRoutes
 from interfaces.http.http_auth import granted
 from interfaces.http.http_errors import EXCEPTION_HANDLERS, not_running
 from interfaces.http.openai.openai_api import (
@@ -79,6 +80,7 @@ def create_app(services: Services | None, extra_handlers: list[Any] | None = Non
             AdminModelRoutes,
             AdminJobRoutes,
             AdminApiKeyRoutes,
+            AdminUsageRoutes,
             # The OpenAI routes check AI_API_KEY in their guard; the router documents it.
             Router(
                 "/",
