@@ -4,6 +4,7 @@
 
 import { createAddNode } from "./dashboard_add_node.js";
 import { createCharts } from "./dashboard_charts.js";
+import { createKeys } from "./dashboard_keys.js";
 import { createModels } from "./dashboard_models.js";
 import { createPlayground } from "./dashboard_playground.js";
 
@@ -969,6 +970,7 @@ const ui = { api, failed, toast, el, short, size, nodes: () => [...state.nodes.v
 const panels = {
   charts: createCharts({ ...ui, root: $("panel-charts") }),
   models: createModels({ ...ui, root: $("panel-models") }),
+  keys: createKeys({ ...ui, root: $("panel-keys") }),
   "add-node": createAddNode({ ...ui, root: $("panel-add-node") }),
   playground: createPlayground({ ...ui, root: $("panel-playground") }),
 };
