@@ -422,3 +422,46 @@ async def test_add_a_node_says_when_enrollment_is_off(
         await expect(page.get_by_role("button", name="Mint token")).to_be_disabled()
         assert not problems, problems
         await page.close()
+
+
+async def test_the_usage_panel_charts_tokens_per_key_and_model(
+    ctl: RunningController, browser: Browser
+) -> None:
+    from application.commands import ChatPrompt, Submission
+    from domain.api_keys import Grant
+
+    alpha = await KeepingFakeAgent(
+        control_target(ctl), token(), "alpha", holds=SHA, memory=4 << 30, words=("a", " b")
+    ).start()
+    await ready(ctl, alpha)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ctl.http_port}", timeout=20) as c:
+        await register(ctl, c)
+    jobs, model = ctl.services.jobs, ctl.services.read_model.get_model("m")
+    assert jobs is not None and model is not None
+    for key in ("team-a", "team-a", "team-b"):
+        grant = Grant(key_id=key, name=key)
+        run = await jobs.start(
+            Submission("m", ChatPrompt([{"role": "user", "content": "x"}]), grant=grant), model
+        )
+        while (await run.queue.get()).kind == "deltas":
+            pass
+    read = ctl.services.read_model
+    await wait_for(lambda: sum(r["state"] == "COMPLETED" for r in read.list_jobs()) == 3)
+
+    page, problems = await open_panel(browser, ctl, "Usage")
+    await page.wait_for_function("() => window.dacpUsage.plot && window.dacpUsage.report")
+    labels = await page.evaluate("window.dacpUsage.plot.series.slice(1).map((s) => s.label)")
+    assert labels == ["team-a · m", "team-b · m"]
+    tokens = await page.evaluate("window.dacpUsage.plot.data.slice(1).map((d) => d.at(-1))")
+    assert tokens == [2 * (7 + 2), 7 + 2]  # a FakeAgent's 7 prompt tokens and 2 words, today
+    rows = page.locator("#usage-table tbody tr")
+    await expect(rows).to_have_count(3)
+    await expect(rows.nth(0)).to_contain_text("team-a")
+    await expect(rows.nth(2)).to_contain_text("27")  # the total
+    await expect(page.locator("#usage-summary")).to_contain_text("3 requests, 27 tokens")
+    await page.locator("#usage-days").select_option("7")
+    await page.wait_for_function("() => window.dacpUsage.plot.data[0].length === 7")
+    await screenshot(page, "usage")
+    assert not problems, problems
+    await page.close()
+    await alpha.stop()

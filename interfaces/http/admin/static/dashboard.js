@@ -7,6 +7,7 @@ import { createCharts } from "./dashboard_charts.js";
 import { createKeys } from "./dashboard_keys.js";
 import { createModels } from "./dashboard_models.js";
 import { createPlayground } from "./dashboard_playground.js";
+import { createUsage } from "./dashboard_usage.js";
 
 const KEY_STORAGE = "dacp.adminKey";
 const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED"]);
@@ -971,6 +972,7 @@ const panels = {
   charts: createCharts({ ...ui, root: $("panel-charts") }),
   models: createModels({ ...ui, root: $("panel-models") }),
   keys: createKeys({ ...ui, root: $("panel-keys") }),
+  usage: createUsage({ ...ui, root: $("panel-usage") }),
   "add-node": createAddNode({ ...ui, root: $("panel-add-node") }),
   playground: createPlayground({ ...ui, root: $("panel-playground") }),
 };

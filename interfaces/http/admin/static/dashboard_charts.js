@@ -3,8 +3,8 @@
 // from vendor/uplot/uPlot.iife.min.js). Plain ES2020, no build step.
 
 const MIN_POLL_MS = 1000;
-const HEIGHT = 190;
-const PALETTE = ["#2a5bd7", "#1e8a4c", "#d2691e", "#8e44ad", "#c53030", "#0f8b8d", "#b7791f", "#5a6b8c"];
+export const HEIGHT = 190;
+export const PALETTE = ["#2a5bd7", "#1e8a4c", "#d2691e", "#8e44ad", "#c53030", "#0f8b8d", "#b7791f", "#5a6b8c"];
 
 // Each chart: its id, title, unit, and how its series come from the samples.
 const CHARTS = [
