@@ -40,6 +40,7 @@ from infrastructure.live_state import live_state_for
 from infrastructure.model_store import ControllerModelStore
 from infrastructure.node_rows import NodeRows, NodeRowsReadModel
 from infrastructure.prompt_counter import GgufPromptCounter
+from infrastructure.redis_rate_limiter import LimiterCollector, rate_limiter_for
 from infrastructure.settings import Settings, SettingsError
 from infrastructure.storage import Storage, storage_from_url
 from infrastructure.tls import ServerTls, is_loopback, issue_node_cert, load_or_create
@@ -165,6 +166,7 @@ def build_services(settings: Settings) -> tuple[CoreServices, Storage]:
         read_model=storage.read_model,
         follower=storage.follower,
         live=live_state_for(settings.redis_url, settings.redis_key_prefix),
+        limiter=rate_limiter_for(settings.redis_url, settings.redis_key_prefix),
         connections=AgentConnections(),
         enrollment=EnrollmentService(
             storage.app,
@@ -368,6 +370,8 @@ async def start_controller(settings: Settings) -> RunningController:
         revoked_nodes=revoked_nodes,
     )
     metrics.add_collector(cluster_collector(core, jobs, feed, servicer, metrics))
+    if core.limiter is not None:
+        metrics.add_collector(LimiterCollector(core.limiter))
     history = metrics_history(core, jobs, node_views.list_nodes, metrics)
     core.follower.add_event_listener(claims.listener)
     core.follower.add_event_listener(_revocations(steering, jobs, loop, store_server))
@@ -600,6 +604,8 @@ async def stop_controller(running: RunningController) -> None:
     with contextlib.suppress(Exception):
         await asyncio.to_thread(running.services.live.renew_lease, running.services.app.owner, 0)
     running.services.live.close()
+    if running.services.limiter is not None:
+        await running.services.limiter.close()
     running.storage.close()
 
 

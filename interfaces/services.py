@@ -31,6 +31,7 @@ from application.ports import LiveState
 from infrastructure.metrics import PrometheusMetrics
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore
+from infrastructure.redis_rate_limiter import KeyLimiter
 from infrastructure.settings import Settings
 from infrastructure.tls import ServerTls
 from interfaces.grpc.grpc_server import AgentConnections
@@ -58,6 +59,8 @@ class CoreServices:
     tls: ServerTls | None = None
     #: Refused HTTP keys by (api, status): counted for /metrics, not recorded as events.
     auth_failures: Counter[tuple[str, int]] = field(default_factory=Counter)
+    #: Counts managed keys' limits (Redis when configured); None: no key is limited.
+    limiter: KeyLimiter | None = None
 
     @cached_property
     def keys(self) -> KeyBook:
@@ -106,6 +109,7 @@ class Services(CoreServices):
             context_guard=core.context_guard,
             tls=core.tls,
             auth_failures=core.auth_failures,
+            limiter=core.limiter,
             jobs=jobs,
             transfers=transfers,
             claims=claims,

@@ -86,12 +86,13 @@ RETRY_AFTER = OpenAPIHeader(
 
 @dataclass
 class ApiOperation(Operation):
-    """Documents ``Retry-After`` on the operation's 503 response."""
+    """Documents ``Retry-After`` on the operation's 429 and 503 responses."""
 
     def __post_init__(self) -> None:
-        busy = (self.responses or {}).get("503")
-        if isinstance(busy, OpenAPIResponse):
-            busy.headers = {**(busy.headers or {}), "Retry-After": RETRY_AFTER}
+        for status in ("429", "503"):
+            busy = (self.responses or {}).get(status)
+            if isinstance(busy, OpenAPIResponse):
+                busy.headers = {**(busy.headers or {}), "Retry-After": RETRY_AFTER}
 
 
 # ------------------------------------------------------------------ response shapes

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import orjson
@@ -54,6 +54,7 @@ from interfaces.http.openai.openai_legacy import (
     parse_embeddings_request,
     prompt_of,
 )
+from interfaces.http.openai.openai_limits import KeyCharge, key_charge
 from interfaces.http.openai.openai_responses import (
     Answer,
     ChatStream,
@@ -207,6 +208,11 @@ _CHAT_ERRORS = errors(
     401,
     (404, "Unknown model (`model_not_found`), or one for another endpoint"),
     (413, "The body is larger than `MAX_REQUEST_BYTES` (`request_too_large`)"),
+    (
+        429,
+        "A limit of the key: a rate or its concurrent requests (`rate_limit_exceeded`), or "
+        "its monthly token budget (`insufficient_quota`); retry after `Retry-After` seconds",
+    ),
     502,
     503,
     504,
@@ -286,12 +292,17 @@ async def create_embeddings(
 ) -> Response[Any]:
     parsed, encoding = parse_embeddings_request(await _body(request))
     submission = dataclasses.replace(parsed, grant=grant)
-    started = await _started(svc, jobs, request, submission, EMBEDDING)
-    if isinstance(started, Response):
-        return started
-    manager, run, first = started
-    _, outcome = await _collected(manager, run, first)
-    return Response(embeddings(submission.model, outcome, encoding))
+    charge = await key_charge(svc.limiter, submission.grant)
+    try:
+        started = await _started(svc, jobs, request, submission, EMBEDDING)
+        if isinstance(started, Response):
+            return started
+        manager, run, first = started
+        _, outcome = await _collected(manager, run, first)
+        charge.settle(outcome.prompt_tokens, 0)
+        return Response(embeddings(submission.model, outcome, encoding), headers=charge.headers)
+    finally:
+        charge.settle(0, 0)  # ended otherwise: nothing known to charge
 
 
 async def _generate(
@@ -303,11 +314,35 @@ async def _generate(
     events: type[ChatStream] | type[CompletionStream],
     answer_of: Callable[[Answer, Collected, JobOutcome], dict[str, Any]],
 ) -> Response[Any]:
-    """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``."""
-    started = await _started(svc, jobs, request, submission, CHAT)
-    if isinstance(started, Response):
-        return started
-    manager, run, first = started
+    """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``.
+    The key's limits are checked before the job exists; its hold on them is settled once
+    (here, or by the stream) however the request ends."""
+    charge = await key_charge(svc.limiter, submission.grant)
+    run: JobRun | None = None
+    handed_over = False  # to the stream, which settles when it ends
+    try:
+        started = await _started(svc, jobs, request, submission, CHAT)
+        if isinstance(started, Response):
+            return started
+        manager, run, first = started
+        answer = await _answer(manager, run, first, submission, prefix, events, answer_of, charge)
+        handed_over = isinstance(answer, Stream)
+        return answer
+    finally:
+        if not handed_over:
+            charge.settle(0, _relayed(run))
+
+
+async def _answer(
+    manager: JobManager,
+    run: JobRun,
+    first: StreamItem,
+    submission: Submission,
+    prefix: str,
+    events: type[ChatStream] | type[CompletionStream],
+    answer_of: Callable[[Answer, Collected, JobOutcome], dict[str, Any]],
+    charge: KeyCharge,
+) -> Response[Any]:
     answer = Answer(
         answer_id(prefix, run.job_id),
         int(time.time()),
@@ -317,9 +352,15 @@ async def _generate(
         top_logprobs=submission.params.top_logprobs,
     )
     if submission.stream:
-        return _events(manager, run, first, events(answer))
+        return _events(manager, run, first, events(answer), charge)
     collected, outcome = await _collected(manager, run, first, answer.top_logprobs)
-    return Response(answer_of(answer, collected, outcome))
+    charge.settle(outcome.prompt_tokens, outcome.completion_tokens)
+    return Response(answer_of(answer, collected, outcome), headers=charge.headers)
+
+
+def _relayed(run: JobRun | None) -> int:
+    """The tokens a job relayed so far (its usage when it ended without an outcome)."""
+    return 0 if run is None else run.next_seq
 
 
 async def _body(request: Request[Any, Any, Any]) -> Any:
@@ -407,15 +448,30 @@ async def _started(
 
 
 def _events(
-    jobs: JobManager, run: JobRun, first: StreamItem, events: ChatStream | CompletionStream
+    jobs: JobManager,
+    run: JobRun,
+    first: StreamItem,
+    events: ChatStream | CompletionStream,
+    charge: KeyCharge,
 ) -> Stream:
     def abandon() -> None:
         _spawn(jobs.cancel(run.job_id, "client disconnected"))
 
+    def completed(outcome: JobOutcome) -> None:
+        charge.settle(outcome.prompt_tokens, outcome.completion_tokens)
+
+    async def settled() -> AsyncIterator[bytes]:
+        """The events; the key's hold settled when they end, however they end."""
+        try:
+            async for event in stream_events(run, first, events, abandon, completed):
+                yield event
+        finally:
+            charge.settle(0, _relayed(run))
+
     return Stream(
-        stream_events(run, first, events, abandon),
+        settled(),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **charge.headers},
     )
 
 

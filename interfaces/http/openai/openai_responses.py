@@ -304,9 +304,10 @@ async def stream_events(
     first: StreamItem,
     events: ChatStream | CompletionStream,
     on_abandon: Callable[[], None],
+    on_outcome: Callable[[JobOutcome], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The answer's events from the job's stream items; ``on_abandon`` runs when the client
-    leaves before the end."""
+    leaves before the end, ``on_outcome`` with the job's outcome when it completed."""
     forced = isinstance(events, ChatStream) and events.answer.forced_tools is not None
     collected = Collected(events.answer.top_logprobs) if forced else None
     finished = False
@@ -331,6 +332,8 @@ async def stream_events(
                 yield sse(error_body(item.error, "server_error", item.error_code))
                 return
             assert item.outcome is not None
+            if on_outcome is not None:
+                on_outcome(item.outcome)
             for event in events.ending(collected, item.outcome):
                 yield event
             yield DONE
