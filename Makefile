@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity bench-prefix-routing
+.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity bench-prefix-routing bench-conversations
 
 # First-run set-up (venv, llama.cpp build, model, browser) runs its steps side by side, with
 # the system python3, before the venv exists; see ops/bootstrap.py. Cached steps are no-ops.
@@ -74,6 +74,12 @@ bench-capacity:
 bench-prefix-routing:
 	@$(BOOTSTRAP) test --only venv
 	$(PY) -m bench.prefix_routing
+
+# Conversations on real llama.cpp, cache-aware routing on and off interleaved: two local clusters
+# of two warm servers each; TTFT of first and later turns, cached prompt tokens, tokens/s.
+bench-conversations:
+	@$(BOOTSTRAP) test --only venv --only llama.cpp --only model
+	$(PY) -m bench.conversations
 
 controller: venv
 	$(VENV)/bin/dacp controller

@@ -110,9 +110,12 @@ class PrefixRouter:
         (its prompt's chain, whether it may still pass: :func:`application.admission.may_pass`);
         ``servers`` are the model's warm servers, busy ones included. The first job that
         :meth:`choose` would send to the server holding its longest prefix goes. A job whose
-        longest prefix is on a busy server waits for it (it *passes*) while it may, and while
-        fewer jobs wait for that server than it has slots; any other job (a new conversation,
-        a server gone) takes the free slot as usual. Returns (its position, or None when every
+        conversation is on a busy server (it holds an earlier turn, longer than any free
+        server's match: :attr:`PrefixMatch.extends`) waits for it (it *passes*) while it may,
+        and while fewer jobs wait for that server than it has slots; any other job (a new
+        conversation, even one whose system prompt a busy server holds; a server gone) takes
+        the free slot as usual: a prefix shared with other prompts is soon on every server
+        that serves them, and is not worth a wait. Returns (its position, or None when every
         job waits for its own server; the positions that passed). With no free slot the head
         goes: a cold plan may start a server for it."""
         free = {choice.server: choice.running for choice in servers if choice.free_slots > 0}
@@ -129,8 +132,15 @@ class PrefixRouter:
             route = prefix_route(matches, free, epsilon=self.epsilon)
             if route is not None and route.blocks == longest:
                 return position, passed
-            homes = sorted(s for s, m in matches.items() if m.blocks == longest and s in slots)
-            if not homes or not may_pass or waiting_for.get(homes[0], 0) >= slots[homes[0]]:
+            at_free = max((m.blocks for s, m in matches.items() if s in free), default=0)
+            turn = max(match.extends for match in matches.values())
+            homes = sorted(s for s, m in matches.items() if m.extends == turn and s in slots)
+            if (
+                turn <= at_free
+                or not homes
+                or not may_pass
+                or waiting_for.get(homes[0], 0) >= slots[homes[0]]
+            ):
                 return position, passed
             waiting_for[homes[0]] = waiting_for.get(homes[0], 0) + 1
             passed.append(position)

@@ -90,9 +90,12 @@ def prefix_chain(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest prefix one server holds: ``blocks`` whole blocks."""
+    """The longest prefix one server holds: ``blocks`` whole blocks; ``extends``, the longest
+    prompt it holds that is all a prefix of the new one (an earlier turn of the conversation),
+    in blocks (0: none, only a beginning shared with other prompts, such as a system prompt)."""
 
     blocks: int
+    extends: int = 0
 
 
 _Key = tuple[ServerId, int]
@@ -152,14 +155,18 @@ class PrefixIndex:
             self._drop(key)
 
     def match(self, chain: tuple[int, ...]) -> dict[ServerId, PrefixMatch]:
-        """Each server holding at least one block of ``chain``, with its longest match."""
+        """Each server holding at least one block of ``chain``, with its longest match and the
+        longest of its prompts that ``chain`` extends."""
         found: dict[ServerId, PrefixMatch] = {}
         for depth, digest in enumerate(chain, start=1):
             holders = self._holders.get(digest)
             if not holders:
                 break  # chained: no prompt holds a longer prefix than one it does not hold
             for server, _ in holders:
-                found[server] = PrefixMatch(depth)
+                extends = depth if (server, digest) in self._ends else 0
+                if not extends and server in found:
+                    extends = found[server].extends
+                found[server] = PrefixMatch(depth, extends)
         return found
 
     def prompts(self, server: ServerId) -> int:

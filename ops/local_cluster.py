@@ -170,6 +170,8 @@ class ClusterConfig:
     #: The model goes into the controller's model store (``dacp models add``), and nodes that
     #: need it fetch it from there; no agent need hold it.
     store_model: bool = False
+    #: The context per request the model is registered with (None: the registry's default).
+    context_size: int | None = None
 
 
 @dataclass
@@ -338,6 +340,7 @@ class LocalCluster:
                 "name": served.name,
                 "sha256": served.sha256,
                 "file_name": served.path.name,
+                **({"context_size": cfg.context_size} if cfg.context_size else {}),
             },
         )
         if response.status_code != 201:

@@ -52,14 +52,30 @@ def chain(*blocks: str) -> tuple[int, ...]:
     return prefix_chain("".join(b * 4 for b in blocks), 4)
 
 
+def blocks_of(found: dict[str, PrefixMatch]) -> dict[str, int]:
+    return {server: match.blocks for server, match in found.items()}
+
+
+def test_an_earlier_turn_is_told_from_a_shared_beginning() -> None:
+    """``extends``: the longest prompt a server holds that the new one wholly extends (its
+    conversation's earlier turn), not a beginning it shares with another prompt."""
+    index = PrefixIndex()
+    index.record("a", chain("s", "s", "x", "y"), server_blocks=100)  # another conversation
+    index.record("b", chain("s", "s", "t"), server_blocks=100)  # this one's first turn
+    found = index.match(chain("s", "s", "t", "u", "v"))
+    assert found == {"a": PrefixMatch(2, extends=0), "b": PrefixMatch(3, extends=3)}
+    index.record("a", chain("s", "s"), server_blocks=100)  # the system prompt alone
+    assert index.match(chain("s", "s", "t", "u"))["a"] == PrefixMatch(2, extends=2)
+
+
 def test_the_longest_prefix_per_server() -> None:
     index = PrefixIndex()
     index.record("a", chain("s", "t", "u"), server_blocks=100)
     index.record("a", chain("s", "x"), server_blocks=100)
     index.record("b", chain("s"), server_blocks=100)
     found = index.match(chain("s", "t", "u", "v"))
-    assert found == {"a": PrefixMatch(3), "b": PrefixMatch(1)}
-    assert index.match(chain("q", "t")) == {}
+    assert found == {"a": PrefixMatch(3, extends=3), "b": PrefixMatch(1, extends=1)}
+    assert blocks_of(index.match(chain("q", "t"))) == {}
     assert len(index) == 6 and index.prompts("a") == 2
 
 
@@ -69,11 +85,11 @@ def test_a_server_keeps_many_conversations_and_a_lost_server_none() -> None:
     index = PrefixIndex()
     for conversation in ("p", "q", "r", "s"):  # more conversations than any slot count
         index.record("a", chain(conversation, "t"), server_blocks=100)
-    assert index.match(chain("p", "t", "u")) == {"a": PrefixMatch(2)}
+    assert blocks_of(index.match(chain("p", "t", "u"))) == {"a": 2}
     index.record("b", chain("z", "y"), server_blocks=100)
     index.forget("a")
-    assert index.match(chain("p", "t")) == {}
-    assert index.match(chain("z", "y")) == {"b": PrefixMatch(2)}
+    assert blocks_of(index.match(chain("p", "t"))) == {}
+    assert blocks_of(index.match(chain("z", "y"))) == {"b": 2}
     assert index.prompts("a") == 0 and index.prompts("b") == 1
     assert len(index) == 2
 
@@ -88,7 +104,7 @@ def test_a_longer_turn_replaces_the_prompt_it_extends() -> None:
     # a branch (another last turn) does not contain it: both are kept
     index.record("a", chain("s", "t", "w"), server_blocks=100)
     assert index.prompts("a") == 2
-    assert index.match(chain("s", "t", "u")) == {"a": PrefixMatch(3)}
+    assert blocks_of(index.match(chain("s", "t", "u"))) == {"a": 3}
 
 
 def test_a_full_server_forgets_the_prompts_sent_longest_ago() -> None:
@@ -97,11 +113,11 @@ def test_a_full_server_forgets_the_prompts_sent_longest_ago() -> None:
     index.record("a", chain("r", "s"), server_blocks=4)
     index.record("b", chain("p", "q"), server_blocks=4)  # another server's room is its own
     index.record("a", chain("t"), server_blocks=4)  # 5 blocks on a: p q goes
-    assert index.match(chain("p", "q")) == {"b": PrefixMatch(2)}
-    assert index.match(chain("r", "s")) == {"a": PrefixMatch(2)}
+    assert blocks_of(index.match(chain("p", "q"))) == {"b": 2}
+    assert blocks_of(index.match(chain("r", "s"))) == {"a": 2}
     # one prompt longer than the room is still held: the server's slot has it
     index.record("c", chain("p", "q", "r"), server_blocks=2)
-    assert index.match(chain("p", "q", "r")) == {"b": PrefixMatch(2), "c": PrefixMatch(3)}
+    assert blocks_of(index.match(chain("p", "q", "r"))) == {"b": 2, "c": 3}
 
 
 def test_capacity_forgets_the_prompts_sent_longest_ago_over_every_server() -> None:
@@ -111,7 +127,7 @@ def test_capacity_forgets_the_prompts_sent_longest_ago_over_every_server() -> No
     index.record("c", chain("t"), server_blocks=100)
     assert len(index) == 3
     assert set(index.match(chain("p", "q"))) == set()  # a's prompt was the oldest
-    assert index.match(chain("r", "s")) == {"b": PrefixMatch(2)}
+    assert blocks_of(index.match(chain("r", "s"))) == {"b": 2}
 
 
 def test_a_server_holds_its_slots_and_its_prompt_cache() -> None:

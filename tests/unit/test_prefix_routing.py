@@ -205,3 +205,30 @@ def test_next_to_go_waits_for_a_busy_home_within_its_slots_and_passes() -> None:
     # nothing free anywhere: the head tries (a cold plan may start a server for it)
     full = [WarmChoice(plan("b", parallel=2), free_slots=0, degraded=False)]
     assert router.next_to_go([(x, True)], full) == (0, [])
+
+
+def shared(seed: str) -> list[dict[str, Any]]:
+    """A conversation's opening with the system prompt every conversation shares."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{seed}? " * 90}]
+
+
+def test_next_to_go_waits_for_a_conversation_not_for_a_shared_system_prompt() -> None:
+    """Busy server a holds another conversation that begins with the same system prompt, and
+    b's slot is free: a new conversation does not wait for a (the system prompt is worth one
+    prefill on b, not a whole job's wait), but the next turn of a conversation a holds does."""
+    router = PrefixRouter()
+    x = router.chain(ChatPrompt(shared("x")))
+    router.sent(server_of(plan("a", parallel=1)), x, cache_blocks=1000)
+    servers = [
+        WarmChoice(plan("a", parallel=1), free_slots=0, degraded=False),
+        WarmChoice(plan("b", parallel=1), free_slots=1, degraded=False),
+    ]
+    sibling = router.chain(ChatPrompt(shared("y")))
+    [home] = router.index.match(sibling).values()
+    assert home.blocks >= len(SYSTEM) // BLOCK_CHARS
+    assert router.next_to_go([(sibling, True)], servers) == (0, [])
+    later = router.chain(ChatPrompt(next_turn(shared("x"), "and then?")))
+    assert router.next_to_go([(later, True)], servers) == (None, [0])
+    # once b holds the system prompt as well, a's conversation is still worth the wait
+    router.sent(server_of(plan("b", parallel=1)), sibling, cache_blocks=1000)
+    assert router.next_to_go([(later, True)], servers) == (None, [0])
