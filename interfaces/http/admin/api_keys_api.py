@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import get, patch, post
+from litestar.openapi.spec import OpenAPIType, Schema
 from litestar.openapi.spec.enums import OpenAPIFormat
 from litestar.params import JSONBody, PathParameter
 
@@ -30,7 +31,7 @@ from domain.api_key import (
     KeyChanges,
 )
 from domain.api_keys import KeyLimits, Priority
-from domain.model import MODEL_NAME_PATTERN
+from domain.model import MODEL_NAME_PATTERN, is_model_name
 from interfaces.http.admin.admin_api import READ_YOUR_WRITES_TIMEOUT, RevokeRequest, canonical_id
 from interfaces.http.admin.admin_routes import AdminController
 from interfaces.http.http_docs import (
@@ -51,16 +52,24 @@ REVOKED_BY = "admin-api"
 Limit = Annotated[int, msgspec.Meta(ge=1, le=KEY_LIMIT_MAX)] | None
 Name = Annotated[str, msgspec.Meta(pattern=KEY_NAME_PATTERN, max_length=KEY_NAME_MAX)]
 Owner = Annotated[str, msgspec.Meta(pattern=KEY_OWNER_PATTERN, max_length=KEY_NAME_MAX)]
+#: Model names, each of MODEL_NAME_PATTERN: the schema says so (Litestar leaves out the pattern
+#: of a list's items, so it is given here) and the domain checks it (400 ``invalid_command``).
 Models = Annotated[
-    list[Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]],
-    msgspec.Meta(min_length=1, max_length=KEY_MODELS_MAX),
+    list[str],
+    msgspec.Meta(
+        min_length=1,
+        max_length=KEY_MODELS_MAX,
+        extra_json_schema={
+            "extra": {"items": Schema(type=OpenAPIType.STRING, pattern=MODEL_NAME_PATTERN)}
+        },
+    ),
 ]
 Expiry = Annotated[datetime, msgspec.Meta(tz=True)]
 #: A key's id (a UUID); anything else names no key (404, without asking the store).
 KeyId = Annotated[str, PathParameter(format=OpenAPIFormat.UUID, description="The key's id")]
 
 
-class LimitsBody(msgspec.Struct, forbid_unknown_fields=True):
+class LimitsBody(msgspec.Struct):
     """A key's limits; a limit left out or null is no limit."""
 
     requests_per_minute: Limit = None
@@ -77,7 +86,7 @@ class LimitsBody(msgspec.Struct, forbid_unknown_fields=True):
         )
 
 
-class KeyCreation(msgspec.Struct, forbid_unknown_fields=True):
+class KeyCreation(msgspec.Struct):
     """A new key: only ``name`` is needed (then: every model, no limits, interactive, no
     expiry)."""
 
@@ -91,7 +100,7 @@ class KeyCreation(msgspec.Struct, forbid_unknown_fields=True):
     expires_at: Expiry | None = None
 
 
-class KeyChange(msgspec.Struct, forbid_unknown_fields=True):
+class KeyChange(msgspec.Struct):
     """The terms to change; a field left out stays as it is. ``limits`` replaces all four
     limits (one left out: no limit)."""
 
@@ -109,7 +118,7 @@ class KeyChange(msgspec.Struct, forbid_unknown_fields=True):
         if not isinstance(self.owner, msgspec.UnsetType):
             out["owner"] = self.owner
         if not isinstance(self.models, msgspec.UnsetType):
-            out["models"] = self.models
+            out["models"] = _checked(self.models)
         if not isinstance(self.limits, msgspec.UnsetType):
             out["limits"] = self.limits.limits()
         if not isinstance(self.priority, msgspec.UnsetType):
@@ -117,6 +126,19 @@ class KeyChange(msgspec.Struct, forbid_unknown_fields=True):
         if not isinstance(self.expires_at, msgspec.UnsetType):
             out["expires_at"] = self.expires_at
         return out
+
+
+def _checked(models: list[str] | None) -> list[str] | None:
+    """``models``, or 400 (param ``models``) for one that no model can be named."""
+    for name in models or []:
+        if not is_model_name(name):
+            raise ApiError(
+                400,
+                f"models: {name[:80]!r} is not a model name ({MODEL_NAME_PATTERN})",
+                param="models",
+                code=ErrorCode.INVALID_VALUE,
+            )
+    return models
 
 
 def key_not_found(key_id: str) -> ApiError:
@@ -168,7 +190,7 @@ class AdminApiKeyRoutes(AdminController):
             lambda: svc.keys.create(
                 data.name,
                 owner=data.owner,
-                models=data.models,
+                models=_checked(data.models),
                 limits=limits,
                 priority=Priority(data.priority),
                 expires_at=data.expires_at,
