@@ -27,6 +27,8 @@ GROUPS = ("key", "model", "day")
 DEFAULT_GROUP_BY = ("key", "model")
 #: A key id filter is at most this long (printable, no spaces).
 MAX_KEY_ID_CHARS = 128
+#: What a key filter may hold: a key id (a UUID, ``bootstrap``, ``open``), as the schema says.
+KEY_ID_PATTERN = rf"^[A-Za-z0-9._:-]{{0,{MAX_KEY_ID_CHARS}}}$"
 #: The names of the keys every cluster knows without a key book.
 BUILT_IN_KEY_NAMES = {BOOTSTRAP.key_id: BOOTSTRAP.name, OPEN.key_id: OPEN.name}
 
@@ -100,20 +102,22 @@ def usage_query(
     end: str | None = None,
     group_by: str | None = None,
 ) -> UsageQuery:
-    """The query the filters describe (an empty filter filters nothing); a
+    """The query the filters describe (an empty key or model filters nothing); a
     :class:`UsageQueryError` names the first that cannot be used."""
     key = key.strip() if key else None
-    if key and (len(key) > MAX_KEY_ID_CHARS or not key.isprintable() or " " in key):
+    if key and not re.fullmatch(KEY_ID_PATTERN, key):
         raise UsageQueryError(
-            "key", f"key must be a key id (at most {MAX_KEY_ID_CHARS} printable characters)"
+            "key",
+            f"key must be a key id (at most {MAX_KEY_ID_CHARS} letters, digits, '.', '_', ':' "
+            "or '-')",
         )
     model = model.strip() if model else None
     if model and not is_model_name(model):
         raise UsageQueryError("model", f"{model!r} is not a model name")
-    since = parse_bound(start, "from", end=False) if start and start.strip() else None
-    until = parse_bound(end, "to", end=True) if end and end.strip() else None
-    if since is not None and until is not None and until <= since:
-        raise UsageQueryError("to", "to must be after from")
+    # An empty bound is refused like any other that is not a date; a ``to`` before ``from``
+    # is an empty range (no jobs), not an error.
+    since = parse_bound(start, "from", end=False) if start is not None else None
+    until = parse_bound(end, "to", end=True) if end is not None else None
     return UsageQuery(key or None, model or None, since, until, parse_group_by(group_by))
 
 
@@ -137,16 +141,14 @@ def _sums(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 def usage_report(reader: UsageReader, query: UsageQuery) -> dict[str, Any]:
     """The answer of ``GET /api/admin/usage`` and ``dacp usage --json``: the query, one row per
-    group (``key_id``, ``key_name`` where the key is known, ``model``, ``day``: null when not
-    grouped by it) and the totals over all of them."""
+    group (``key_id``, ``key_name`` (null where the key is not known), ``model``, ``day``: null
+    when not grouped by it) and the totals over all of them."""
     rows = reader.usage(query)
     names = {**BUILT_IN_KEY_NAMES, **reader.key_names()} if "key" in query.group_by else {}
     data = []
     for row in rows:
         item: dict[str, Any] = {"key_id": row.get("key_id")}
-        name = names.get(str(row.get("key_id")))
-        if name is not None:
-            item["key_name"] = name
+        item["key_name"] = names.get(str(row.get("key_id")))
         item["model"] = row.get("model")
         item["day"] = row.get("day")
         item.update(_sums([row]))

@@ -132,7 +132,7 @@ def test_bad_filters_are_refused_with_the_parameter_named(client: TestClient[Any
     for query, param in (
         ({"from": "last week"}, "from"),
         ({"to": "2026-02-30"}, "to"),
-        ({"from": "2026-03-02", "to": "2026-03-01"}, "to"),
+        ({"from": ""}, "from"),
         ({"group_by": "key,hour"}, "group_by"),
         ({"model": "a model"}, "model"),
         ({"key": "x" * 200}, "key"),

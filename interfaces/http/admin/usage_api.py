@@ -8,12 +8,19 @@ store's ``jobs`` view (so the answer survives restarts and agrees with ``dacp us
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Literal, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 from litestar import get
 from litestar.params import QueryParameter
 
-from application.usage import GROUPS, UsageQueryError, usage_query, usage_report
+from application.usage import (
+    GROUPS,
+    KEY_ID_PATTERN,
+    UsageQueryError,
+    usage_query,
+    usage_report,
+)
+from interfaces.http.admin.admin_jobs_api import MODEL_FILTER_PATTERN
 from interfaces.http.admin.admin_routes import AdminController
 from interfaces.http.http_docs import ADMIN_KEY_ERRORS, ApiOperation, errors, success
 from interfaces.http.http_errors import ApiError, ErrorCode
@@ -32,7 +39,7 @@ class UsageRow(UsageCounts):
     its model and its day (``YYYY-MM-DD``, UTC; each null unless grouped by it)."""
 
     key_id: str | None
-    key_name: NotRequired[str]
+    key_name: str | None
     model: str | None
     day: str | None
 
@@ -52,6 +59,8 @@ class UsageReport(TypedDict):
     totals: UsageCounts
 
 
+#: What ``from`` and ``to`` take, for the schema: a date or a date and time.
+_ISO_WHEN: dict[str, Any] = {"anyOf": [{"format": "date"}, {"format": "date-time"}]}
 _WHEN = "an ISO 8601 date (2026-01-31) or time (2026-01-31T12:00:00Z; no zone: UTC)"
 
 
@@ -70,17 +79,32 @@ class AdminUsageRoutes(AdminController):
     async def usage(
         self,
         svc: Provided[Services],
-        key: Annotated[str | None, QueryParameter(description="only this key id")] = None,
-        model: Annotated[str | None, QueryParameter(description="only this model")] = None,
+        key: Annotated[
+            str | None,
+            QueryParameter(
+                description="only this key id", schema_extra={"pattern": KEY_ID_PATTERN}
+            ),
+        ] = None,
+        model: Annotated[
+            str | None,
+            QueryParameter(
+                description="only this model", schema_extra={"pattern": MODEL_FILTER_PATTERN}
+            ),
+        ] = None,
         start: Annotated[
             str | None,
-            QueryParameter(name="from", description=f"jobs that ended at or after {_WHEN}"),
+            QueryParameter(
+                name="from",
+                description=f"jobs that ended at or after {_WHEN}",
+                schema_extra=_ISO_WHEN,
+            ),
         ] = None,
         end: Annotated[
             str | None,
             QueryParameter(
                 name="to",
                 description=f"jobs that ended before {_WHEN}; a date alone includes that day",
+                schema_extra=_ISO_WHEN,
             ),
         ] = None,
         group_by: Annotated[
