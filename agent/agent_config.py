@@ -182,6 +182,8 @@ class AgentConfig:
     allowed_peer_cidrs: tuple[str, ...] = DEFAULT_ALLOWED_PEER_CIDRS
     labels: dict[str, str] = field(default_factory=dict)
     slots: int = DEFAULT_SLOTS
+    #: CPU threads of each llama.cpp process (``--threads``; None: llama.cpp's default).
+    threads: int | None = None
     llama_bin_dir: Path | None = None
     #: ``--llama-backend``: a backend name, or "" / "auto" for $LLAMA_BACKEND, else this
     #: machine's (agent/runtime/llama_backend.py); with ``llama_bin_dir``, that build's backend.

@@ -51,5 +51,7 @@ def build_handler(config: AgentConfig) -> ControlHandler:
         log_dir=config.resolved_runtime_log_dir,
         slots=config.slots,
         rpc_port=config.rpc_port,
+        rpc_threads=config.threads,
+        server_threads=config.threads,
         allowed_peer_cidrs=config.allowed_peer_cidrs,
     )

@@ -332,6 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        # A string default is converted (and checked) by ``type`` as the flag would be.
+        default=os.environ.get("DACP_THREADS") or None,
+        help=(
+            "CPU threads each llama.cpp process of this node computes with (llama-server, "
+            "the RPC worker); default: llama.cpp's own, every core. Set it where the node "
+            "shares its cores (several agents on one machine); env DACP_THREADS"
+        ),
+    )
+    parser.add_argument(
         "--tls-ca-file",
         type=Path,
         default=os.environ.get("DACP_TLS_CA_FILE") or None,
@@ -405,6 +416,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         allowed_peer_cidrs=args.allowed_peer_cidrs,
         labels=labels,
         slots=args.slots,
+        threads=args.threads,
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         llama_backend=args.llama_backend,
         heartbeat_interval=args.heartbeat_interval,

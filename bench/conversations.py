@@ -5,7 +5,10 @@
 
 Two local clusters of the cached test model run side by side (``ops/local_cluster.py``), each
 with two agents that hold the model and may each run it alone, so each has two warm servers of
-one model: one with ``PREFIX_ROUTING`` on, one with it off. Before the conversations each
+one model: one with ``PREFIX_ROUTING`` on, one with it off. Each agent's llama.cpp computes
+with ``--threads`` threads (1: the two servers of a mode compute at once on two cores without
+oversubscribing them; llama.cpp's threads spin while they wait for each other, and four of them
+on two cores ran prefill about 8x slower). Before the conversations each
 cluster is warmed until both its nodes serve the model (a burst of requests beyond one server's
 slots starts a replica on the other node, issue 24 item 2).
 
@@ -162,7 +165,7 @@ def start_mode(stack: contextlib.ExitStack, key: str, args: argparse.Namespace) 
             0,
             memory_limit=SOLO_MEMORY_LIMIT,
             holds_model=True,
-            extra_args=("--slots", str(args.slots)),
+            extra_args=("--slots", str(args.slots), "--threads", str(args.threads)),
         )
         for name in ("a", "b")
     )
@@ -376,6 +379,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--user-tokens", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--context", type=int, default=8192, help="tokens per request")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="llama.cpp threads per agent (default 1: the two agents of a mode share 2 cores)",
+    )
     parser.add_argument("--slots", type=int, default=2, help="llama-server slots per agent")
     parser.add_argument("--singles", type=int, default=8)
     parser.add_argument("--warm-rounds", type=int, default=4)

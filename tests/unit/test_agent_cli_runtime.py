@@ -146,6 +146,26 @@ async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
     await handler.close()
 
 
+async def test_threads_reach_llama_server_and_the_rpc_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--threads`` (env DACP_THREADS): llama.cpp's own default (every core) unless given."""
+    bin_dir = fake_build(tmp_path / "bin")
+    monkeypatch.delenv("DACP_THREADS", raising=False)
+    assert config(tmp_path).threads is None
+    monkeypatch.setenv("DACP_THREADS", "3")
+    assert config(tmp_path).threads == 3
+    handler = build_handler(config(tmp_path, "--llama-bin-dir", str(bin_dir), "--threads", "1"))
+    assert isinstance(handler, LlamaHandler)
+    assert handler.server_threads == 1 and handler.rpc_host.rpc_threads == 1
+    await handler.close()
+    monkeypatch.setenv("DACP_THREADS", "many")
+    with pytest.raises(SystemExit) as caught:
+        config(tmp_path)
+    assert caught.value.code == 2
+    assert "argument --threads: not an integer: 'many'" in capsys.readouterr().err
+
+
 def test_the_default_advertised_address_is_the_one_the_controller_sees() -> None:
     """The controller checks at enrollment that the advertised address is the connection's
     source: by default the agent advertises the address of its route to the controller."""
