@@ -13,7 +13,8 @@ cluster is warmed until both its nodes serve the model (a burst of requests beyo
 slots starts a replica on the other node, issue 24 item 2).
 
 Every conversation resends a shared system prompt of about ``--system-tokens`` tokens and its
-history (its user turns of about ``--user-tokens`` tokens each, the answers as they came). Turn
+history (its user turns of about ``--user-tokens`` tokens each, the answers as they came, up to
+``--max-tokens`` each: a chat's shape, short questions and longer answers). Turn
 ``t`` of all conversations is sent at once to one cluster, then to the other; which cluster goes
 first alternates per turn, so drifts in machine load hit both alike and the two clusters never
 compute at the same time. Then ``--singles`` single-turn prompts that share nothing with each
@@ -376,8 +377,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--user-tokens", type=int, default=300)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--user-tokens", type=int, default=60, help="words per user turn")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
     parser.add_argument("--context", type=int, default=8192, help="tokens per request")
     parser.add_argument(
         "--threads",
