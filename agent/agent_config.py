@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from agent.models.fetch_limits import FetchLimits
+from agent.runtime.job_messages import TOKEN_BATCH_SECONDS
 from common.contract import (
     DEFAULT_ALLOWED_PEER_CIDRS,
     DEFAULT_GRPC_PORT,
@@ -184,6 +185,8 @@ class AgentConfig:
     slots: int = DEFAULT_SLOTS
     #: CPU threads of each llama.cpp process (``--threads``; None: llama.cpp's default).
     threads: int | None = None
+    #: The shortest time between two messages of one job's tokens (``--stream-interval``, s).
+    stream_interval: float = TOKEN_BATCH_SECONDS
     llama_bin_dir: Path | None = None
     #: ``--llama-backend``: a backend name, or "" / "auto" for $LLAMA_BACKEND, else this
     #: machine's (agent/runtime/llama_backend.py); with ``llama_bin_dir``, that build's backend.

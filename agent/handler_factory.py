@@ -53,5 +53,6 @@ def build_handler(config: AgentConfig) -> ControlHandler:
         rpc_port=config.rpc_port,
         rpc_threads=config.threads,
         server_threads=config.threads,
+        stream_interval=config.stream_interval,
         allowed_peer_cidrs=config.allowed_peer_cidrs,
     )

@@ -343,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--stream-interval",
+        type=_non_negative_float,
+        default=os.environ.get("DACP_STREAM_INTERVAL") or AgentConfig.stream_interval,
+        metavar="SECONDS",
+        help=(
+            "the shortest time between two messages of a job's tokens to the controller, "
+            "after its first (which never waits): the tokens meanwhile go together. 0: each "
+            "as it comes; longer costs the node's cores less (default: %(default)s); env "
+            "DACP_STREAM_INTERVAL"
+        ),
+    )
+    parser.add_argument(
         "--tls-ca-file",
         type=Path,
         default=os.environ.get("DACP_TLS_CA_FILE") or None,
@@ -417,6 +429,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         labels=labels,
         slots=args.slots,
         threads=args.threads,
+        stream_interval=args.stream_interval,
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         llama_backend=args.llama_backend,
         heartbeat_interval=args.heartbeat_interval,

@@ -65,12 +65,14 @@ class SetupFailure(Exception):
         self.failed_bytes = failed_bytes
 
 
-#: The shortest time between two TokenChunks of one job, after its first: the pieces that
-#: come meanwhile go together. On a machine whose cores llama.cpp's threads keep busy, every
-#: message wakes the agent, the controller and the client once; batching the pieces of 25 ms
-#: (two or three tokens at 100 tokens/s) gave decode 0.94x of direct llama-server against
-#: 0.91x sending each at once (docs/performance.md). The first piece never waits.
-TOKEN_BATCH_SECONDS = 0.025
+#: The shortest time between two TokenChunks of one job, after its first (the agent's
+#: ``--stream-interval``): the pieces that come meanwhile go together. On a machine whose cores
+#: llama.cpp's threads keep busy, every message wakes the agent, the controller and the client
+#: once, and a gRPC write was a third of the agent's CPU. Decode through the controller against
+#: direct llama-server, paired over 30 prompts (docs/performance.md): 0.91x sending each piece
+#: at once, 0.94x every 25 ms, 0.97x every 50 ms (five tokens at 100 tokens/s, twenty updates a
+#: second), 0.97-0.98x every 100 ms. The first piece never waits.
+TOKEN_BATCH_SECONDS = 0.05
 
 
 class DeltaSender:

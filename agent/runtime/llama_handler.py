@@ -68,6 +68,7 @@ from agent.runtime.job_messages import (
     JOB_ALREADY_RUNNING,
     RUNTIME_BUSY,
     RUNTIME_START_FAILED,
+    TOKEN_BATCH_SECONDS,
     DeltaSender,
     SetupFailure,
     failure_of,
@@ -128,6 +129,7 @@ class LlamaHandler:
         rpc_port: int = DEFAULT_RPC_PORT,
         rpc_threads: int | None = None,
         server_threads: int | None = None,
+        stream_interval: float = TOKEN_BATCH_SECONDS,
         allow_public_rpc: bool = False,
         allowed_peer_cidrs: Sequence[str] = DEFAULT_ALLOWED_PEER_CIDRS,
         probe_timeout: float = 2.0,
@@ -142,6 +144,8 @@ class LlamaHandler:
         self.log_dir = Path(log_dir)
         self.slots = slots
         self.server_threads = server_threads
+        #: The shortest time between two messages of a job's tokens (:class:`DeltaSender`).
+        self.stream_interval = stream_interval
         self.probe_timeout = probe_timeout
         self.busy_timeout = busy_timeout
         self.runtime = RuntimeManager(
@@ -409,7 +413,7 @@ class LlamaHandler:
     async def _execute(
         self, job: _Job, server: LlamaServer, request: ChatRequest, send: Send
     ) -> None:
-        sender = DeltaSender(job.job_id, send)
+        sender = DeltaSender(job.job_id, send, self.stream_interval)
         started = time.monotonic()
         first_piece: float | None = None
         last_piece: float | None = None

@@ -11,6 +11,7 @@ from agent.agent_config import AgentConfig, ConfigError, parse_byte_size
 from agent.control.control_handler import NullHandler
 from agent.handler_factory import RuntimeUnavailable, build_handler, resolve_binaries
 from agent.main import build_parser, config_from_args
+from agent.runtime.job_messages import TOKEN_BATCH_SECONDS
 from agent.runtime.llama_handler import LlamaHandler
 from common.contract import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 
@@ -146,10 +147,11 @@ async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
     await handler.close()
 
 
-async def test_threads_reach_llama_server_and_the_rpc_worker(
+async def test_threads_and_the_stream_interval_reach_the_handler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--threads`` (env DACP_THREADS): llama.cpp's own default (every core) unless given."""
+    """``--threads`` (env DACP_THREADS): llama.cpp's own default (every core) unless given;
+    ``--stream-interval`` (env DACP_STREAM_INTERVAL): the pace of a job's token messages."""
     bin_dir = fake_build(tmp_path / "bin")
     monkeypatch.delenv("DACP_THREADS", raising=False)
     assert config(tmp_path).threads is None
@@ -159,6 +161,15 @@ async def test_threads_reach_llama_server_and_the_rpc_worker(
     assert isinstance(handler, LlamaHandler)
     assert handler.server_threads == 1 and handler.rpc_host.rpc_threads == 1
     await handler.close()
+    monkeypatch.delenv("DACP_STREAM_INTERVAL", raising=False)
+    assert config(tmp_path).stream_interval == TOKEN_BATCH_SECONDS
+    monkeypatch.setenv("DACP_STREAM_INTERVAL", "0.2")
+    assert config(tmp_path).stream_interval == 0.2
+    paced = build_handler(
+        config(tmp_path, "--llama-bin-dir", str(bin_dir), "--stream-interval", "0")
+    )
+    assert isinstance(paced, LlamaHandler) and paced.stream_interval == 0.0
+    await paced.close()
     monkeypatch.setenv("DACP_THREADS", "many")
     with pytest.raises(SystemExit) as caught:
         config(tmp_path)
