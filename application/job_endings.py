@@ -129,8 +129,10 @@ class JobEndings:
     async def node_gone(self, node_id: str, stopped: str = "") -> None:
         """A node stayed disconnected past the reconnect grace, or its agent stopped
         (``stopped``: why, as it said in its goodbye): the executions on it are lost (failed
-        as ``node_lost``; a job on a lost RPC worker is stopped first)."""
+        as ``node_lost``; a job on a lost RPC worker is stopped first), and the prefix router
+        forgets the caches of the servers it ran."""
         label = node_label(self._ctx.app, node_id)
+        self._ctx.scheduler.router.forget_node(node_id)
         executing = self._ctx.runs.executing_on(node_id)
         await asyncio.gather(*(self._lose(run, node_id, label, stopped) for run in executing))
 

@@ -31,7 +31,7 @@ from domain.prefix_index import (
     prefix_chain,
     prefix_route,
 )
-from domain.runtimes import WarmChoice
+from domain.runtimes import WarmChoice, server_name
 
 #: Separators no text of a message carries: a message's role and content cannot run together.
 _ROLE, _CONTENT = "\x1e", "\x1f"
@@ -154,6 +154,13 @@ class PrefixRouter:
     def forget(self, server: str) -> None:
         """``server`` stopped or was lost: its cache is gone."""
         self.index.forget(server)
+
+    def forget_node(self, node_id: str) -> None:
+        """``node_id`` was lost (its agent stopped, or it stayed away past the reconnect
+        grace): the servers it ran are gone with their caches."""
+        for server in self.index.servers():
+            if server.startswith(server_name(node_id, "")):
+                self.index.forget(server)
 
     def route_of(self, job: JobInput, route: PrefixRoute | None) -> dict[str, Any] | None:
         """What JOB_DISPATCHED records: hit or miss and the characters matched; None for a job

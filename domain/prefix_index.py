@@ -154,6 +154,10 @@ class PrefixIndex:
         for key in list(self._servers.get(server, ())):
             self._drop(key)
 
+    def servers(self) -> list[ServerId]:
+        """The servers that hold a prompt, as far as the index knows."""
+        return list(self._servers)
+
     def match(self, chain: tuple[int, ...]) -> dict[ServerId, PrefixMatch]:
         """Each server holding at least one block of ``chain``, with its longest match and the
         longest of its prompts that ``chain`` extends."""

@@ -232,3 +232,25 @@ def test_next_to_go_waits_for_a_conversation_not_for_a_shared_system_prompt() ->
     # once b holds the system prompt as well, a's conversation is still worth the wait
     router.sent(server_of(plan("b", parallel=1)), sibling, cache_blocks=1000)
     assert router.next_to_go([(later, True)], servers) == (None, [0])
+
+
+async def test_a_node_gone_takes_its_servers_caches_with_it() -> None:
+    """The job manager's node_gone (its agent stopped, or it stayed away) makes the router
+    forget the node's servers: a later turn is not sent back to a cache that is gone."""
+    cluster = Cluster(2, slots=1)
+    opening = uuid4()
+    home = (await run_turns(cluster, {opening: conversation_turn(talk("a"))}))[opening]
+    router = cluster.jobs.scheduler.router
+    assert any(server.startswith(f"{home}/") for server in router.index.servers())
+    await cluster.jobs.node_gone(home)
+    assert not any(server.startswith(f"{home}/") for server in router.index.servers())
+
+
+def test_forgetting_a_node_forgets_only_its_servers() -> None:
+    router = PrefixRouter()
+    x, y = (router.chain(ChatPrompt(talk(seed))) for seed in "xy")
+    router.sent(server_of(plan("a", parallel=1)), x, cache_blocks=1000)
+    router.sent(server_of(plan("ab", parallel=1)), y, cache_blocks=1000)
+    router.forget_node("a")
+    assert router.index.match(x) == {}  # node a's server: forgotten
+    assert list(router.index.match(y)) == [server_of(plan("ab", parallel=1))]  # not "a"-prefixed
