@@ -151,16 +151,17 @@ def test_later_requests_go_first_within_the_window_of_the_fair_order() -> None:
 
 @dataclass
 class Model:
-    """The test's own account of what happened, independent of the queue's."""
+    """The test's own account of what happened, independent of the queue's. Tickets are known
+    by their job ids: the ``id()`` of a ticket that left may be a new ticket's."""
 
     waiting: list[Ticket] = field(default_factory=list)  # in arrival order
-    went_first: set[int] = field(default_factory=set)  # ids of promoted tickets
+    went_first: set[str] = field(default_factory=set)  # job ids of promoted tickets
     log: list[Ticket] = field(default_factory=list)  # in-turn dispatches
     #: For each waiting ticket: how many in-turn dispatches were logged when it became the
     #: oldest waiting request of its key.
-    head_at: dict[int, int] = field(default_factory=dict)
+    head_at: dict[str, int] = field(default_factory=dict)
     #: For each ticket: the requests that went first before it.
-    overtaken: dict[int, int] = field(default_factory=dict)
+    overtaken: dict[str, int] = field(default_factory=dict)
     #: Interactive dispatches since the last batch one, or since batch requests wait.
     streak: int = 0
 
@@ -169,17 +170,17 @@ class Model:
 
     def batch_waits(self) -> bool:
         return any(
-            t.priority == Priority.BATCH and id(t) not in self.went_first for t in self.waiting
+            t.priority == Priority.BATCH and t.job_id not in self.went_first for t in self.waiting
         )
 
     def note_heads(self) -> None:
         for t in self.waiting:
-            if id(t) not in self.head_at and self.oldest_of_key(t):
-                self.head_at[id(t)] = len(self.log)
+            if t.job_id not in self.head_at and self.oldest_of_key(t):
+                self.head_at[t.job_id] = len(self.log)
 
     def gone(self, ticket: Ticket) -> None:
         self.waiting.remove(ticket)
-        self.went_first.discard(id(ticket))
+        self.went_first.discard(ticket.job_id)
         self.note_heads()
 
 
@@ -211,9 +212,9 @@ def test_the_fairness_bound_fifo_within_a_key_and_no_batch_starvation(
             model.note_heads()
         elif op == "d" and model.waiting:
             first = head(queue, model.waiting)
-            if id(first) not in model.went_first:
+            if first.job_id not in model.went_first:
                 assert model.oldest_of_key(first)  # FIFO within a key
-                since = model.log[model.head_at[id(first)] :]
+                since = model.log[model.head_at[first.job_id] :]
                 others = [t for t in since if t.priority == first.priority]
                 keys = [t.key for t in others]
                 assert all(keys.count(key) <= 1 for key in keys), keys
@@ -244,13 +245,13 @@ def test_the_fairness_bound_fifo_within_a_key_and_no_batch_starvation(
                 place = queue.position(chosen)
                 for t in model.waiting:
                     if queue.position(t) < place:
-                        model.overtaken[id(t)] = model.overtaken.get(id(t), 0) + 1
+                        model.overtaken[t.job_id] = model.overtaken.get(t.job_id, 0) + 1
                 queue.promote(chosen)
-                model.went_first.add(id(chosen))
+                model.went_first.add(chosen.job_id)
         elif op == "w":
             queue.wake("m")
         for t in model.waiting:
-            assert model.overtaken.get(id(t), 0) <= t.passes <= MAX_PASSES
+            assert model.overtaken.get(t.job_id, 0) <= t.passes <= MAX_PASSES
     positions = {t.job_id: queue.position(t) for t in model.waiting}
     served = drain(queue, model.waiting)
     assert [positions[job] for job in served] == list(range(1, len(served) + 1))
