@@ -254,7 +254,9 @@ class GgufTokenizer:
         """The token ids of ``text`` (no BOS)."""
         if not text:
             return []
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        unknown = self.tokenizer.token_to_id(UNKNOWN_BYTE)
+        return [i for i in ids if i != unknown] if unknown is not None else list(ids)
 
     #: Whether the vocabulary is SentencePiece-style: it puts a space in front of every piece
     #: of text between special tokens, which a token may then cover alone.
@@ -318,6 +320,10 @@ def _add_special_tokens(tokenizer: Tokenizer, vocab: Vocabulary) -> None:
     )
 
 
+#: The byte-level tokenizer's stand-in for a byte its vocabulary lacks (never in the output).
+UNKNOWN_BYTE = "<dacp:unknown-byte>"
+
+
 def _byte_level_bpe(vocab: Vocabulary, pre: PreTokenizer) -> Tokenizer:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -328,10 +334,16 @@ def _byte_level_bpe(vocab: Vocabulary, pre: PreTokenizer) -> Tokenizer:
             raise UnsupportedVocabulary(f"merge {merge!r} is not two tokens")
         merges.append((left, right))
     ids = {token: i for i, token in enumerate(vocab.tokens)}
+    # A byte the vocabulary has no token for: llama.cpp keeps it as a symbol of its own while
+    # merging (so ``+`` and ``=`` around it stay apart) and drops it from the ids; so does an
+    # unknown token here, which GgufTokenizer.encode leaves out.
+    ids[UNKNOWN_BYTE] = len(vocab.tokens)
     model = models.BPE(
         vocab=ids,
         merges=merges,
         ignore_merges=pre.ignore_merges,
+        unk_token=UNKNOWN_BYTE,
+        fuse_unk=False,
     )
     tokenizer = Tokenizer(model)
     splits: list[pre_tokenizers.PreTokenizer] = [
