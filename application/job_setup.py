@@ -5,11 +5,9 @@ blame when that fails (bounded), until the primary streams."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
@@ -25,6 +23,7 @@ from application.agent_messages import SetupOutcome
 from application.background import BackgroundTasks
 from application.commands import JobParams, Submission
 from application.controller import Controller
+from application.decision_runner import DecisionRunner
 from application.dispatch_batcher import DispatchBatcher
 from application.job_calls import cancel_on_primary, in_thread, node_label, quietly
 from application.job_ending_records import EndingRecorder
@@ -107,16 +106,15 @@ class JobSetup:
         #: Where JOB_SETUP_VALIDATED is recorded, off the first token's path.
         self._background = background
         self._placing = asyncio.Lock()
-        self._decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement")
+        self._decisions = DecisionRunner()
 
     def _label(self, node_id: str) -> str:
         return node_label(self._app, node_id)
 
     async def _decide(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Scheduling decisions run in a thread of their own: queued behind store writes in
-        the shared pool, each placement of a burst waited for everyone's writes."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._decisions, functools.partial(fn, *args, **kwargs))
+        """A scheduling decision: on the event loop while decisions are quick, else in a
+        thread of their own (:class:`DecisionRunner`)."""
+        return await self._decisions.run(fn, *args, **kwargs)
 
     async def start(
         self, submission: Submission, model: dict[str, Any], job_id: UUID | None = None

@@ -225,6 +225,15 @@ class UplinkHandler(Protocol[MessageT]):
     def resumed_jobs(self, node_id: str) -> list[tuple[str, int]]: ...
 
 
+class ModelRows(Protocol):
+    """The registered models' rows held in memory (``infrastructure/node_rows.py``), kept by
+    the projection follower: cheap enough to read on the event loop, on every request."""
+
+    def get_model(self, name: str) -> dict[str, Any] | None:
+        """The row of model ``name`` (shared: read it, never change it), or None."""
+        ...
+
+
 class ReadModel(Protocol):
     """The query port over the projections (``application/read_models.py``), implemented in
     ``infrastructure``."""

@@ -110,18 +110,35 @@ def _free_port() -> int:
 class Controller:
     """The controller process under test."""
 
-    def __init__(self, database_url: str, redis_url: str, var_dir: Path) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        redis_url: str,
+        var_dir: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``database_url`` "" runs the embedded defaults (SQLite under ``var_dir``, live state
+        in process) and ignores ``redis_url``."""
         self.schema = f"bench_{uuid.uuid4().hex[:10]}"
         self.database_url = database_url
         self.port, self.grpc_port = _free_port(), _free_port()
         self.ai_key, self.admin_key = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        stores = (
+            {
+                "DATABASE_URL": f"{database_url}?schema={self.schema}",
+                "REDIS_URL": redis_url,
+                "REDIS_KEY_PREFIX": f"dacp-bench:{self.schema}:",
+            }
+            if database_url
+            else {}
+        )
         self.env = {
-            **os.environ,
-            "DATABASE_URL": f"{database_url}?schema={self.schema}",
-            "REDIS_URL": redis_url,
-            "REDIS_KEY_PREFIX": f"dacp-bench:{self.schema}:",
+            **{k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")},
+            **stores,
             "PORT": str(self.port),
             "GRPC_PORT": str(self.grpc_port),
+            # Synthetic agents fetch no model: no model store port to collide with another's.
+            "MODEL_STORE_PORT": "off",
             "AI_API_KEY": self.ai_key,
             "ADMIN_API_KEY": self.admin_key,
             "NODE_ENROLLMENT_SECRET": secrets.token_urlsafe(16),
@@ -131,6 +148,7 @@ class Controller:
             # Its own config file (written at its first start): never the operator's.
             "DACP_CONFIG": str(var_dir / "config.toml"),
             "DACP_URL": f"http://127.0.0.1:{self.port}",
+            **(extra_env or {}),
         }
         #: The controller's CA: the synthetic agents verify it over TLS, as real ones do.
         self.ca_file = var_dir / "tls" / "ca.pem"
@@ -190,6 +208,8 @@ class Controller:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+        if not self.database_url:
+            return
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')  # type: ignore[arg-type]
 

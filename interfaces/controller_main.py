@@ -413,6 +413,7 @@ async def start_controller(settings: Settings) -> RunningController:
         history=history,
         steering=steering,
         grpc_port=grpc_port,  # the port bound (GRPC_PORT=0: a free one)
+        model_rows=node_views,
     )
 
     http_app = create_app(services)

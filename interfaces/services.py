@@ -27,7 +27,7 @@ from application.metrics_history import MetricsHistory
 from application.model_claims import ModelClaims
 from application.model_transfers import TransferCoordinator
 from application.node_steering import NodeSteering
-from application.ports import LiveState
+from application.ports import LiveState, ModelRows
 from infrastructure.metrics import PrometheusMetrics
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore
@@ -82,6 +82,9 @@ class Services(CoreServices):
     steering: NodeSteering | None = None
     #: The gRPC port bound (GRPC_PORT=0: a free one); None: GRPC_PORT as configured.
     grpc_port: int | None = None
+    #: The models' rows in memory, read on the event loop by every inference request (None:
+    #: read from the views in a thread).
+    model_rows: ModelRows | None = None
 
     @classmethod
     def running(
@@ -96,6 +99,7 @@ class Services(CoreServices):
         history: MetricsHistory,
         steering: NodeSteering,
         grpc_port: int,
+        model_rows: ModelRows,
     ) -> Services:
         """The running controller's services: ``core`` with every part."""
         return cls(
@@ -118,4 +122,5 @@ class Services(CoreServices):
             history=history,
             steering=steering,
             grpc_port=grpc_port,
+            model_rows=model_rows,
         )

@@ -44,7 +44,9 @@ async def test_a_burst_of_new_jobs_is_written_in_few_transactions() -> None:
     await asyncio.wait_for(asyncio.gather(*tasks), GUARD)
     assert count(cluster, "JOB_DISPATCHED") == 10
     assert len({node for node, _ in assignments}) == 10
-    assert batcher.transactions == 2  # the first job alone, then the nine that waited
+    # The first write takes the jobs placed before it began (placements are quick and run on
+    # the event loop: maybe all ten), then one more takes those that waited behind it.
+    assert batcher.transactions <= 2
 
 
 async def test_a_job_whose_slot_is_taken_fails_alone_and_the_rest_are_written() -> None:

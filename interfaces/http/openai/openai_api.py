@@ -378,7 +378,11 @@ async def _model(svc: Services, name: str, kind: str, grant: Grant) -> dict[str,
     # model the key may not use is answered as one that does not exist.
     model = None
     if is_model_name(name) and grant.may_use(name):
-        model = await asyncio.to_thread(svc.read_model.get_model, name)
+        rows = svc.model_rows
+        if rows is not None:  # in memory: no thread hop on the first token's path
+            model = rows.get_model(name)
+        else:
+            model = await asyncio.to_thread(svc.read_model.get_model, name)
     if model is None:
         raise ApiError(
             404,

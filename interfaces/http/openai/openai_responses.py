@@ -311,32 +311,37 @@ async def stream_events(
     forced = isinstance(events, ChatStream) and events.answer.forced_tools is not None
     collected = Collected(events.answer.top_logprobs) if forced else None
     finished = False
+    # The events of one step go out in one write: the opening with the first tokens, the
+    # tokens already waiting together, the ending with [DONE].
+    pending: list[bytes] = []
     try:
         if opening := events.first():
-            yield opening
+            pending.append(opening)
         item = first
         while True:
             if item.kind == "deltas":
-                # Everything already waiting goes out in one write.
                 deltas = list(item.deltas)
                 waiting = _drain(run.queue, deltas)
                 if collected is not None:
                     collected.add(deltas)
                 else:
-                    for event in events.deltas(deltas):
-                        yield event
+                    pending.extend(events.deltas(deltas))
+                if pending:
+                    yield b"".join(pending)
+                    pending.clear()
                 item = waiting if waiting is not None else await run.queue.get()
                 continue
             finished = True
             if item.kind == "error":
-                yield sse(error_body(item.error, "server_error", item.error_code))
+                pending.append(sse(error_body(item.error, "server_error", item.error_code)))
+                yield b"".join(pending)
                 return
             assert item.outcome is not None
             if on_outcome is not None:
                 on_outcome(item.outcome)
-            for event in events.ending(collected, item.outcome):
-                yield event
-            yield DONE
+            pending.extend(events.ending(collected, item.outcome))
+            pending.append(DONE)
+            yield b"".join(pending)
             return
     finally:
         if not finished:
