@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Litestar, Router
+from litestar import Litestar, Request, Router
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
@@ -22,6 +22,7 @@ from interfaces.http.admin.operations_api import operations_handlers
 from interfaces.http.admin.usage_api import AdminUsageRoutes
 from interfaces.http.http_auth import granted
 from interfaces.http.http_errors import EXCEPTION_HANDLERS, not_running
+from interfaces.http.inference_call import InferenceCall
 from interfaces.http.openai.openai_api import (
     chat_completions,
     completions,
@@ -43,8 +44,9 @@ def _body_limit(services: Services | None) -> int:
 
 def dependencies(services: Services | None) -> dict[str, Provide]:
     """What handlers declare by name: ``svc`` (the services: 503 in an app built without
-    them), each running part, None where this app runs without it (the route says so), and
-    ``grant``, the Grant of an inference request's key (``inference_guard``'s routes only)."""
+    them), each running part, None where this app runs without it (the route says so),
+    ``grant``, the Grant of an inference request's key (``inference_guard``'s routes only), and
+    ``call``, the generating handlers' one dependency (:class:`InferenceCall`)."""
 
     def svc() -> Services:
         if services is None:
@@ -66,9 +68,14 @@ def dependencies(services: Services | None) -> dict[str, Provide]:
         "history": lambda s: s.history,
         "steering": lambda s: s.steering,
     }
+
+    def call(request: Request[Any, Any, Any]) -> InferenceCall:
+        return InferenceCall(svc(), svc().jobs, granted(request))
+
     return {
         "svc": Provide(svc, sync_to_thread=False),
         "grant": Provide(granted, sync_to_thread=False),
+        "call": Provide(call, sync_to_thread=False),
     } | {name: Provide(part(of), sync_to_thread=False) for name, of in parts.items()}
 
 
@@ -100,7 +107,12 @@ def create_app(services: Services | None, extra_handlers: list[Any] | None = Non
         exception_handlers=EXCEPTION_HANDLERS,
         dependencies=dependencies(services),
         # Modules that import Services for type checking only (it holds their parts).
-        signature_namespace={"Services": Services, "Provided": Provided, "Grant": Grant},
+        signature_namespace={
+            "Services": Services,
+            "Provided": Provided,
+            "Grant": Grant,
+            "InferenceCall": InferenceCall,
+        },
         openapi_config=OpenAPIConfig(
             title="Distributed AI Compute Platform",
             version=CONTROLLER_VERSION,

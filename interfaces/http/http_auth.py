@@ -8,8 +8,9 @@ fails at once; a cluster with no ``AI_API_KEY`` and no live managed key is open
 without a key).
 
 Handlers read the Grant as a dependency: declare ``grant: Provided[Grant]`` (the app provides
-``grant`` with :func:`granted`, which reads what the guard left in the connection's state). It
-exists only on routes that ``inference_guard`` guards.
+``grant`` with :func:`granted`, which reads what the guard left in the connection's state), or,
+in the generating handlers, ``call: Provided[InferenceCall]`` (interfaces/http/inference_call.py),
+which holds it. Both exist only on routes that ``inference_guard`` guards.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from typing import Annotated, Any
 import orjson
 from litestar import Request, Response, get, post
 from litestar.params import PathParameter
-from litestar.response import Stream
 
 from application.admission import CapacityError
 from application.commands import JobOutcome, Submission
@@ -36,9 +35,11 @@ from common.contract import CONTEXT_LENGTH_EXCEEDED, OUT_OF_MEMORY, REQUEST_REJE
 from domain.api_keys import Grant
 from domain.model import CHAT, EMBEDDING, MODEL_NAME_PATTERN, is_model_name
 from domain.states import NodeState
+from interfaces.http.event_stream_response import EventStream
 from interfaces.http.http_auth import inference_guard
 from interfaces.http.http_docs import ApiOperation, errors, success
 from interfaces.http.http_errors import ApiError, ErrorCode, not_running
+from interfaces.http.inference_call import InferenceCall
 from interfaces.http.openai.openai_docs import (
     ChatCompletion,
     ChatCompletionOperation,
@@ -247,14 +248,11 @@ _GENERATED = "The completion (JSON), or with `stream: true` its chunks"
     _GENERATED,
 )
 async def chat_completions(
-    svc: Provided[Services],
-    jobs: Provided[JobManager | None],
-    grant: Provided[Grant],
-    request: Request[Any, Any, Any],
+    call: Provided[InferenceCall], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    submission = dataclasses.replace(parse_chat_request(await _body(request)), grant=grant)
+    submission = dataclasses.replace(parse_chat_request(await _body(request)), grant=call.grant)
     return await _generate(
-        svc, jobs, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
+        call, request, submission, CHAT_COMPLETION_ID_PREFIX, ChatStream, chat_message
     )
 
 
@@ -266,14 +264,12 @@ async def chat_completions(
     _GENERATED,
 )
 async def completions(
-    svc: Provided[Services],
-    jobs: Provided[JobManager | None],
-    grant: Provided[Grant],
-    request: Request[Any, Any, Any],
+    call: Provided[InferenceCall], request: Request[Any, Any, Any]
 ) -> Response[Any]:
-    submission = dataclasses.replace(parse_completion_request(await _body(request)), grant=grant)
+    parsed = parse_completion_request(await _body(request))
+    submission = dataclasses.replace(parsed, grant=call.grant)
     return await _generate(
-        svc, jobs, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
+        call, request, submission, COMPLETION_ID_PREFIX, CompletionStream, completion
     )
 
 
@@ -285,16 +281,13 @@ async def completions(
     "One vector per input, in order",
 )
 async def create_embeddings(
-    svc: Provided[Services],
-    jobs: Provided[JobManager | None],
-    grant: Provided[Grant],
-    request: Request[Any, Any, Any],
+    call: Provided[InferenceCall], request: Request[Any, Any, Any]
 ) -> Response[Any]:
     parsed, encoding = parse_embeddings_request(await _body(request))
-    submission = dataclasses.replace(parsed, grant=grant)
-    charge = await key_charge(svc.limiter, submission.grant)
+    submission = dataclasses.replace(parsed, grant=call.grant)
+    charge = await key_charge(call.svc.limiter, submission.grant)
     try:
-        started = await _started(svc, jobs, request, submission, EMBEDDING)
+        started = await _started(call, request, submission, EMBEDDING)
         if isinstance(started, Response):
             return started
         manager, run, first = started
@@ -306,8 +299,7 @@ async def create_embeddings(
 
 
 async def _generate(
-    svc: Services,
-    jobs: JobManager | None,
+    call: InferenceCall,
     request: Request[Any, Any, Any],
     submission: Submission,
     prefix: str,
@@ -317,16 +309,16 @@ async def _generate(
     """A chat or legacy completion: streamed as ``events``, or collected by ``answer_of``.
     The key's limits are checked before the job exists; its hold on them is settled once
     (here, or by the stream) however the request ends."""
-    charge = await key_charge(svc.limiter, submission.grant)
+    charge = await key_charge(call.svc.limiter, submission.grant)
     run: JobRun | None = None
     handed_over = False  # to the stream, which settles when it ends
     try:
-        started = await _started(svc, jobs, request, submission, CHAT)
+        started = await _started(call, request, submission, CHAT)
         if isinstance(started, Response):
             return started
         manager, run, first = started
         answer = await _answer(manager, run, first, submission, prefix, events, answer_of, charge)
-        handed_over = isinstance(answer, Stream)
+        handed_over = isinstance(answer, EventStream)
         return answer
     finally:
         if not handed_over:
@@ -404,14 +396,14 @@ async def _model(svc: Services, name: str, kind: str, grant: Grant) -> dict[str,
 
 
 async def _started(
-    svc: Services,
-    jobs: JobManager | None,
+    call: InferenceCall,
     request: Request[Any, Any, Any],
     submission: Submission,
     kind: str,
 ) -> tuple[JobManager, JobRun, StreamItem] | Response[Any]:
     """The job, admitted and with its first stream item (or its failure raised); a 499
     response when the client left first."""
+    svc = call.svc
     model = await _model(svc, submission.model, kind, submission.grant)
     prompt = prompt_of(submission)
     if prompt is not None:
@@ -419,7 +411,7 @@ async def _started(
             await svc.context_guard.check(model, prompt)
         except ContextLengthExceeded as e:
             raise ApiError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED) from e
-    manager = _running(jobs)  # after the checks a request fails without a job manager
+    manager = _running(call.jobs)  # after the checks a request fails without a job manager
     admitted = asyncio.ensure_future(_admit(manager, submission, model))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
@@ -457,7 +449,7 @@ def _events(
     first: StreamItem,
     events: ChatStream | CompletionStream,
     charge: KeyCharge,
-) -> Stream:
+) -> EventStream:
     def abandon() -> None:
         _spawn(jobs.cancel(run.job_id, "client disconnected"))
 
@@ -472,9 +464,8 @@ def _events(
         finally:
             charge.settle(0, _relayed(run))
 
-    return Stream(
+    return EventStream(
         settled(),
-        media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **charge.headers},
     )
 
