@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity bench-prefix-routing bench-conversations
+.PHONY: venv lint typecheck test test-vulkan unit proto llama model demo controller clean browser bench bench-capacity bench-prefix-routing bench-conversations bench-hot-path
 
 # First-run set-up (venv, llama.cpp build, model, browser) runs its steps side by side, with
 # the system python3, before the venv exists; see ops/bootstrap.py. Cached steps are no-ops.
@@ -62,6 +62,12 @@ demo:
 bench:
 	@$(BOOTSTRAP) test --only venv --only llama.cpp --only model
 	$(PY) -m bench.compare_paths --wait-idle 900
+
+# What the controller adds to a warm request's first token, without llama.cpp: a stand-in server
+# against the controller with one synthetic agent, interleaved (embedded store).
+bench-hot-path:
+	@$(BOOTSTRAP) test --only venv
+	$(PY) -m bench.hot_path
 
 # Many clients at once: one controller on Postgres + Redis (DATABASE_URL-style BENCH_DATABASE_URL
 # and BENCH_REDIS_URL, default the local services), synthetic agents, 800 streams.

@@ -76,13 +76,14 @@ class GgufPromptCounter:
         self._loading: dict[str, asyncio.Future[Prompting | None]] = {}
 
     async def prompting(self, sha256: str) -> Prompting | None:
-        """The file's tokenizer and template, loaded once (None: not held, or not supported)."""
-        path = self.store.resolve(sha256)
-        if path is None:
-            return None
+        """The file's tokenizer and template, loaded once (None: not held, or not supported).
+        Once loaded they are kept in memory, so a request does not look for the file again."""
         if sha256 in self._loaded:
             self._loaded.move_to_end(sha256)
             return self._loaded[sha256]
+        path = self.store.resolve(sha256)
+        if path is None:
+            return None
         loading = self._loading.get(sha256)
         if loading is None:
             loading = asyncio.get_running_loop().run_in_executor(None, load_prompting, path)

@@ -10,7 +10,6 @@ token or its failure, so errors keep their real status.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -412,24 +411,30 @@ async def _started(
         except ContextLengthExceeded as e:
             raise ApiError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED) from e
     manager = _running(call.jobs)  # after the checks a request fails without a job manager
-    admitted = asyncio.ensure_future(_admit(manager, submission, model))
+    # The job is admitted in this task (a task of its own cost the first token a hop); a
+    # watcher cancels it when the client goes away while it is queued or in setup.
+    handling = asyncio.current_task()
+    assert handling is not None
+    admitting = True
+    left = False
+
+    def client_gone(watcher: asyncio.Future[None]) -> None:
+        nonlocal left
+        if admitting and not watcher.cancelled() and watcher.exception() is None:
+            left = True
+            handling.cancel()
+
     gone = asyncio.ensure_future(_client_gone(request))
+    gone.add_done_callback(client_gone)
     try:
-        await asyncio.wait({admitted, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server is shutting down: the job goes with it
-        admitted.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if not admitted.done():
-        # The client went away while queued or in setup: the job ends as JOB_CANCELLED and
+        run, first = await _admit(manager, submission, model)
+    except asyncio.CancelledError:
+        if not left:
+            raise  # the server is shutting down: the job goes with it
+        # The client went away while queued or in setup: the job ended as JOB_CANCELLED and
         # takes no slot. Nobody reads this response.
-        admitted.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await admitted
+        handling.uncancel()
         return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
-    try:
-        run, first = admitted.result()
     except CapacityError as e:
         raise ApiError(
             503,
@@ -438,6 +443,9 @@ async def _started(
             code=e.code,
             headers={"Retry-After": str(e.retry_after)},
         ) from e
+    finally:
+        admitting = False
+        gone.cancel()
     if first.kind == "error":  # nothing was sent yet: the failure keeps its real status
         raise job_error(first.error, first.error_code)
     return manager, run, first
