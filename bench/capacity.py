@@ -116,9 +116,12 @@ class Controller:
         redis_url: str,
         var_dir: Path,
         extra_env: dict[str, str] | None = None,
+        source: Path | None = None,
     ) -> None:
         """``database_url`` "" runs the embedded defaults (SQLite under ``var_dir``, live state
-        in process) and ignores ``redis_url``."""
+        in process) and ignores ``redis_url``. ``source``: the checkout whose code runs (None:
+        this one), to compare two versions side by side."""
+        self.source = source
         self.schema = f"bench_{uuid.uuid4().hex[:10]}"
         self.database_url = database_url
         self.port, self.grpc_port = _free_port(), _free_port()
@@ -156,6 +159,7 @@ class Controller:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "interfaces.cli.main", "controller", "--log-level", "warning"],
             env=self.env,
+            cwd=source,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -190,6 +194,7 @@ class Controller:
         return subprocess.run(
             [sys.executable, "-m", "interfaces.cli.main", "token", "create", "--multi-use"],
             env=self.env,
+            cwd=self.source,
             check=True,
             capture_output=True,
             text=True,

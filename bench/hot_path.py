@@ -1,21 +1,25 @@
 """What the controller adds to a warm one-node request's time to first token, without llama.cpp.
 
-Two paths, their requests interleaved (the order swapped on every other round, so drifts in
-machine load hit both alike), each read by the same raw client (``bench/raw_sse_client.py``):
+Two paths (three with ``--baseline``), their requests interleaved (the order rotated every
+round, so drifts in machine load hit every path alike), each read by the same raw client
+(``bench/raw_sse_client.py``):
 
 * ``direct``: a stand-in for llama-server, a few lines of asyncio that answer a streamed chat
   completion with its first token ``--first-token-ms`` after the request;
 * ``controller``: the controller and one synthetic agent (``bench/synthetic_agents.py``: the
   real control protocol) whose first token goes out ``--first-token-ms`` after the plan
   arrives. After a warm-up request its server is warm, so every measured request takes the warm
-  one-node path, where the dispatch is recorded while the agent works.
+  one-node path, where the dispatch is recorded while the agent works;
+* ``baseline`` (``--baseline DIR``): the same with the controller of another checkout (a
+  ``git worktree`` of an earlier commit, say), so that two versions are compared in one run.
 
-The paired difference of the two is what the controller and the two gRPC hops add (the real
+The paired difference to ``direct`` is what the controller and the two gRPC hops add (the real
 agent adds its own setup and the HTTP exchange with llama-server on top: ``bench/compare_paths``
 measures that whole path with llama.cpp, whose own time varies far more than this). Results: a
 table and a JSON file under ``var/bench/``.
 
     python -m bench.hot_path                    # 300 rounds, the embedded store
+    python -m bench.hot_path --baseline /tmp/base
     python -m bench.hot_path --database-url postgresql://postgres@127.0.0.1:5432/test
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -30,6 +35,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +48,16 @@ from bench import capacity, stats
 from bench.capacity import MODEL, MODEL_SHA, Agents, Controller
 from bench.raw_sse_client import TOKEN, StreamResult, stream_chat
 
+DIRECT = "direct"
+
+
+@dataclass
+class PathReport:
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    #: Paired with the direct request of the same round.
+    added_ms: dict[str, float] = field(default_factory=dict)
+    controller_cpu_ms_per_request: float = 0.0
+
 
 @dataclass
 class Report:
@@ -49,10 +65,12 @@ class Report:
     machine: str
     store: str
     rounds: int
+    first_token_ms: float
+    baseline: str = ""
     direct_ms: dict[str, float] = field(default_factory=dict)
-    controller_ms: dict[str, float] = field(default_factory=dict)
-    added_ms: dict[str, float] = field(default_factory=dict)
-    controller_cpu_ms_per_request: float = 0.0
+    paths: dict[str, PathReport] = field(default_factory=dict)
+    #: controller minus baseline, paired per round (with --baseline).
+    controller_minus_baseline_ms: dict[str, float] = field(default_factory=dict)
     failures: int = 0
 
 
@@ -98,29 +116,30 @@ def _body(index: int) -> dict[str, object]:
 
 
 async def _rounds(
-    ctl: Controller, rounds: int, pause: float, first_token: float
-) -> tuple[list[StreamResult], list[StreamResult]]:
+    controllers: dict[str, Controller], rounds: int, pause: float, first_token: float
+) -> dict[str, list[StreamResult]]:
     server = await asyncio.start_server(
         functools.partial(_stand_in, first_token=first_token), "127.0.0.1", 0
     )
     port = server.sockets[0].getsockname()[1]
-    direct: list[StreamResult] = []
-    through: list[StreamResult] = []
+    names = [DIRECT, *controllers]
+    results: dict[str, list[StreamResult]] = {name: [] for name in names}
     async with server:
-        await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(-1))  # warms the server
+        for ctl in controllers.values():  # warms each server
+            await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(-1))
         for index in range(rounds):
-            order = ["direct", "controller"] if index % 2 == 0 else ["controller", "direct"]
-            for path in order:
-                if path == "direct":
-                    direct.append(await stream_chat("127.0.0.1", port, "-", _body(index)))
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                if name == DIRECT:
+                    result = await stream_chat("127.0.0.1", port, "-", _body(index))
                 else:
-                    through.append(
-                        await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(index))
-                    )
+                    ctl = controllers[name]
+                    result = await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(index))
+                results[name].append(result)
                 # A request's ending is recorded after its answer; a real answer takes longer
                 # than this one, so the next request does not meet that work.
                 await asyncio.sleep(pause)
-    return direct, through
+    return results
 
 
 def _ready(ctl: Controller) -> bool:
@@ -128,59 +147,83 @@ def _ready(ctl: Controller) -> bool:
     return any(r["state"] == "READY" and r["local_models"] for r in rows)
 
 
-def run(args: argparse.Namespace, report: Report) -> None:
-    with tempfile.TemporaryDirectory(prefix="dacp-hot-path-") as tmp:
-        ctl = Controller(args.database_url, args.redis_url, Path(tmp))
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace, var_dir: Path, source: Path | None) -> Iterator[Controller]:
+    """A controller (of the checkout ``source``) with one synthetic agent, its model ready."""
+    var_dir.mkdir(parents=True, exist_ok=True)
+    ctl = Controller(args.database_url, args.redis_url, var_dir, source=source)
+    try:
+        agents = Agents(
+            ctl,
+            ctl.token(),
+            1,
+            "--holds",
+            MODEL_SHA,
+            "--slots",
+            "4",
+            "--tokens",
+            "1",
+            "--first-token-delay",
+            str(args.first_token_ms / 1000),
+        )
         try:
-            agents = Agents(
-                ctl,
-                ctl.token(),
-                1,
-                "--holds",
-                MODEL_SHA,
-                "--slots",
-                "4",
-                "--tokens",
-                "1",
-                "--first-token-delay",
-                str(args.first_token_ms / 1000),
-            )
-            try:
-                httpx.post(
-                    f"{ctl.url}/api/admin/models",
-                    headers=ctl.admin,
-                    json={
-                        "name": MODEL,
-                        "sha256": MODEL_SHA,
-                        "file_name": "m.gguf",
-                        "context_size": 2048,
-                    },
-                    timeout=30,
-                ).raise_for_status()
-                capacity._wait("the synthetic node READY with the model", lambda: _ready(ctl), 60)
-                time.sleep(2.0)  # two live-state flushes: its heartbeat is visible
-                cpu = ctl.cpu_seconds()
-                direct, through = asyncio.run(
-                    _rounds(ctl, args.rounds, args.pause, args.first_token_ms / 1000)
-                )
-                report.controller_cpu_ms_per_request = (
-                    (ctl.cpu_seconds() - cpu) * 1000 / max(len(through), 1)
-                )
-            finally:
-                agents.stop()
+            httpx.post(
+                f"{ctl.url}/api/admin/models",
+                headers=ctl.admin,
+                json={
+                    "name": MODEL,
+                    "sha256": MODEL_SHA,
+                    "file_name": "m.gguf",
+                    "context_size": 2048,
+                },
+                timeout=30,
+            ).raise_for_status()
+            capacity._wait("the synthetic node READY with the model", lambda: _ready(ctl), 60)
+            yield ctl
         finally:
-            ctl.stop()
+            agents.stop()
+    finally:
+        ctl.stop()
+
+
+def run(args: argparse.Namespace, report: Report) -> None:
+    with tempfile.TemporaryDirectory(prefix="dacp-hot-path-") as tmp, contextlib.ExitStack() as up:
+        controllers = {"controller": up.enter_context(_cluster(args, Path(tmp) / "a", None))}
+        if args.baseline is not None:
+            baseline = up.enter_context(_cluster(args, Path(tmp) / "b", args.baseline))
+            controllers["baseline"] = baseline
+        time.sleep(2.0)  # two live-state flushes: every agent's heartbeat is visible
+        cpu = {name: ctl.cpu_seconds() for name, ctl in controllers.items()}
+        results = asyncio.run(
+            _rounds(controllers, args.rounds, args.pause, args.first_token_ms / 1000)
+        )
+        for name, ctl in controllers.items():
+            spent = (ctl.cpu_seconds() - cpu[name]) * 1000 / args.rounds
+            report.paths[name] = PathReport(controller_cpu_ms_per_request=round(spent, 3))
+    names = [DIRECT, *controllers]
     ok = [
-        (d.ttft, t.ttft)
-        for d, t in zip(direct, through, strict=True)
-        if d.ttft is not None and t.ttft is not None and not d.error and not t.error
+        {name: results[name][i].ttft for name in names}
+        for i in range(args.rounds)
+        if all(results[name][i].ttft is not None and not results[name][i].error for name in names)
     ]
-    report.failures = 2 * len(direct) - 2 * len(ok)
+    report.failures = args.rounds - len(ok)
     if not ok:
-        raise SystemExit(f"no request succeeded: {direct[:1]} {through[:1]}")
-    report.direct_ms = _summary([d * 1000 for d, _ in ok])
-    report.controller_ms = _summary([t * 1000 for _, t in ok])
-    report.added_ms = _summary([(t - d) * 1000 for d, t in ok])
+        first = {name: results[name][0] for name in names}
+        raise SystemExit(f"no round succeeded: {first}")
+
+    def ms(name: str, row: dict[str, float | None]) -> float:
+        value = row[name]
+        assert value is not None
+        return value * 1000
+
+    report.direct_ms = _summary([ms(DIRECT, row) for row in ok])
+    for name in controllers:
+        report.paths[name].ttft_ms = _summary([ms(name, row) for row in ok])
+        report.paths[name].added_ms = _summary([ms(name, row) - ms(DIRECT, row) for row in ok])
+    if "baseline" in controllers:
+        report.controller_minus_baseline_ms = _summary(
+            [ms("controller", row) - ms("baseline", row) for row in ok]
+        )
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -189,6 +232,28 @@ def _summary(values: list[float]) -> dict[str, float]:
         "p95": round(stats.percentile(values, 95), 3),
         "mean": round(sum(values) / len(values), 3),
     }
+
+
+def _print(report: Report) -> None:
+    print(
+        f"{report.rounds} rounds, first token after {report.first_token_ms:g} ms, "
+        f"{report.store}, {report.machine}"
+    )
+    if report.baseline:
+        print(f"baseline: the controller of {report.baseline}")
+    print(f"{'TTFT (ms)':<34}{'p50':>9}{'p95':>9}{'mean':>9}")
+    rows = [("direct (stand-in server)", report.direct_ms)]
+    for name, path in report.paths.items():
+        rows.append((f"{name} + synthetic agent", path.ttft_ms))
+    for name, path in report.paths.items():
+        rows.append((f"added by the {name}", path.added_ms))
+    if report.controller_minus_baseline_ms:
+        rows.append(("controller - baseline (paired)", report.controller_minus_baseline_ms))
+    for label, row in rows:
+        print(f"{label:<34}{row['p50']:>9.3f}{row['p95']:>9.3f}{row['mean']:>9.3f}")
+    for name, path in report.paths.items():
+        print(f"{name} CPU per request: {path.controller_cpu_ms_per_request:.3f} ms")
+    print(f"failed rounds: {report.failures}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         "--pause", type=float, default=0.05, help="seconds between requests (default 0.05)"
     )
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. a git worktree of an earlier commit) whose controller "
+        "runs side by side with this one's",
+    )
+    parser.add_argument(
         "--database-url",
         default=os.environ.get("BENCH_DATABASE_URL", ""),
         help="PostgreSQL (with --redis-url); empty: the embedded defaults (SQLite)",
@@ -214,23 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("var/bench"))
     args = parser.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "interfaces").is_dir():
+        parser.error(f"--baseline {args.baseline}: not a checkout of this project")
     report = Report(
         date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=f"{platform.machine()}, {psutil.cpu_count()} cores",
         store="PostgreSQL + Redis" if args.database_url else "embedded (SQLite)",
         rounds=args.rounds,
+        first_token_ms=args.first_token_ms,
+        baseline=str(args.baseline or ""),
     )
     run(args, report)
-    print(f"{report.rounds} rounds, {report.store}, {report.machine}")
-    print(f"{'TTFT (ms)':<28}{'p50':>9}{'p95':>9}{'mean':>9}")
-    for label, row in (
-        ("direct (stand-in server)", report.direct_ms),
-        ("controller + synthetic agent", report.controller_ms),
-        ("added by the controller", report.added_ms),
-    ):
-        print(f"{label:<28}{row['p50']:>9.3f}{row['p95']:>9.3f}{row['mean']:>9.3f}")
-    print(f"controller CPU per request: {report.controller_cpu_ms_per_request:.3f} ms")
-    print(f"failures: {report.failures}")
+    _print(report)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.out / f"hot-path-{stamp}.json"
