@@ -9,7 +9,9 @@ not. With ``PREFIX_ROUTING`` on it waits for that server (a bounded wait, see
 ``application/admission.py``) and a freed slot goes to the conversation its server holds:
 measured 36 of 36 later turns on the node of the conversation's first turn (the test asks for
 at least 30). With it off, the scheduler takes the warm server with the most free slots:
-5 to 13 of 36.
+5 to 13 of 36. Users pause between turns, each for its own time (``reading_time``): without
+pauses, on a quiet machine, identical conversations fall into step and blind placement sent all
+36 home (a clean clone's CI run).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.prefix_routing import MODEL_SHA, SYSTEM, converse, landed, ready
+from bench.prefix_routing import MODEL_SHA, SYSTEM, converse, landed, reading_time, ready
 from domain.prefix_index import BLOCK_CHARS
 from interfaces.controller_main import controller
 from tests.conftest import controller_settings
@@ -54,7 +56,11 @@ async def test_later_turns_go_home_only_with_prefix_routing(
             ) as client:
                 await ready(client, "test-admin-key", NODES)
                 turns = await converse(
-                    client, "test-ai-key", conversations=CONVERSATIONS, turns=TURNS
+                    client,
+                    "test-ai-key",
+                    conversations=CONVERSATIONS,
+                    turns=TURNS,
+                    pause=reading_time,
                 )
                 outcome = await landed(client, "test-admin-key", turns)
         finally:
