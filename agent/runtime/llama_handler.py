@@ -64,6 +64,7 @@ from agent.runtime.endpoints import peer_endpoint
 from agent.runtime.job_messages import (
     AGENT_STOPPING,
     CANCELLED,
+    GENERATION_FAILED,
     INVALID_PLAN,
     JOB_ALREADY_RUNNING,
     RUNTIME_BUSY,
@@ -172,8 +173,9 @@ class LlamaHandler:
         self._send: Send | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
-        # One keep-alive HTTP client for every generation request to llama-server: a new
-        # client and connection per request cost several milliseconds of time to first token.
+        # One keep-alive HTTP client for the embeddings requests to llama-server (a new client
+        # per request cost several milliseconds). Generations stream over a connection each
+        # (agent/runtime/llama_stream.py).
         self._http: httpx.AsyncClient | None = None
         self.models = PlanModels(self.models_dir, self.data_dir)
 
@@ -292,6 +294,16 @@ class LlamaHandler:
                     await self._embed(job, server, request, send)
                 else:
                     await self._execute(job, server, request, send)
+            except Exception as exc:
+                # A fault of the agent's own after the setup result: the job fails, now, rather
+                # than wait for a result that never comes (the agent's catch-all answers with a
+                # setup failure, which the controller no longer expects).
+                if job.phase == _FINISHED:
+                    raise
+                log.exception("job %s: the agent failed during %s", job.job_id, job.phase)
+                job.phase = _FINISHED
+                message = f"agent handler failed: {type(exc).__name__}: {exc}"
+                await send(job_failure(job.job_id, "execution", GENERATION_FAILED, message))
             finally:
                 self._release_server()
         except asyncio.CancelledError:
@@ -422,9 +434,7 @@ class LlamaHandler:
         timings = None
         failure: tuple[str, str] | None = None
         blame: Blame | None = None
-        if self._http is None:
-            self._http = httpx.AsyncClient(verify=False)  # loopback plain HTTP: no CA bundle
-        stream = server.stream_chat(request, client=self._http)
+        stream = server.stream_chat(request)
         try:
             async for delta in stream:
                 if delta.text or delta.extra:

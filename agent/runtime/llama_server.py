@@ -19,6 +19,7 @@ import orjson
 
 from agent.runtime.endpoints import free_loopback_port, port_is_free
 from agent.runtime.llama_binaries import RuntimeBinaries
+from agent.runtime.llama_stream import LlamaStream, StreamProtocolError
 from agent.runtime.managed_child import ExitCallback, ManagedChild, describe_exit
 from agent.runtime.runtime_errors import (
     ContextTooLong,
@@ -261,46 +262,38 @@ class LlamaServer(ManagedChild):
                 time.sleep(0.2)
 
     async def stream_chat(
-        self,
-        request: ChatRequest,
-        *,
-        client: httpx.AsyncClient | None = None,
-        read_timeout: float = 300.0,
+        self, request: ChatRequest, *, read_timeout: float = 300.0
     ) -> AsyncGenerator[ChatDelta, None]:
-        """Stream ``/v1/chat/completions`` as :class:`ChatDelta` items while they arrive.
+        """Stream ``/v1/chat/completions`` as :class:`ChatDelta` items while they arrive (over
+        a connection of its own: :mod:`agent.runtime.llama_stream`, the per-token path).
 
         Closing the generator (``aclose()``, ``break`` in ``async for`` plus garbage
         collection, or cancelling the consuming task) closes the HTTP connection, which makes
         llama-server stop generating for this request.
         """
         self.check()
-        timeout = httpx.Timeout(connect=5.0, read=read_timeout, write=30.0, pool=30.0)
-        owned = client is None
-        # Plain HTTP to loopback: no TLS, so no CA bundle to load. httpx loads one for every new
-        # client unless told not to, and that took 40-60 ms of the event loop per request.
-        http = client if client is not None else httpx.AsyncClient(timeout=timeout, verify=False)
-        url = f"{self.base_url}{request.path}"
+        payload = _json_bytes(request.payload())
+        exchange = LlamaStream(
+            self.host, self.port, request.path, payload, read_timeout=read_timeout
+        )
         try:
-            async with http.stream("POST", url, json=request.payload(), timeout=timeout) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode("utf-8", errors="replace")
-                    error = _refusal(resp.status_code, body)
+            async with exchange as resp:
+                if resp.status != 200:
+                    body = (await resp.read_all()).decode("utf-8", errors="replace")
+                    error = _refusal(resp.status, body)
                     raise error(
-                        f"llama-server returned {resp.status_code}: {_error_message(body)}",
-                        status_code=resp.status_code,
+                        f"llama-server returned {resp.status}: {_error_message(body)}",
+                        status_code=resp.status,
                     )
-                async for line in _sse_lines(resp.aiter_bytes()):
+                async for line in _sse_lines(resp.body()):
                     delta = _parse_sse_line(line)
                     if delta is _DONE:
                         return
                     if isinstance(delta, ChatDelta):
                         yield delta
             raise await self._stream_broken("stream ended without [DONE]")
-        except httpx.HTTPError as exc:
-            raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if owned:
-                await asyncio.shield(http.aclose())
+        except (OSError, TimeoutError, StreamProtocolError) as exc:
+            raise await self._stream_broken(_describe(exc)) from exc
 
     async def embed(
         self, request: EmbeddingsRequest, *, client: httpx.AsyncClient, read_timeout: float = 300.0
@@ -448,6 +441,21 @@ def _exceeds_context(body: str) -> bool:
         return False
     error = data.get("error") if isinstance(data, dict) else None
     return isinstance(error, dict) and error.get("type") == "exceed_context_size_error"
+
+
+def _json_bytes(body: Mapping[str, Any]) -> bytes:
+    """``body`` as JSON (orjson; the standard library for what orjson refuses, an integer
+    beyond 64 bits, say, so that llama-server judges it as it would have before)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _describe(exc: BaseException) -> str:
+    """A transport failure in a few words: its kind, and its message when it has one."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _error_message(body: str | Mapping[str, Any]) -> str:

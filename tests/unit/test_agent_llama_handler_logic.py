@@ -20,6 +20,7 @@ from agent.control.control_handler import NullHandler
 from agent.control.job_traffic import Connection
 from agent.runtime import llama_server
 from agent.runtime.job_messages import (
+    GENERATION_FAILED,
     INVALID_PLAN,
     MODEL_NOT_FOUND,
     SHA256_MISMATCH,
@@ -300,9 +301,7 @@ class StreamingServer:
     def __init__(self, lines: list[bytes]) -> None:
         self.lines = lines
 
-    async def stream_chat(
-        self, request: ChatRequest, *, client: object
-    ) -> AsyncIterator[ChatDelta]:
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatDelta]:
         for line in self.lines:
             delta = llama_server._parse_sse_line(line)
             if isinstance(delta, ChatDelta):
@@ -350,3 +349,30 @@ async def test_stop_server_stops_an_idle_server_and_keeps_one_a_job_uses(
     assert (runtime.stops, runtime.server) == (1, None)
     await handler.on_stop_server(pb.StopServer(reason="again"))  # nothing left to stop
     assert runtime.stops == 1 and handler._stopping is None
+
+
+class FaultyServer:
+    """A warm llama-server stand-in whose stream gives one piece and then meets a fault of
+    the agent's own (a bug, not a llama.cpp failure)."""
+
+    async def stream_chat(self, request: ChatRequest) -> AsyncIterator[ChatDelta]:
+        yield ChatDelta(text="a")
+        raise TypeError("a bug of the agent's own")
+
+
+async def test_a_fault_of_the_agent_after_setup_fails_the_job_at_once(
+    handler: LlamaHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request = ChatRequest(messages=[{"role": "user", "content": "x"}])
+
+    async def warm_setup(plan: pb.ExecutionPlan) -> tuple[LlamaServer, ChatRequest]:
+        return cast(LlamaServer, FaultyServer()), request
+
+    monkeypatch.setattr(handler, "_setup", warm_setup)
+    sent = Collect()
+    await handler._run_primary(_Job("j"), plan("j"), sent)
+    kinds = [m.WhichOneof("payload") for m in sent.sent]
+    assert kinds == ["setup_result", "token_chunk", "job_result"]
+    result = sent.sent[-1].job_result
+    assert not result.ok and result.error_code == GENERATION_FAILED
+    assert "TypeError: a bug of the agent's own" in result.error
