@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,21 +69,6 @@ def ask(conversation: int, turn: int) -> str:
     return f"Conversation {conversation}, question {turn}: " + (
         f"what did node {conversation % 7} log about slot {turn} after the restart? " * 4
     )
-
-
-def no_pause(_conversation: int, _turn: int) -> float:
-    """No time between an answer and the next turn: the client sends it at once."""
-    return 0.0
-
-
-def reading_time(conversation: int, turn: int) -> float:
-    """A user's pause before a later turn, its own to the conversation and turn: 0 to 60 ms.
-
-    Conversations that all answer at the same pace and come back at once fall into step: with
-    12 of them on 4 nodes and a first-come queue, each freed slot goes to the conversation the
-    same node served before, so even blind placement sends every later turn home. Pauses that
-    differ break that lockstep, as real users do."""
-    return ((conversation * 5 + turn * 3) % 7) * 0.01
 
 
 @dataclass(frozen=True)
@@ -135,19 +120,15 @@ async def converse(
     turns: int = 4,
     model: str = MODEL,
     max_tokens: int = 64,
-    pause: Callable[[int, int], float] = no_pause,
 ) -> list[Turn]:
     """``conversations`` chats at once, each ``turns`` turns one after the other: every turn
-    sends the system prompt and the whole history; the answer joins the history. ``pause``
-    (conversation, turn) is the seconds a user takes before a later turn."""
+    sends the system prompt and the whole history; the answer joins the history."""
     headers = {"Authorization": f"Bearer {ai_key}"}
 
     async def chat(conversation: int) -> list[Turn]:
         history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
         done = []
         for turn in range(1, turns + 1):
-            if turn > 1 and (seconds := pause(conversation, turn)) > 0:
-                await asyncio.sleep(seconds)
             history.append({"role": "user", "content": ask(conversation, turn)})
             body = {"model": model, "messages": history, "max_tokens": max_tokens}
             started = time.perf_counter()

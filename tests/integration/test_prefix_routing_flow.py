@@ -8,10 +8,11 @@ With 8 slots for 12 conversations every later turn finds its server busy about a
 not. With ``PREFIX_ROUTING`` on it waits for that server (a bounded wait, see
 ``application/admission.py``) and a freed slot goes to the conversation its server holds:
 measured 36 of 36 later turns on the node of the conversation's first turn (the test asks for
-at least 30). With it off, the scheduler takes the warm server with the most free slots:
-5 to 13 of 36. Users pause between turns, each for its own time (``reading_time``): without
-pauses, on a quiet machine, identical conversations fall into step and blind placement sent all
-36 home (a clean clone's CI run).
+at least 30). With it off, the scheduler takes the warm server with the most free slots and
+where a later turn lands is chance: 5 to 17 of 36 here, but all 36 on a quiet machine where the
+twelve identical conversations fell into step (each freed slot went, first come first served,
+to the conversation that node had served before). So the test asks routing off for no route
+recorded, not for few turns home; ``bench/prefix_routing.py`` reports both side by side.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.prefix_routing import MODEL_SHA, SYSTEM, converse, landed, reading_time, ready
+from bench.prefix_routing import MODEL_SHA, SYSTEM, converse, landed, ready
 from domain.prefix_index import BLOCK_CHARS
 from interfaces.controller_main import controller
 from tests.conftest import controller_settings
@@ -56,11 +57,7 @@ async def test_later_turns_go_home_only_with_prefix_routing(
             ) as client:
                 await ready(client, "test-admin-key", NODES)
                 turns = await converse(
-                    client,
-                    "test-ai-key",
-                    conversations=CONVERSATIONS,
-                    turns=TURNS,
-                    pause=reading_time,
+                    client, "test-ai-key", conversations=CONVERSATIONS, turns=TURNS
                 )
                 outcome = await landed(client, "test-admin-key", turns)
         finally:
@@ -71,7 +68,6 @@ async def test_later_turns_go_home_only_with_prefix_routing(
     assert later == CONVERSATIONS * (TURNS - 1)
     assert len({t.node for t in outcome.turns}) == NODES  # the conversations spread out
     if not routing:
-        assert home < 30, f"{home} of {later} later turns went home without routing"
         assert all(t.route is None for t in outcome.turns)  # nothing routed, none recorded
         return
     assert home >= 30, f"only {home} of {later} later turns went home"
