@@ -110,6 +110,17 @@ class JobRelay:
             return None  # late: the job ended, or a plan it was in failed meanwhile
         if run.setup_future is not None and not run.setup_future.done():
             run.setup_future.set_result(outcome)
+        elif run.setup_ok and not outcome.ok:
+            # The primary failed after a good setup and said so as a setup result (an agent
+            # whose own fault reached its catch-all): the job fails now, as a failure in
+            # execution, rather than wait for a result that will never come.
+            log.warning("job %s: its primary failed after its setup: %s", job_id, outcome.error)
+            failed = AgentJobResult(
+                ok=False,
+                error=f"the primary failed after its setup: {outcome.error or 'no reason given'}",
+                error_code=JobErrorCode.EXECUTION_FAILED,
+            )
+            self._ctx.background.spawn(self._job_finished(node_id, job_id, failed))
         return None
 
     def _relay(self, node_id: str, job_id: str, deltas: list[Delta]) -> Rejection | None:

@@ -104,3 +104,21 @@ async def test_a_late_answer_from_an_earlier_plan_is_dropped_quietly() -> None:
     assert await cluster.jobs.handle(first, JobFinished(job, AgentJobResult(ok=False))) is None
     await cluster.validate(second, job)
     await asyncio.wait_for(task, GUARD)
+
+
+async def test_a_setup_failure_after_a_good_setup_fails_the_job_at_once() -> None:
+    """An agent whose own fault after the setup reaches its catch-all reports a setup failure;
+    the job fails then (an execution failure, its slot freed) instead of waiting forever."""
+    cluster = Cluster(nodes=1)
+    node, job, run = await cluster.running_job()
+    await cluster.jobs.handle(node, TokensGenerated(job, [Delta(0, "x")]))
+    failed = SetupOutcome(ok=False, error="handler failed: KeyError: 'x'", error_code="AGENT_ERROR")
+    assert await cluster.jobs.handle(node, SetupReported(job, failed)) is None
+    await cluster.jobs.settle()
+    items = [run.queue.get_nowait() for _ in range(run.queue.qsize())]
+    assert [i.kind for i in items] == ["deltas", "error"]
+    assert items[-1].error_code == "execution_failed"
+    assert "handler failed: KeyError" in items[-1].error
+    await cluster.until(lambda: cluster.job_codes(job)[-1] == "JOB_FAILED")
+    released = [e for e in cluster._events(node) if type(e).__name__ == "JobReleased"]
+    assert [e.outcome for e in released] == ["failed"]
