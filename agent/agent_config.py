@@ -18,6 +18,7 @@ import grpc.aio
 
 from agent.models.fetch_limits import FetchLimits
 from agent.runtime.job_messages import TOKEN_BATCH_SECONDS
+from agent.runtime.server_spec import DEFAULT_POLL
 from common.contract import (
     DEFAULT_ALLOWED_PEER_CIDRS,
     DEFAULT_GRPC_PORT,
@@ -185,6 +186,8 @@ class AgentConfig:
     slots: int = DEFAULT_SLOTS
     #: CPU threads of each llama.cpp process (``--threads``; None: llama.cpp's default).
     threads: int | None = None
+    #: llama-server's ``--poll`` (agent/runtime/server_spec.py: DEFAULT_POLL).
+    poll: int = DEFAULT_POLL
     #: The shortest time between two messages of one job's tokens (``--stream-interval``, s).
     stream_interval: float = TOKEN_BATCH_SECONDS
     llama_bin_dir: Path | None = None

@@ -53,6 +53,7 @@ def build_handler(config: AgentConfig) -> ControlHandler:
         rpc_port=config.rpc_port,
         rpc_threads=config.threads,
         server_threads=config.threads,
+        server_poll=config.poll,
         stream_interval=config.stream_interval,
         allowed_peer_cidrs=config.allowed_peer_cidrs,
     )

@@ -128,6 +128,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _poll_level(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be 0 to 100: {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -343,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--poll",
+        type=_poll_level,
+        default=os.environ.get("DACP_POLL") or str(AgentConfig.poll),
+        metavar="0-100",
+        help=(
+            "how long llama-server's idle compute threads spin for work before they sleep "
+            "(its --poll; llama.cpp's own default is 50). 0 frees the cores between tokens "
+            "for the agent, which relays them (default: %(default)s); env DACP_POLL"
+        ),
+    )
+    parser.add_argument(
         "--stream-interval",
         type=_non_negative_float,
         default=os.environ.get("DACP_STREAM_INTERVAL") or AgentConfig.stream_interval,
@@ -429,6 +450,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         labels=labels,
         slots=args.slots,
         threads=args.threads,
+        poll=args.poll,
         stream_interval=args.stream_interval,
         llama_bin_dir=Path(args.llama_bin_dir).expanduser() if args.llama_bin_dir else None,
         llama_backend=args.llama_backend,

@@ -268,6 +268,7 @@ class ServerSettings:
     ctx_size: int = server_spec.DEFAULT_CTX_SIZE
     parallel: int = 1
     threads: int | None = None
+    poll: int = server_spec.DEFAULT_POLL
     n_gpu_layers: int | None = None
     tensor_split: tuple[float, ...] = ()
     rpc_count: int = 0
@@ -305,7 +306,15 @@ def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
         "--gpu-layers": "--n-gpu-layers",
         "-ts": "--tensor-split",
     }
-    wanted = {"--ctx-size", "--parallel", "--threads", "--n-gpu-layers", "--tensor-split", "--rpc"}
+    wanted = {
+        "--ctx-size",
+        "--parallel",
+        "--threads",
+        "--poll",
+        "--n-gpu-layers",
+        "--tensor-split",
+        "--rpc",
+    }
     items = list(argv[1:])
     i = 0
     while i < len(items):
@@ -326,6 +335,7 @@ def settings_from_argv(argv: Sequence[str], source: str) -> ServerSettings:
         ctx_size=int(values.get("--ctx-size", server_spec.DEFAULT_CTX_SIZE)),
         parallel=int(values.get("--parallel", 1)),
         threads=int(threads) if threads is not None else None,
+        poll=int(values.get("--poll", server_spec.DEFAULT_POLL)),
         n_gpu_layers=int(layers) if layers is not None else None,
         tensor_split=split,
         rpc_count=len(rpc),
@@ -585,6 +595,7 @@ def start_direct(
             n_gpu_layers=settings.n_gpu_layers,
             parallel=settings.parallel,
             threads=settings.threads,
+            poll=settings.poll,
             extra_args=settings.extra_args,
         )
         server = llama_server.LlamaServer(binaries, spec, log_dir=log_dir)

@@ -91,7 +91,7 @@ from agent.runtime.rpc_peers import probe_peers, warm_links
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime import RuntimeManager
 from agent.runtime.runtime_errors import LlamaRuntimeError
-from agent.runtime.server_spec import ServerSpec, server_spec_for
+from agent.runtime.server_spec import DEFAULT_POLL, ServerSpec, server_spec_for
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, DEFAULT_RPC_PORT, OUT_OF_MEMORY
 from wire import control_pb2 as pb
 
@@ -130,6 +130,7 @@ class LlamaHandler:
         rpc_port: int = DEFAULT_RPC_PORT,
         rpc_threads: int | None = None,
         server_threads: int | None = None,
+        server_poll: int = DEFAULT_POLL,
         stream_interval: float = TOKEN_BATCH_SECONDS,
         allow_public_rpc: bool = False,
         allowed_peer_cidrs: Sequence[str] = DEFAULT_ALLOWED_PEER_CIDRS,
@@ -145,6 +146,7 @@ class LlamaHandler:
         self.log_dir = Path(log_dir)
         self.slots = slots
         self.server_threads = server_threads
+        self.server_poll = server_poll
         #: The shortest time between two messages of a job's tokens (:class:`DeltaSender`).
         self.stream_interval = stream_interval
         self.probe_timeout = probe_timeout
@@ -331,7 +333,9 @@ class LlamaHandler:
         request = job_request(plan)
         model_path = await self.models.resolve(plan.model_file_name, plan.model_sha256)
         try:
-            spec = server_spec_for(plan, model_path, self.slots, self.server_threads)
+            spec = server_spec_for(
+                plan, model_path, self.slots, self.server_threads, self.server_poll
+            )
         except ValueError as exc:
             raise SetupFailure(INVALID_PLAN, str(exc)) from None
         await self._reserve_server(spec)

@@ -21,6 +21,12 @@ RPC_DEFAULT_GPU_LAYERS = 99
 DEVICE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 # llama-server verbosity 4 ("trace") logs device placement, buffer sizes and per-request timings.
 DEFAULT_SERVER_VERBOSITY = 4
+#: llama-server's ``--poll``: how long its idle compute threads spin for work before they sleep
+#: (0 to 100; llama.cpp's own default is 50). 0: they sleep at once. Its threads take every core
+#: by default, and while they spin between tokens the agent, and the controller on the same
+#: machine, wait for a core to relay each token: on two cores 0 gave about 12 % more tokens a
+#: second through the controller, and more straight from llama-server too (docs/performance.md).
+DEFAULT_POLL = 0
 
 # --- llama-server ------------------------------------------------------------------------
 
@@ -48,6 +54,8 @@ class ServerSpec:
     devices: tuple[str, ...] = ()
     parallel: int = 1
     threads: int | None = None
+    #: ``--poll`` (0 to 100): see :data:`DEFAULT_POLL`.
+    poll: int = DEFAULT_POLL
     alias: str | None = None
     extra_args: tuple[str, ...] = field(default=())
     #: An embedding model's server: ``--embeddings``, its pooling ("": the model's own), and
@@ -67,6 +75,8 @@ class ServerSpec:
             raise ValueError(f"parallel must be at least 1, got {self.parallel}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if not 0 <= self.poll <= 100:
+            raise ValueError(f"poll must be 0 to 100, got {self.poll}")
         for endpoint in self.rpc_endpoints:
             parse_endpoint(endpoint)
         if len(set(self.rpc_endpoints)) != len(self.rpc_endpoints):
@@ -101,6 +111,7 @@ class ServerSpec:
             argv.append("--kv-unified")
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]
+        argv += ["--poll", str(self.poll)]
         if self.alias:
             argv += ["--alias", self.alias]
         if self.rpc_endpoints:
@@ -135,7 +146,11 @@ def _check_split(split: tuple[float, ...], count: int, what: str) -> None:
 
 
 def server_spec_for(
-    plan: pb.ExecutionPlan, model_path: Path, slots: int, threads: int | None
+    plan: pb.ExecutionPlan,
+    model_path: Path,
+    slots: int,
+    threads: int | None,
+    poll: int = DEFAULT_POLL,
 ) -> ServerSpec:
     """The server ``plan`` runs on, on a node offering ``slots``; raises ``ValueError`` saying
     what is wrong with the plan."""
@@ -160,6 +175,7 @@ def server_spec_for(
             devices=devices,
             parallel=parallel,
             threads=threads,
+            poll=poll,
             embeddings=plan.embeddings,
             pooling=plan.pooling,
         )

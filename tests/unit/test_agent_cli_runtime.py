@@ -13,6 +13,7 @@ from agent.handler_factory import RuntimeUnavailable, build_handler, resolve_bin
 from agent.main import build_parser, config_from_args
 from agent.runtime.job_messages import TOKEN_BATCH_SECONDS
 from agent.runtime.llama_handler import LlamaHandler
+from agent.runtime.server_spec import DEFAULT_POLL
 from common.contract import MEMORY_LIMIT_LABEL, SLOTS_LABEL, TRANSFER_PORT_LABEL
 
 
@@ -147,11 +148,12 @@ async def test_found_binaries_give_the_llama_handler(tmp_path: Path) -> None:
     await handler.close()
 
 
-async def test_threads_and_the_stream_interval_reach_the_handler(
+async def test_threads_poll_and_the_stream_interval_reach_the_handler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--threads`` (env DACP_THREADS): llama.cpp's own default (every core) unless given;
-    ``--stream-interval`` (env DACP_STREAM_INTERVAL): the pace of a job's token messages."""
+    ``--poll`` (env DACP_POLL): llama-server's, 0 unless given; ``--stream-interval`` (env
+    DACP_STREAM_INTERVAL): the pace of a job's token messages."""
     bin_dir = fake_build(tmp_path / "bin")
     monkeypatch.delenv("DACP_THREADS", raising=False)
     assert config(tmp_path).threads is None
@@ -160,7 +162,18 @@ async def test_threads_and_the_stream_interval_reach_the_handler(
     handler = build_handler(config(tmp_path, "--llama-bin-dir", str(bin_dir), "--threads", "1"))
     assert isinstance(handler, LlamaHandler)
     assert handler.server_threads == 1 and handler.rpc_host.rpc_threads == 1
+    assert handler.server_poll == DEFAULT_POLL == 0
     await handler.close()
+    monkeypatch.setenv("DACP_POLL", "30")
+    assert config(tmp_path).poll == 30
+    spinning = build_handler(config(tmp_path, "--llama-bin-dir", str(bin_dir), "--poll", "50"))
+    assert isinstance(spinning, LlamaHandler) and spinning.server_poll == 50
+    await spinning.close()
+    monkeypatch.delenv("DACP_POLL")
+    with pytest.raises(SystemExit) as refused:
+        config(tmp_path, "--poll", "101")
+    assert refused.value.code == 2
+    assert "argument --poll: must be 0 to 100: '101'" in capsys.readouterr().err
     monkeypatch.delenv("DACP_STREAM_INTERVAL", raising=False)
     assert config(tmp_path).stream_interval == TOKEN_BATCH_SECONDS
     monkeypatch.setenv("DACP_STREAM_INTERVAL", "0.2")

@@ -175,7 +175,7 @@ def test_parse_start_lines() -> None:
 def test_settings_from_argv_mirrors_runtime_spec() -> None:
     argv = (
         "/x/llama-server --model /m.gguf --ctx-size 2048 --host 127.0.0.1 --port 5 "
-        "--parallel 2 --fit off --no-webui --log-verbosity 4 --threads 3 "
+        "--parallel 2 --fit off --no-webui --log-verbosity 4 --threads 3 --poll 20 "
         "--alias smol --rpc 127.0.0.1:1,127.0.0.1:2 --n-gpu-layers 99 "
         "--tensor-split 0.25,0.75 --flash-attn on --no-mmap"
     ).split()
@@ -184,6 +184,7 @@ def test_settings_from_argv_mirrors_runtime_spec() -> None:
         ctx_size=2048,
         parallel=2,
         threads=3,
+        poll=20,
         n_gpu_layers=99,
         tensor_split=(0.25, 0.75),
         rpc_count=2,
@@ -198,6 +199,7 @@ def test_settings_from_argv_defaults_and_short_flags() -> None:
     assert settings.n_gpu_layers == 0
     assert settings.parallel == 1
     assert settings.threads is None
+    assert settings.poll == 0  # the agent's default, not llama.cpp's
     assert settings.tensor_split == ()
     assert settings.rpc_count == 0
 

@@ -454,3 +454,14 @@ def test_corrupted_cached_model_is_not_trusted(tmp_path: Path) -> None:
     model.parent.mkdir(parents=True)
     model.write_bytes(b"truncated")
     assert fetch_model.cached_model() is None
+
+
+def test_idle_compute_threads_sleep_unless_told_to_spin(tmp_path: Path) -> None:
+    """``--poll 0`` by default (their spinning kept the agent from a core between tokens);
+    the node's ``--poll`` is passed on, and a level out of llama.cpp's range is refused."""
+    argv = ServerSpec(str(tmp_path / "m.gguf")).argv(Path("llama-server"), "127.0.0.1", 1)
+    assert argv[argv.index("--poll") + 1] == "0"
+    argv = ServerSpec(str(tmp_path / "m.gguf"), poll=50).argv(Path("llama-server"), "h", 1)
+    assert argv[argv.index("--poll") + 1] == "50"
+    with pytest.raises(ValueError, match="poll must be 0 to 100, got 101"):
+        ServerSpec(str(tmp_path / "m.gguf"), poll=101)
