@@ -2,9 +2,9 @@
 streams, for the agent's per-token path.
 
 llama-server sends one server-sent event per token. Through an HTTP library each event went up
-through its connection pool, stream and byte-iterator layers: about 60 µs of the agent's CPU
-per token more than reading the socket here, on a machine where every wake-up between two
-tokens is taken from llama.cpp's own threads (``python -m bench.llama_stream`` measures both).
+through its connection pool, stream and byte-iterator layers: about twice the agent's CPU per
+token that reading the socket here takes, on a machine where every wake-up between two tokens
+is taken from llama.cpp's own threads (``python -m bench.llama_stream`` measures both).
 This module does what that one exchange needs and nothing more: one request on its own
 connection (``Connection: close``, so a closed stream is a closed connection, which makes
 llama-server stop generating), a status line and headers, and a body framed by chunked
@@ -60,6 +60,18 @@ class LlamaStream:
     async def __aenter__(self) -> LlamaStream:
         async with asyncio.timeout(self._connect_timeout):
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            await self._start()
+        except BaseException:
+            # Cancelled (the job was) or failed before the body: the ``async with`` body never
+            # runs and ``__aexit__`` is not called, so the connection is closed here, which
+            # also makes llama-server drop the request.
+            self.close()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        assert self._writer is not None
         self._writer.write(
             b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
             b"Accept: text/event-stream\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
@@ -74,7 +86,6 @@ class LlamaStream:
         async with asyncio.timeout(self._read_timeout):
             head = await self._head()
         self.status, self.headers = parse_head(head)
-        return self
 
     async def __aexit__(
         self,

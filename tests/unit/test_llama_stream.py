@@ -191,6 +191,35 @@ async def test_leaving_the_stream_closes_the_connection() -> None:
         await asyncio.wait_for(closed.wait(), 5)
 
 
+async def test_cancelled_before_the_headers_closes_the_connection() -> None:
+    """A job cancelled while llama-server has not answered yet (all its slots busy, say): the
+    connection closes, so llama-server drops the request instead of running it for nobody."""
+    asked, closed = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        asked.set()
+        assert await reader.read() == b""  # no answer sent: the client hangs up
+        closed.set()
+
+    server, port = await serve(handler)
+    async with server:
+        # Held here, as a traceback or a caller may hold it: its closing cannot be left to
+        # garbage collection.
+        stream = LlamaStream("127.0.0.1", port, "/", b"{}")
+
+        async def ask() -> None:
+            async with stream:
+                raise AssertionError("no headers came: the body must not run")
+
+        task = asyncio.create_task(ask())
+        await asyncio.wait_for(asked.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(closed.wait(), 5)
+
+
 async def test_a_refused_connection_raises_oserror() -> None:
     server, port = await serve(lambda reader, writer: asyncio.sleep(0))
     server.close()
