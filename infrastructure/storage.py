@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import psycopg
+from eventsourcing.persistence import InterfaceError, OperationalError
+from eventsourcing.postgres import PostgresDatastore
 
 from application.controller import Controller
-from application.store_guard import StoreGuard
+from application.store_guard import StoreGuard, StoreUnavailable
 from infrastructure.persistence import persistence_env
 from infrastructure.projection_follower import ProjectionFollower
 from infrastructure.read_model_store import ReadModelStore, open_read_model
@@ -42,6 +45,34 @@ def _refresh_pools(*recorders: object) -> None:
         check = getattr(pool, "check", None)  # psycopg_pool's; SQLite has no pool to refresh
         if check is not None:
             check()
+
+
+def fail_fast_on_outage(recorder: object, guard: StoreGuard) -> None:
+    """The event store's first failure to get a connection trips ``guard`` and ends the
+    command at once (:class:`StoreUnavailable`: a 503 with ``Retry-After``).
+
+    eventsourcing's Postgres recorders retry an operational error ten times, and a pool that
+    cannot connect takes its whole wait (``POOL_WAIT_SECONDS``) every time: the first command
+    after the database stopped waited about 22 s for its answer unless something else had
+    tripped the guard first (a read of the views, the follower losing its connection).
+    Failing to get a connection at all is an outage, not a query to try again; an error on a
+    connection already got (one the database dropped) is still retried by eventsourcing."""
+    datastore = getattr(recorder, "datastore", None)
+    if not isinstance(datastore, PostgresDatastore):
+        return  # the embedded SQLite file has no such outage
+    acquire = datastore.get_connection
+
+    @contextlib.contextmanager
+    def get_connection() -> Iterator[Any]:
+        with contextlib.ExitStack() as stack:
+            try:
+                connection = stack.enter_context(acquire())
+            except (OperationalError, InterfaceError) as e:
+                guard.observe(e)
+                raise StoreUnavailable(f"the event store is unreachable: {e}") from e
+            yield connection
+
+    cast(Any, datastore).get_connection = get_connection
 
 
 def _connect(env: Mapping[str, str], **kwargs: object) -> psycopg.Connection[Any]:
@@ -92,6 +123,7 @@ def open_storage(
     ensure_postgres_schema(env)
     guard = StoreGuard(store_probe(env))
     app = Controller(env=env, record_content=record_content, guard=guard)
+    fail_fast_on_outage(app.recorder, guard)
     store = open_read_model(env)
     cast(Any, store).guard = guard
     guard.on_back = lambda: _refresh_pools(app.recorder, store)

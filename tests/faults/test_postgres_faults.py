@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from uuid import uuid4
 
 import pytest
 
+from application.store_guard import StoreUnavailable
 from interfaces.controller_main import RunningController
 from tests.controller_fixture import controller_fixture
 from tests.faults.services import OwnPostgres
@@ -99,6 +101,24 @@ async def test_postgres_down_for_twice_offline_after(
     await _outage_answers(ctl)
     own_postgres.start()
     await _recovered(ctl, agent, time.monotonic())
+
+
+async def test_the_first_command_after_the_store_stopped_fails_within_the_pool_wait(
+    ctl: RunningController, own_postgres: OwnPostgres
+) -> None:
+    """Nothing else has noticed the outage (the follower is stopped, no view is read): the
+    command's own failure to get a connection trips the guard and answers, within one pool
+    wait, not after eventsourcing's ten attempts of it (about 22 s)."""
+    ctl.services.follower.stop()
+    app = ctl.services.app
+    own_postgres.stop()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="the event store is unreachable"):
+        await asyncio.to_thread(app.validate_setup, uuid4())
+    assert time.monotonic() - started < FAST
+    assert not app.guard.up
+    with pytest.raises(StoreUnavailable):  # the next one at once, without a pool wait
+        await asyncio.wait_for(asyncio.to_thread(app.validate_setup, uuid4()), 0.5)
 
 
 async def test_postgres_frozen_does_not_block_heartbeats(
