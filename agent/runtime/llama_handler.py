@@ -297,9 +297,9 @@ class LlamaHandler:
                 else:
                     await self._execute(job, server, request, send)
             except Exception as exc:
-                # A fault of the agent's own after the setup result: the job fails, now, rather
-                # than wait for a result that never comes (the agent's catch-all answers with a
-                # setup failure, which the controller no longer expects).
+                # A fault of the agent's own after the setup result: the job fails now, as a
+                # failed result (the agent's catch-all would answer with a setup failure, which
+                # the controller can only take as a late one: application/job_relay.py).
                 if job.phase == _FINISHED:
                     raise
                 log.exception("job %s: the agent failed during %s", job.job_id, job.phase)

@@ -306,7 +306,7 @@ class LlamaServer(ManagedChild):
         try:
             resp = await client.post(f"{self.base_url}/v1/embeddings", json=body, timeout=timeout)
         except httpx.HTTPError as exc:
-            raise await self._stream_broken(f"{type(exc).__name__}: {exc}") from exc
+            raise await self._stream_broken(_describe(exc)) from exc
         if resp.status_code != 200:
             error = _refusal(resp.status_code, resp.text)
             raise error(

@@ -24,8 +24,8 @@ DEFAULT_SERVER_VERBOSITY = 4
 #: llama-server's ``--poll``: how long its idle compute threads spin for work before they sleep
 #: (0 to 100; llama.cpp's own default is 50). 0: they sleep at once. Its threads take every core
 #: by default, and while they spin between tokens the agent, and the controller on the same
-#: machine, wait for a core to relay each token: on two cores 0 gave about 12 % more tokens a
-#: second through the controller, and more straight from llama-server too (docs/performance.md).
+#: machine, wait for a core to relay each token: on two cores 0 gave about 13 % more tokens a
+#: second through the controller, and 12 % straight from llama-server (docs/performance.md).
 DEFAULT_POLL = 0
 
 # --- llama-server ------------------------------------------------------------------------
