@@ -620,7 +620,15 @@ class Controller(Application[UUID]):
         return self.aggregates.run(command)
 
     def validate_setup(self, job_id: UUID | str) -> int:
-        return self.aggregates.change(Job, job_id, lambda j: j.validate_setup())
+        """Records JOB_SETUP_VALIDATED. A job validated already is left as it is: the write is
+        tried again when the store took it but its answer was lost (the database stopping
+        just after the commit), and finding it written is the write having succeeded."""
+
+        def validate(job: Job) -> None:
+            if job.state not in EXECUTION_PHASE_STATES:
+                job.validate_setup()
+
+        return self.aggregates.change(Job, job_id, validate)
 
     def record_token_chunks(self, chunks: Mapping[Any, Sequence[Delta]]) -> int:
         """Records one TOKEN_STREAM_CHUNK per job for many jobs in one transaction."""

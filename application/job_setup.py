@@ -221,14 +221,14 @@ class JobSetup:
     async def _record_validation(self, run: JobRun) -> None:
         try:
             await in_thread(self._app.validate_setup, run.job_id)
-        except DomainError:
-            if self._runs.holds(run):  # no ending raced with it: a bug
-                log.exception("job %s: its setup could not be recorded", run.job_id)
-            return  # cancelled or ended meanwhile; its ending released the slots
         except Exception as e:
             if self._runs.pop(run.job_id) is None:
-                return
-            log.error("job %s: recording its setup failed: %r", run.job_id, e)
+                return  # cancelled or ended meanwhile; its ending released the slots
+            if isinstance(e, DomainError):  # no ending raced with it: a bug, yet the client
+                # hears of it now rather than wait for the setup timeout
+                log.exception("job %s: the store refused its setup", run.job_id)
+            else:
+                log.error("job %s: recording its setup failed: %r", run.job_id, e)
             cancel_on_primary(self._gateway, run, "the controller could not record the job")
             # The store going away is the client's to retry (503), not a generation failure.
             outage = isinstance(e, StoreUnavailable) or is_outage(e)

@@ -56,6 +56,7 @@ def services(storage: Storage) -> Services:
     for name in ("m1", "m2", "e1"):
         kind = "embedding" if name.startswith("e") else "chat"
         storage.app.register_model(name, SHA, f"{name}.gguf", kind=kind)
+    storage.follower.wait(storage.app.position())  # the views list them (read-your-writes)
     svc.jobs = RecordingJobs()  # type: ignore[assignment]
     return svc
 
@@ -267,6 +268,7 @@ def test_an_open_cluster_closes_while_a_managed_key_lives(storage: Storage) -> N
 def test_an_open_cluster_grants_open(storage: Storage) -> None:
     svc = services_for(storage)
     storage.app.register_model("m1", SHA, "m1.gguf")
+    storage.follower.wait(storage.app.position())  # the views list it (read-your-writes)
     jobs = RecordingJobs()
     svc.jobs = jobs  # type: ignore[assignment]
     with client_for(svc) as client:
