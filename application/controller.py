@@ -538,7 +538,16 @@ class Controller(Application[UUID]):
         job (another placement took its slot first, here or in another controller) raises a
         domain error and nothing is recorded. The dispatch batcher is the one caller."""
 
+        runs = 0
+
         def command() -> list[Aggregate]:
+            nonlocal runs
+            runs += 1
+            if runs > 1 and new_jobs and self.aggregates.find(Job, new_jobs[0].job_id):
+                # Run again after a conflict, and the jobs are there: the store took the first
+                # try but its answer was lost (the database stopping just after the commit).
+                # Their ids are new, and the transaction is all or nothing: nothing is left.
+                return []
             changed: dict[UUID, Aggregate] = {}
             for new in new_jobs:
                 job = self._new_job(new.submission, new.job_id)

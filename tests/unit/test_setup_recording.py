@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from eventsourcing.persistence import RecordConflictError
 
 from application.agent_messages import TokensGenerated
 from application.commands import Delta
@@ -73,42 +72,3 @@ async def test_a_store_error_recording_the_validation_ends_the_job(
     assert cluster.gateway.cancels == [(node, job)]
     await cluster.until(lambda: cluster.job_codes(job)[-1] == "JOB_FAILED")
     assert cluster.app.get_node(node).jobs == []  # its slot is free again
-
-
-async def test_a_validation_whose_commit_was_not_acknowledged_is_not_refused() -> None:
-    """The store took JOB_SETUP_VALIDATED but its answer was lost (the database stopped just
-    after the commit): the write is tried again, finds the version taken, and the command
-    runs again on the stored job, which is validated already. That is the write succeeding,
-    not a refusal: the job streams on (it hung, the client waiting for the setup timeout,
-    in a PostgreSQL restart fault test)."""
-    cluster = Cluster(nodes=1)
-    real_save, real_validate = cluster.app.save, cluster.app.validate_setup
-    validating, lost = [False], [False]
-
-    def commit_then_conflict(*aggregates: Any, **kwargs: Any) -> Any:
-        recordings = real_save(*aggregates, **kwargs)
-        if validating[0] and not lost[0]:
-            lost[0] = True  # once: the retry's insert finds its version taken
-            raise RecordConflictError("the version is taken (the first try committed)")
-        return recordings
-
-    def validate(job_id: Any) -> int:
-        validating[0] = True
-        try:
-            return real_validate(job_id)
-        finally:
-            validating[0] = False
-
-    cluster.app.save = commit_then_conflict  # type: ignore[method-assign]
-    cluster.app.validate_setup = validate  # type: ignore[method-assign]
-    task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
-    [(node, job)] = await cluster.primary_assigned(1)
-    await cluster.validate(node, job)
-    run = await asyncio.wait_for(task, GUARD)
-    await asyncio.wait_for(run.validated.wait(), GUARD)
-    assert lost[0]
-    assert cluster.job_codes(job).count("JOB_SETUP_VALIDATED") == 1
-    await cluster.jobs.handle(node, TokensGenerated(job, [Delta(0, "Hi")]))
-    await cluster.finish(node, job)
-    assert cluster.job_codes(job)[-1] == "JOB_COMPLETED"
-    assert cluster.gateway.cancels == []
