@@ -54,6 +54,13 @@ class RunRegistry:
     def add(self, run: JobRun) -> None:
         self.runs[run.job_id] = run
 
+    def rename(self, run: JobRun, job_id: str) -> None:
+        """``run`` goes on under ``job_id``: messages about its old id are late from now on."""
+        if self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+        run.job_id = job_id
+        self.runs[job_id] = run
+
     def get(self, job_id: str) -> JobRun | None:
         return self.runs.get(job_id)
 

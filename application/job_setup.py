@@ -395,9 +395,13 @@ class JobSetup:
                 # Reserved here before the write, so the next placement sees the slot taken
                 # and need not wait for this write: bursts of requests write side by side.
                 self._scheduler.ledger.assigned(run.job_id, roles, runtime_of(plan))
+            # A new job on a warm server's free slot: its primary is told before the write.
+            # Not a job the store holds already (queued): see the SlotTaken case below.
+            early = result.warm and not plan.workers and failure is None
+            early = early and not run.raced and not run.recorded
             try:
                 route = router.route_of(run.submission.prompt, result.route)
-                if result.warm and not plan.workers and failure is None and not run.raced:
+                if early:
                     await self._dispatch_at_once(run, plan, roles, result.fallback_used, route)
                 else:
                     await self._dispatch(run, plan, roles, result.fallback_used, failure, route)
@@ -407,6 +411,15 @@ class JobSetup:
                 self._scheduler.release(run.job_id)  # nothing was written
                 run.raced = True  # told the primary once already: record first from now on
                 log.info("job %s: a planned slot was taken meanwhile (%s)", run.job_id, e)
+                if early:
+                    # Its primary heard of the job and was told to stop, and its answers
+                    # (setup result, tokens) may still come. The store holds nothing of the
+                    # job, so it goes on under a new id, and they are dropped as late: under
+                    # the same id they would pass for the answers to its next plan, on the
+                    # same node or not.
+                    old = run.job_id
+                    self._runs.rename(run, str(uuid4()))
+                    log.info("job %s goes on as job %s", old, run.job_id)
                 try:
                     await in_thread(self._scheduler.catch_up)  # learn who took it
                 except TimeoutError:

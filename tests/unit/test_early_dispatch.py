@@ -12,6 +12,9 @@ from uuid import uuid4
 
 import pytest
 
+from application.agent_messages import SetupOutcome, SetupReported, TokensGenerated
+from application.commands import Delta
+from domain.errors import SlotTaken
 from tests.unit.job_cluster import GUARD, MODEL, Cluster, submission
 from tests.unit.test_job_admission import held_write
 
@@ -80,3 +83,35 @@ async def test_a_cold_plan_is_stored_before_its_primary_is_told() -> None:
     [(node, job)] = await cluster.primary_assigned(1)
     await cluster.validate(node, job)
     await asyncio.wait_for(task, GUARD)
+
+
+async def test_a_job_whose_early_primary_lost_its_slot_goes_on_under_a_new_id() -> None:
+    """The store refused the dispatch because the slot was gone (the node turned DEGRADED, or
+    another controller took it) after the primary had been told: the primary is told to stop,
+    and the job is placed again under a new id, so what the primary still sends about the
+    first one is late, not the answer to the next plan. Under one id a fault test's agent,
+    which stops answering for a job id once told to cancel it, left its client waiting."""
+    cluster, node = await warm_cluster()
+    real = cluster.app.record_new_jobs
+
+    def slot_gone(*args: Any, **kwargs: Any) -> Any:
+        setattr(cluster.app, "record_new_jobs", real)  # noqa: B010  (once)
+        raise SlotTaken("node cannot take a job while DEGRADED: it is not schedulable")
+
+    setattr(cluster.app, "record_new_jobs", slot_gone)  # noqa: B010
+    first = uuid4()
+    task = asyncio.create_task(cluster.jobs.start(submission("raced"), MODEL, first))
+    [(told, early), (again, job)] = (await cluster.primary_assigned(3))[1:]
+    assert (told, early) == (node, str(first)) and (node, early) in cluster.gateway.cancels
+    assert again == node and job != early
+    # the first assignment's answers come late: dropped quietly, not refused
+    assert await cluster.jobs.handle(node, SetupReported(early, SetupOutcome(ok=True))) is None
+    assert await cluster.jobs.handle(node, TokensGenerated(early, [Delta(0, "x")])) is None
+    await cluster.validate(node, job)
+    run = await asyncio.wait_for(task, GUARD)
+    assert run.job_id == job
+    await cluster.jobs.handle(node, TokensGenerated(job, [Delta(0, "Hi")]))
+    assert (await asyncio.wait_for(run.queue.get(), GUARD)).deltas[0].text == "Hi"
+    await cluster.finish(node, job)
+    assert cluster.job_codes(job)[-1] == "JOB_COMPLETED"
+    assert cluster.job_codes(early) == []  # nothing was ever recorded under the first id
