@@ -50,7 +50,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
+import httpx
 import psutil
 from openai import OpenAI, OpenAIError
 from openai.types.chat import ChatCompletionMessageParam
@@ -143,6 +145,11 @@ class Sample:
     background_cpu_percent: float | None = None  # ... as a share of the machine's capacity
     text: str = ""
     error: str | None = None
+    job_id: str | None = None  # the completion's id ("chatcmpl-...")
+    # llama-server's own time to read the prompt (its timings.prompt_ms; through the controller
+    # the job's recorded time_to_first_token_ms, which is that figure): what the path left
+    # llama.cpp of the machine while it read the prompt, without the hops around it
+    server_prompt_ms: float | None = None
 
 
 def tokens_per_second(completion_tokens: int | None, span_s: float | None) -> float | None:
@@ -213,6 +220,11 @@ def measure(
         with stream:
             for chunk in stream:
                 now = time.perf_counter()
+                if sample.job_id is None:
+                    sample.job_id = chunk.id
+                timings = (chunk.model_extra or {}).get("timings")
+                if isinstance(timings, dict) and timings.get("prompt_ms") is not None:
+                    sample.server_prompt_ms = float(timings["prompt_ms"])
                 if chunk.usage is not None:
                     sample.completion_tokens = chunk.usage.completion_tokens
                     sample.prompt_tokens = chunk.usage.prompt_tokens
@@ -557,6 +569,30 @@ def start_cluster(
     return cluster
 
 
+def recorded_prompt_times(run: PathRun, timeout: float = 10.0) -> None:
+    """Fills each sample's ``server_prompt_ms`` from its job as the controller recorded it
+    (the admin jobs API: ``timings.time_to_first_token_ms``, llama-server's prompt_ms)."""
+    assert run.cluster is not None
+    headers = {"Authorization": f"Bearer {run.cluster.admin_api_key}"}
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=run.cluster.url, headers=headers, timeout=10.0) as client:
+        for sample in run.samples:
+            if sample.error is not None or sample.job_id is None:
+                continue
+            job_id = str(UUID(sample.job_id.removeprefix("chatcmpl-")))  # the dashed form
+            while True:  # the views may lag the job's ending by a moment
+                answer = client.get(f"/api/admin/jobs/{job_id}")
+                value = (
+                    answer.json().get("timings", {}).get("time_to_first_token_ms")
+                    if answer.status_code == 200
+                    else None
+                )
+                if value is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            sample.server_prompt_ms = float(value) if value is not None else None
+
+
 def start_direct(
     stack: contextlib.ExitStack,
     run: PathRun,
@@ -741,6 +777,7 @@ def compare(num: PathRun, den: PathRun, *, max_background: float | None = None) 
     texts_den = {s.prompt: s.text for s in den.samples if s.prompt in prompts}
     common = sorted(texts_num.keys() & texts_den.keys())
     overhead = stats.paired_difference_median(ttft_pairs)
+    prompt_pairs = stats.paired(values(num, "server_prompt_ms"), values(den, "server_prompt_ms"))
     return {
         "numerator": num.key,
         "denominator": den.key,
@@ -748,6 +785,9 @@ def compare(num: PathRun, den: PathRun, *, max_background: float | None = None) 
         "ttft_ratio_of_medians": stats.ratio(median(num, "ttft_s"), median(den, "ttft_s")),
         "ttft_ratio_paired_median": stats.paired_ratio_median(ttft_pairs),
         "ttft_overhead_ms_paired_median": overhead * 1000 if overhead is not None else None,
+        # How much longer llama-server itself took to read the prompt (ms, paired median): the
+        # part of the added TTFT that is CPU taken from llama.cpp, not hops.
+        "server_prompt_ms_paired_difference": stats.paired_difference_median(prompt_pairs),
         "tokens_per_s_ratio_of_medians": stats.ratio(
             median(num, "tokens_per_s"), median(den, "tokens_per_s")
         ),
@@ -810,6 +850,7 @@ def ratios_table(comparisons: Sequence[dict[str, Any]]) -> str:
                 stats.fmt_ratio(c["ttft_ratio_of_medians"]),
                 stats.fmt_ratio(c["ttft_ratio_paired_median"]),
                 stats.fmt(c["ttft_overhead_ms_paired_median"], 1),
+                stats.fmt(c.get("server_prompt_ms_paired_difference"), 2),
                 stats.fmt_ratio(c["tokens_per_s_ratio_of_medians"]),
                 stats.fmt_ratio(c["tokens_per_s_ratio_paired_median"]),
                 f"{c['identical_text']}/{c['compared_texts']}",
@@ -822,12 +863,13 @@ def ratios_table(comparisons: Sequence[dict[str, Any]]) -> str:
         "TTFT (medians)",
         "TTFT (paired)",
         "TTFT +ms (paired)",
+        "of it prompt +ms",
         "tok/s (medians)",
         "tok/s (paired)",
         "same text",
         "pairs",
     ]
-    return stats.format_table(headers, rows, align="llrrrrrrr")
+    return stats.format_table(headers, rows, align="llrrrrrrrr")
 
 
 def default_output(now: dt.datetime) -> Path:
@@ -1086,6 +1128,11 @@ def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[PathRu
                         where = var_dir / f"{key}-{kind}"
                         fail(run, f"{run.consecutive_errors} requests failed in a row", where)
             _say(f"prompt {index + 1}/{len(prompts)}: " + " | ".join(cells))
+
+        # llama-server's prompt times of the jobs that went through a controller
+        for run in runs.values():
+            if run.cluster is not None and run.failure is None:
+                recorded_prompt_times(run)
 
         # the final state of the processes, before the stack stops them
         for run in runs.values():

@@ -291,6 +291,22 @@ def test_compare_and_tables() -> None:
 
     ratios = compare_paths.ratios_table([{**result, "meaning": "overhead"}])
     assert "b1/a" in ratios and "1.267x" in ratios and "2/3" in ratios
+    assert result["server_prompt_ms_paired_difference"] is None  # no server timings
+
+
+def test_compare_gives_the_servers_own_prompt_time_paired() -> None:
+    """llama-server's prompt_ms on both paths: how much of the added TTFT is llama.cpp itself
+    reading the prompt slower (CPU the controller's path took from it)."""
+    direct = _run("a", [(0.100, 50.0, "x"), (0.200, 40.0, "y"), (0.150, 45.0, "z")])
+    ctrl = _run("b1", [(0.150, 45.0, "x"), (0.260, 36.0, "y"), (0.190, 40.5, "z")])
+    times: dict[str, tuple[float | None, ...]] = {"a": (60.0, 70.0, 65.0), "b1": (61.0, 73.0, None)}
+    for run in (direct, ctrl):
+        for sample, ms in zip(run.samples, times[run.key], strict=True):
+            sample.server_prompt_ms = ms
+    result = compare_paths.compare(ctrl, direct)
+    assert result["server_prompt_ms_paired_difference"] == pytest.approx(2.0)  # of 1 and 3
+    ratios = compare_paths.ratios_table([{**result, "meaning": "overhead"}])
+    assert "of it prompt +ms" in ratios and "2.00" in ratios
 
 
 def test_parse_args_quick_and_paths() -> None:
