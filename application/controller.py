@@ -543,7 +543,7 @@ class Controller(Application[UUID]):
         def command() -> list[Aggregate]:
             nonlocal runs
             runs += 1
-            if runs > 1 and new_jobs and self.aggregates.find(Job, new_jobs[0].job_id):
+            if runs > 1 and new_jobs and self.aggregates.find(Job, new_jobs[0].job_id) is not None:
                 # Run again after a conflict, and the jobs are there: the store took the first
                 # try but its answer was lost (the database stopping just after the commit).
                 # Their ids are new, and the transaction is all or nothing: nothing is left.
