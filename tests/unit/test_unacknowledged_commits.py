@@ -47,8 +47,8 @@ class LostAnswer:
 
 
 async def test_a_validation_whose_answer_was_lost_streams_on() -> None:
-    """It left the client waiting for the setup timeout (120 s) in a PostgreSQL restart fault
-    test: the command, run again, found the job validated and was refused."""
+    """Run again, the command found the job validated and was refused, and the client waited
+    for the setup timeout (120 s) for tokens that were held back until the validation."""
     cluster = Cluster(nodes=1)
     lost = LostAnswer(cluster, "validate_setup")
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
