@@ -47,8 +47,9 @@ class LostAnswer:
 
 
 async def test_a_validation_whose_answer_was_lost_streams_on() -> None:
-    """Run again, the command found the job validated and was refused, and the client waited
-    for the setup timeout (120 s) for tokens that were held back until the validation."""
+    """Run again, the command found the job validated and was refused: the client had its
+    tokens, then waited the setup timeout (120 s) for the ending, which waits for the
+    validation, and the tokens were never recorded."""
     cluster = Cluster(nodes=1)
     lost = LostAnswer(cluster, "validate_setup")
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
