@@ -54,6 +54,7 @@ def build_handler(config: AgentConfig) -> ControlHandler:
         rpc_threads=config.threads,
         server_threads=config.threads,
         server_poll=config.poll,
+        memory_limit_bytes=config.memory_limit_bytes,
         stream_interval=config.stream_interval,
         allowed_peer_cidrs=config.allowed_peer_cidrs,
     )

@@ -589,6 +589,7 @@ class JobSetup:
                 for d in plan.devices
             ),
             n_gpu_layers=plan.n_gpu_layers,
+            host_bytes=plan.primary_host_bytes,
         )
         return assignment
 

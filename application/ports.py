@@ -136,6 +136,8 @@ class PrimaryAssignment:
     devices: tuple[AssignedDevice, ...] = ()
     #: ``--n-gpu-layers`` (None: all layers on the devices).
     n_gpu_layers: int | None = None
+    #: The host memory the plan gives the primary's server (``ExecutionPlan.primary_host_bytes``).
+    host_bytes: int = 0
 
 
 class AgentGateway(Protocol):

@@ -365,6 +365,20 @@ class ExecutionPlan:
         return (self.primary, *self.workers)
 
     @property
+    def primary_host_bytes(self) -> int:
+        """The host memory the plan gives its primary's ``llama-server``: the whole plan's
+        bytes on a plan without devices (the primary's CPU alone), else its devices' on the
+        primary's host (``HOST_DEVICE``: layers kept in RAM, or its share of a CPU split)."""
+        if not self.devices:
+            return self.primary.assigned_bytes
+        primary = self.primary.node_id
+        return sum(
+            d.assigned_bytes
+            for d in self.devices
+            if d.node_id == primary and d.device == HOST_DEVICE
+        )
+
+    @property
     def node_ids(self) -> tuple[str, ...]:
         return tuple(n.node_id for n in self.nodes)
 

@@ -49,7 +49,9 @@ DEFAULT_EPSILON = 0.25
 #: is one job each, and two conversations that share a server could not both go back to it.
 SLACK = 1
 
-#: llama-server's host-memory prompt cache, its default size (``--cache-ram`` 8192 MiB).
+#: llama-server's host-memory prompt cache, its default size (``--cache-ram`` 8192 MiB), and
+#: the most an agent gives it (agent/runtime/server_spec.py: prompt_cache_mib); a node with
+#: less memory gets less, and the index then over-counts what its server holds.
 PROMPT_CACHE_BYTES = 8192 << 20
 #: The KV bytes per token assumed for a model that does not say (a 7B model's in f16).
 ASSUMED_KV_BYTES_PER_TOKEN = 128 << 10

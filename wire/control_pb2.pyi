@@ -597,7 +597,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecutionPlan(_message.Message):
-    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling", "devices", "n_gpu_layers", "chat", "completion", "embedding")
+    __slots__ = ("job_id", "model_name", "model_file_name", "model_sha256", "context_size", "role", "rpc_peers", "tensor_split", "generation", "rpc_port", "parallel", "embeddings", "pooling", "devices", "n_gpu_layers", "chat", "completion", "embedding", "host_bytes")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[ExecutionPlan.Role]
@@ -624,6 +624,7 @@ class ExecutionPlan(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_name: str
     model_file_name: str
@@ -642,7 +643,8 @@ class ExecutionPlan(_message.Message):
     chat: ChatJob
     completion: CompletionJob
     embedding: EmbeddingJob
-    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[PlanDevice, _Mapping]]] = ..., n_gpu_layers: _Optional[int] = ..., chat: _Optional[_Union[ChatJob, _Mapping]] = ..., completion: _Optional[_Union[CompletionJob, _Mapping]] = ..., embedding: _Optional[_Union[EmbeddingJob, _Mapping]] = ...) -> None: ...
+    host_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_file_name: _Optional[str] = ..., model_sha256: _Optional[str] = ..., context_size: _Optional[int] = ..., role: _Optional[_Union[ExecutionPlan.Role, str]] = ..., rpc_peers: _Optional[_Iterable[_Union[RpcPeer, _Mapping]]] = ..., tensor_split: _Optional[_Iterable[float]] = ..., generation: _Optional[_Union[GenerationParams, _Mapping]] = ..., rpc_port: _Optional[int] = ..., parallel: _Optional[int] = ..., embeddings: _Optional[bool] = ..., pooling: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[PlanDevice, _Mapping]]] = ..., n_gpu_layers: _Optional[int] = ..., chat: _Optional[_Union[ChatJob, _Mapping]] = ..., completion: _Optional[_Union[CompletionJob, _Mapping]] = ..., embedding: _Optional[_Union[EmbeddingJob, _Mapping]] = ..., host_bytes: _Optional[int] = ...) -> None: ...
 
 class PlanDevice(_message.Message):
     __slots__ = ("node_id", "device", "endpoint", "share", "assigned_bytes")

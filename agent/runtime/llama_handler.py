@@ -52,10 +52,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import psutil
 
 from agent.agent_config import DEFAULT_SLOTS
 from agent.control.control_handler import Send, job_failure, setup_failure
@@ -91,7 +92,7 @@ from agent.runtime.rpc_peers import probe_peers, warm_links
 from agent.runtime.rpc_worker import RpcWorker
 from agent.runtime.runtime import RuntimeManager
 from agent.runtime.runtime_errors import LlamaRuntimeError
-from agent.runtime.server_spec import DEFAULT_POLL, ServerSpec, server_spec_for
+from agent.runtime.server_spec import DEFAULT_POLL, ServerSpec, prompt_cache_mib, server_spec_for
 from common.contract import DEFAULT_ALLOWED_PEER_CIDRS, DEFAULT_RPC_PORT, OUT_OF_MEMORY
 from wire import control_pb2 as pb
 
@@ -131,6 +132,7 @@ class LlamaHandler:
         rpc_threads: int | None = None,
         server_threads: int | None = None,
         server_poll: int = DEFAULT_POLL,
+        memory_limit_bytes: int | None = None,
         stream_interval: float = TOKEN_BATCH_SECONDS,
         allow_public_rpc: bool = False,
         allowed_peer_cidrs: Sequence[str] = DEFAULT_ALLOWED_PEER_CIDRS,
@@ -147,6 +149,8 @@ class LlamaHandler:
         self.slots = slots
         self.server_threads = server_threads
         self.server_poll = server_poll
+        #: The node's --memory-limit: what it offers, of which a server's prompt cache is sized.
+        self.memory_limit_bytes = memory_limit_bytes
         #: The shortest time between two messages of a job's tokens (:class:`DeltaSender`).
         self.stream_interval = stream_interval
         self.probe_timeout = probe_timeout
@@ -353,7 +357,7 @@ class LlamaHandler:
                 self.probe_timeout,
             )
             try:
-                server = await asyncio.to_thread(self._ensure_server, spec, restart)
+                server = await asyncio.to_thread(self._ensure_server, spec, restart, plan)
             except LlamaRuntimeError as exc:
                 oom = out_of_memory(exc, plan_devices(plan))
                 if oom is None:
@@ -417,12 +421,26 @@ class LlamaHandler:
     def _release_server(self) -> None:
         self._server_users = max(0, self._server_users - 1)
 
-    def _ensure_server(self, spec: ServerSpec, restart: bool) -> LlamaServer:
+    def _ensure_server(
+        self, spec: ServerSpec, restart: bool, plan: pb.ExecutionPlan | None = None
+    ) -> LlamaServer:
         if restart:
             current = self.runtime.server
             if current is not None and current.spec == spec:
                 self.runtime.stop_server()
+        if plan is not None:
+            # A server started now gets a prompt cache its node has room for (a running one
+            # with an equal spec is reused as it is); while another still runs, what is free
+            # is counted without what it would give back, so the cache errs small.
+            spec = replace(spec, cache_ram_mib=prompt_cache_mib(plan, self._free_host_bytes()))
         return self.runtime.ensure_server(spec)
+
+    def _free_host_bytes(self) -> int:
+        """Host memory free for a server now: what the system has available, within the
+        node's --memory-limit."""
+        available = int(psutil.virtual_memory().available)
+        limit = self.memory_limit_bytes
+        return available if limit is None else min(available, limit)
 
     # -- primary: execution --------------------------------------------------------------
 

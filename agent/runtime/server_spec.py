@@ -27,6 +27,11 @@ DEFAULT_SERVER_VERBOSITY = 4
 #: machine, wait for a core to relay each token: on two cores 0 gave about 13 % more tokens a
 #: second through the controller, and 12 % straight from llama-server (docs/performance.md).
 DEFAULT_POLL = 0
+#: llama-server's host-memory prompt cache at most (``--cache-ram``, MiB): llama.cpp's own
+#: default. It saves a slot's prompt there when the slot takes another, so that a conversation
+#: coming back finds it (the controller's prefix routing counts on it).
+PROMPT_CACHE_MIB = 8192
+MIB = 1 << 20
 
 # --- llama-server ------------------------------------------------------------------------
 
@@ -58,6 +63,9 @@ class ServerSpec:
     poll: int = DEFAULT_POLL
     alias: str | None = None
     extra_args: tuple[str, ...] = field(default=())
+    #: ``--cache-ram`` (MiB; None: llama.cpp's default, 8192): see :func:`prompt_cache_mib`.
+    #: Not part of what makes the server: a warm one serves plans that would size it otherwise.
+    cache_ram_mib: int | None = field(default=None, compare=False)
     #: An embedding model's server: ``--embeddings``, its pooling ("": the model's own), and
     #: a batch as large as the context (a whole input is encoded in one batch).
     embeddings: bool = False
@@ -73,6 +81,8 @@ class ServerSpec:
             raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
         if self.parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {self.parallel}")
+        if self.cache_ram_mib is not None and self.cache_ram_mib < 0:
+            raise ValueError(f"cache_ram_mib must be >= 0, got {self.cache_ram_mib}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if not 0 <= self.poll <= 100:
@@ -112,6 +122,8 @@ class ServerSpec:
         if self.threads is not None:
             argv += ["--threads", str(self.threads)]
         argv += ["--poll", str(self.poll)]
+        if self.cache_ram_mib is not None:
+            argv += ["--cache-ram", str(self.cache_ram_mib)]
         if self.alias:
             argv += ["--alias", self.alias]
         if self.rpc_endpoints:
@@ -143,6 +155,21 @@ def _check_split(split: tuple[float, ...], count: int, what: str) -> None:
         raise ValueError(f"tensor_split has {len(split)} entries for {count} {what}")
     if any(x < 0 for x in split) or sum(split) <= 0:
         raise ValueError("tensor_split proportions must be >= 0 with a positive sum")
+
+
+def prompt_cache_mib(plan: pb.ExecutionPlan, free_bytes: int) -> int | None:
+    """``--cache-ram`` for the server of ``plan`` on a node with ``free_bytes`` of host memory
+    before it starts: half of what the plan leaves there, at most llama.cpp's default
+    (:data:`PROMPT_CACHE_MIB`). None: the plan does not say what it gives the server (an older
+    controller), so llama.cpp's default stands.
+
+    The plan counts the weights and the slots' KV cache, not this cache, which llama-server
+    fills as slots change hands: at its default of 8 GiB it could grow past what a node with
+    little memory has, and the kernel's OOM killer would take the server with its jobs."""
+    if not plan.HasField("host_bytes"):
+        return None
+    left = max(0, free_bytes - plan.host_bytes)
+    return min(PROMPT_CACHE_MIB, left // 2 // MIB)
 
 
 def server_spec_for(

@@ -144,6 +144,7 @@ class ProtoAgentGateway:
         )
         if assignment.n_gpu_layers is not None:
             plan.n_gpu_layers = assignment.n_gpu_layers
+        plan.host_bytes = assignment.host_bytes
         _set_job(plan, assignment.prompt, assignment.params)
         return self.connections.send(node_id, pb.ControllerMessage(execution_plan=plan))
 
