@@ -112,6 +112,12 @@ DEVICE_GPU = "gpu"
 DEVICE_CPU = "cpu"
 HOST_DEVICE = "CPU"
 
+MIB = 1 << 20
+#: llama-server's host-memory prompt cache at most (``--cache-ram``): llama.cpp's default, and
+#: the most an agent gives a server it starts (agent/runtime/server_spec.py:
+#: prompt_cache_mib); the controller's prefix index counts a server's cache up to it.
+PROMPT_CACHE_BYTES = 8192 * MIB
+
 # Addresses a node may have and RPC peers may come from, unless the operator says otherwise
 # (ALLOWED_PEER_CIDRS on the controller, --allowed-peer-cidrs on an agent): private, loopback
 # and unique-local ranges.
@@ -152,8 +158,10 @@ __all__ = [
     "DEFAULT_TRANSFER_PORT",
     "MAX_CONTROL_MESSAGE_BYTES",
     "MEMORY_LIMIT_LABEL",
+    "MIB",
     "OUT_OF_MEMORY",
     "PLAN_OVERHEAD_BYTES",
+    "PROMPT_CACHE_BYTES",
     "PROTOCOL_VERSION",
     "REQUEST_REJECTED",
     "SLOTS_LABEL",

@@ -18,10 +18,10 @@ from typing import Any
 from common.contract import DEVICE_CPU as _DEVICE_CPU
 from common.contract import DEVICE_GPU as _DEVICE_GPU
 from common.contract import HOST_DEVICE as _HOST_DEVICE
+from common.contract import MIB as MIB  # re-exported: the unit this module plans in
 from domain.prefix_index import PrefixRoute
 from domain.states import NodeState
 
-MIB = 1024 * 1024
 GIB = 1024 * MIB
 
 #: Node states a job may be placed on (DEGRADED only when READY nodes cannot hold it).

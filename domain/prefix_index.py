@@ -38,6 +38,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.contract import PROMPT_CACHE_BYTES
 from domain.set_index import discard
 
 #: Characters a prefix block covers: about 64 tokens of English, so a 6 KB system prompt is
@@ -49,10 +50,8 @@ DEFAULT_EPSILON = 0.25
 #: is one job each, and two conversations that share a server could not both go back to it.
 SLACK = 1
 
-#: llama-server's host-memory prompt cache, its default size (``--cache-ram`` 8192 MiB), and
-#: the most an agent gives it (agent/runtime/server_spec.py: prompt_cache_mib); a node with
-#: less memory gets less, and the index then over-counts what its server holds.
-PROMPT_CACHE_BYTES = 8192 << 20
+# A server's prompt cache is counted up to common.contract.PROMPT_CACHE_BYTES: an agent on a
+# node with little memory gives it less, and the index then over-counts what it holds.
 #: The KV bytes per token assumed for a model that does not say (a 7B model's in f16).
 ASSUMED_KV_BYTES_PER_TOKEN = 128 << 10
 #: Characters per token, roughly (English text), to turn a cache's tokens into blocks.

@@ -34,12 +34,12 @@ from pathlib import Path
 
 from agent.runtime.llama_binaries import BUILD_STAMP_NAME, RuntimeBinaries
 from agent.runtime.managed_child import _child_env as child_env
+from common.contract import MIB as MIB  # re-exported: the unit llama.cpp lists devices in
 
 log = logging.getLogger(__name__)
 
 #: Seconds any one llama.cpp binary may take to answer.
 PROBE_TIMEOUT = 10.0
-MIB = 1024 * 1024
 
 LIST_HEADER = "Available devices:"
 RPC_DEVICES_HEADER = "Devices:"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agent.runtime.endpoints import parse_endpoint, peer_endpoint
 from agent.runtime.out_of_memory import PlanDevices
+from common.contract import MIB, PROMPT_CACHE_BYTES
 from wire import control_pb2 as pb
 
 DEFAULT_CTX_SIZE = 4096
@@ -30,8 +31,7 @@ DEFAULT_POLL = 0
 #: llama-server's host-memory prompt cache at most (``--cache-ram``, MiB): llama.cpp's own
 #: default. It saves a slot's prompt there when the slot takes another, so that a conversation
 #: coming back finds it (the controller's prefix routing counts on it).
-PROMPT_CACHE_MIB = 8192
-MIB = 1 << 20
+PROMPT_CACHE_MIB = PROMPT_CACHE_BYTES // MIB
 
 # --- llama-server ------------------------------------------------------------------------
 
