@@ -47,15 +47,20 @@ async def test_the_primary_of_a_warm_server_is_told_before_the_dispatch_is_store
     assert codes.index("JOB_DISPATCHED") < codes.index("JOB_SETUP_VALIDATED")
 
 
-async def test_a_dispatch_the_store_refuses_stops_the_primary_and_the_error_stands() -> None:
-    cluster, node = await warm_cluster()
+def dispatch_refused_once(cluster: Cluster, error: Exception) -> None:
+    """The store refuses the next new jobs' write with ``error``, then takes them again."""
     real = cluster.app.record_new_jobs
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         setattr(cluster.app, "record_new_jobs", real)  # noqa: B010  (once)
-        raise RuntimeError("the store is down")
+        raise error
 
     setattr(cluster.app, "record_new_jobs", refused)  # noqa: B010
+
+
+async def test_a_dispatch_the_store_refuses_stops_the_primary_and_the_error_stands() -> None:
+    cluster, node = await warm_cluster()
+    dispatch_refused_once(cluster, RuntimeError("the store is down"))
     job_id = uuid4()
     with pytest.raises(RuntimeError, match="the store is down"):
         await cluster.jobs.start(submission("refused"), MODEL, job_id)
@@ -92,13 +97,7 @@ async def test_a_job_whose_early_primary_lost_its_slot_goes_on_under_a_new_id() 
     first one is late, not the answer to the next plan. Under one id a fault test's agent,
     which stops answering for a job id once told to cancel it, left its client waiting."""
     cluster, node = await warm_cluster()
-    real = cluster.app.record_new_jobs
-
-    def slot_gone(*args: Any, **kwargs: Any) -> Any:
-        setattr(cluster.app, "record_new_jobs", real)  # noqa: B010  (once)
-        raise SlotTaken("node cannot take a job while DEGRADED: it is not schedulable")
-
-    setattr(cluster.app, "record_new_jobs", slot_gone)  # noqa: B010
+    dispatch_refused_once(cluster, SlotTaken("node cannot take a job while DEGRADED"))
     first = uuid4()
     task = asyncio.create_task(cluster.jobs.start(submission("raced"), MODEL, first))
     [(told, early), (again, job)] = (await cluster.primary_assigned(3))[1:]

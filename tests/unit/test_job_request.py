@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -33,8 +34,9 @@ PARAMS = JobParams(
 )
 
 
-async def _plan(prompt: JobInput, params: JobParams = PARAMS) -> pb.ExecutionPlan:
-    """The plan the gateway sends a node for ``prompt``, taken off the node's stream."""
+async def _plan(prompt: JobInput, params: JobParams = PARAMS, **more: Any) -> pb.ExecutionPlan:
+    """The plan the gateway sends a node for ``prompt`` (with ``more`` of the assignment's
+    fields), taken off the node's stream."""
     connections = AgentConnections()
     connections.bind(asyncio.get_running_loop())
     outbox = connections.open("n1")
@@ -49,6 +51,7 @@ async def _plan(prompt: JobInput, params: JobParams = PARAMS) -> pb.ExecutionPla
         tensor_split=(),
         prompt=prompt,
         params=params,
+        **more,
     )
     assert ProtoAgentGateway(connections).assign_primary("n1", assignment)
     sent = await outbox.get()
@@ -154,3 +157,9 @@ def test_what_job_submitted_records_keeps_its_shape() -> None:
         {"role": "input", "content": "a"},
         {"role": "input", "content": "b"},
     ]
+
+
+async def test_the_plan_says_what_host_memory_it_gives_the_server() -> None:
+    """What the agent sizes the server's prompt cache from (test_prompt_cache_size.py)."""
+    plan = await _plan(ChatPrompt(HI, []), host_bytes=3 << 30)
+    assert plan.HasField("host_bytes") and plan.host_bytes == 3 << 30

@@ -5,7 +5,6 @@ at its default, the cache could grow past what a node with little memory has."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,8 @@ from agent.runtime.server_spec import (
     prompt_cache_mib,
     server_spec_for,
 )
-from application.commands import ChatPrompt, JobParams
-from application.ports import PrimaryAssignment
 from common.contract import HOST_DEVICE
 from domain.placement import ExecutionPlan, PlanDevice, PlanNode
-from interfaces.grpc.agent_bridge import ProtoAgentGateway
-from interfaces.grpc.grpc_server import AgentConnections
 from wire import control_pb2 as pb
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -103,30 +98,6 @@ def test_the_server_is_started_with_it_and_a_warm_one_is_reused_whatever_it_got(
     assert sized == spec and hash(sized) == hash(spec)  # the same server
     with pytest.raises(ValueError, match="cache_ram_mib"):
         ServerSpec("/m.gguf", cache_ram_mib=-1)
-
-
-async def test_the_plan_the_primary_gets_says_what_it_gives_the_server() -> None:
-    connections = AgentConnections()
-    connections.bind(asyncio.get_running_loop())
-    outbox = connections.open("n1")
-    assignment = PrimaryAssignment(
-        job_id="j1",
-        model_name="m",
-        model_file_name="m.gguf",
-        model_sha256="a" * 64,
-        context_size=64,
-        parallel=1,
-        rpc_peers=(),
-        tensor_split=(),
-        prompt=ChatPrompt([{"role": "user", "content": "hi"}], []),
-        params=JobParams(max_tokens=8),
-        host_bytes=3 * GIB,
-    )
-    assert ProtoAgentGateway(connections).assign_primary("n1", assignment)
-    sent = await outbox.get()
-    assert isinstance(sent, pb.ControllerMessage)
-    assert sent.execution_plan.HasField("host_bytes")
-    assert sent.execution_plan.host_bytes == 3 * GIB
 
 
 class RecordingRuntime:
