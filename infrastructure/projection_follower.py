@@ -111,8 +111,9 @@ class ProjectionFollower:
     def _follow_log(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            if self.catch_up() == 0:
-                self._wake.wait(self.poll_interval)
+            self.catch_up()
+            # A save while it caught up set the wake again: then this returns at once.
+            self._wake.wait(self.poll_interval)
 
     def _follow_subscription(self) -> None:
         self.catch_up()
@@ -130,19 +131,24 @@ class ProjectionFollower:
     # ------------------------------------------------------------- applying
 
     def catch_up(self) -> int:
-        """Applies every recorded event not yet applied; returns how many it applied."""
+        """Applies every recorded event not yet applied; returns how many it applied.
+
+        A batch shorter than :data:`BATCH` was all the store held: the follower does not
+        read again to learn that nothing follows (that read was two of every three the
+        follower made under load). What is saved meanwhile wakes it again."""
         applied = 0
         while True:
             notifications = self.app.recorder.select_notifications(
                 start=self._position + 1, limit=BATCH
             )
-            if not notifications:
+            if notifications:
+                self._apply_batch(notifications)
+                applied += len(notifications)
+            if len(notifications) < BATCH:
                 if self.error:
                     log.warning("projection follower caught up again after: %s", self.error)
                     self.error = ""
                 return applied
-            self._apply_batch(notifications)
-            applied += len(notifications)
 
     def _apply_batch(self, notifications: Sequence[Any]) -> None:
         fresh = [n for n in notifications if n.id > self._position]

@@ -14,6 +14,7 @@ from application.controller import Controller
 from domain.catalog import code_of
 from domain.errors import IllegalTransition, InvalidCommand
 from domain.node import Node
+from infrastructure import projection_follower
 from infrastructure.projection_follower import POISON_AFTER, ProjectionFollower, rebuild
 from infrastructure.read_model_store import open_read_model
 from infrastructure.storage import Storage, open_storage
@@ -249,6 +250,34 @@ def follow_by_hand(storage: Storage) -> UUID:
     store's positions 1 and 2."""
     storage.follower.stop()
     return enroll_ready(storage.app, "a")
+
+
+def test_catching_up_reads_the_store_once_when_a_batch_holds_what_it_has(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch shorter than BATCH was everything: no second read finds nothing (under load,
+    two of every three reads the follower made)."""
+    node_id = follow_by_hand(storage)
+    app = storage.app
+    reads: list[int] = []
+    real = app.recorder.select_notifications
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        reads.append(len(found))
+        return found
+
+    monkeypatch.setattr(app.recorder, "select_notifications", counted)
+    follower = ProjectionFollower(app, storage.read_model)
+    assert follower.catch_up() == 2
+    assert reads == [2]
+    monkeypatch.setattr(projection_follower, "BATCH", 2)
+    for reason in ("a", "b", "c"):
+        app.security_violation(node_id, "198.51.100.1", reason)  # positions 3 to 5
+    assert follower.catch_up() == 3
+    assert reads == [2, 2, 1]  # a full batch, then one that was all there was
+    assert follower.position == app.position() == 5
+    assert follower.catch_up() == 0 and reads[-1] == 0
 
 
 def test_an_event_the_views_cannot_take_is_skipped_not_fatal(
