@@ -11,7 +11,10 @@ round, so drifts in machine load hit every path alike), each read by the same ra
   arrives. After a warm-up request its server is warm, so every measured request takes the warm
   one-node path, where the dispatch is recorded while the agent works;
 * ``baseline`` (``--baseline DIR``): the same with the controller of another checkout (a
-  ``git worktree`` of an earlier commit, say), so that two versions are compared in one run.
+  ``git worktree`` of an earlier commit, say), so that two versions are compared in one run;
+* ``managed`` (``--managed-key``): this checkout's controller again, asked with a managed key
+  (``sk-dacp-…``, made through the admin API) instead of ``AI_API_KEY``: what checking a
+  managed key against the event store adds to every request of a team.
 
 The paired difference to ``direct`` is what the controller and the two gRPC hops add (the real
 agent adds its own setup and the HTTP exchange with llama-server on top: ``bench/compare_paths``
@@ -20,6 +23,7 @@ table and a JSON file under ``var/bench/``.
 
     python -m bench.hot_path                    # 300 rounds, the embedded store
     python -m bench.hot_path --baseline /tmp/base
+    python -m bench.hot_path --managed-key
     python -m bench.hot_path --database-url postgresql://postgres@127.0.0.1:5432/test
 """
 
@@ -56,7 +60,9 @@ class PathReport:
     ttft_ms: dict[str, float] = field(default_factory=dict)
     #: Paired with the direct request of the same round.
     added_ms: dict[str, float] = field(default_factory=dict)
-    controller_cpu_ms_per_request: float = 0.0
+    #: The controller's CPU over the rounds, per request it served (None: a path that shares
+    #: its controller with another, ``managed``).
+    controller_cpu_ms_per_request: float | None = None
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Report:
     paths: dict[str, PathReport] = field(default_factory=dict)
     #: controller minus baseline, paired per round (with --baseline).
     controller_minus_baseline_ms: dict[str, float] = field(default_factory=dict)
+    #: managed minus controller, paired per round (with --managed-key).
+    managed_minus_controller_ms: dict[str, float] = field(default_factory=dict)
     failures: int = 0
 
 
@@ -115,31 +123,45 @@ def _body(index: int) -> dict[str, object]:
     }
 
 
+MANAGED = "managed"
+
+
 async def _rounds(
-    controllers: dict[str, Controller], rounds: int, pause: float, first_token: float
+    paths: dict[str, tuple[Controller, str]], rounds: int, pause: float, first_token: float
 ) -> dict[str, list[StreamResult]]:
+    """Each round asks every path once (direct first on round 0, the order rotated every
+    round); ``paths`` maps a name to the controller it asks and the key it asks with."""
     server = await asyncio.start_server(
         functools.partial(_stand_in, first_token=first_token), "127.0.0.1", 0
     )
     port = server.sockets[0].getsockname()[1]
-    names = [DIRECT, *controllers]
+    names = [DIRECT, *paths]
     results: dict[str, list[StreamResult]] = {name: [] for name in names}
     async with server:
-        for ctl in controllers.values():  # warms each server
-            await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(-1))
+        for ctl, key in paths.values():  # warms each server (and the key's first check)
+            await stream_chat("127.0.0.1", ctl.port, key, _body(-1))
         for index in range(rounds):
             shift = index % len(names)
             for name in names[shift:] + names[:shift]:
                 if name == DIRECT:
                     result = await stream_chat("127.0.0.1", port, "-", _body(index))
                 else:
-                    ctl = controllers[name]
-                    result = await stream_chat("127.0.0.1", ctl.port, ctl.ai_key, _body(index))
+                    ctl, key = paths[name]
+                    result = await stream_chat("127.0.0.1", ctl.port, key, _body(index))
                 results[name].append(result)
                 # A request's ending is recorded after its answer; a real answer takes longer
                 # than this one, so the next request does not meet that work.
                 await asyncio.sleep(pause)
     return results
+
+
+def _managed_key(ctl: Controller) -> str:
+    """A new managed key of ``ctl``, every model, no limits (its text)."""
+    answer = httpx.post(
+        f"{ctl.url}/api/admin/api-keys/", headers=ctl.admin, json={"name": "bench"}, timeout=30
+    )
+    answer.raise_for_status()
+    return str(answer.json()["key"])
 
 
 def _ready(ctl: Controller) -> bool:
@@ -192,15 +214,19 @@ def run(args: argparse.Namespace, report: Report) -> None:
         if args.baseline is not None:
             baseline = up.enter_context(_cluster(args, Path(tmp) / "b", args.baseline))
             controllers["baseline"] = baseline
+        paths = {name: (ctl, ctl.ai_key) for name, ctl in controllers.items()}
+        if args.managed_key:
+            paths[MANAGED] = (controllers["controller"], _managed_key(controllers["controller"]))
         time.sleep(2.0)  # two live-state flushes: every agent's heartbeat is visible
         cpu = {name: ctl.cpu_seconds() for name, ctl in controllers.items()}
-        results = asyncio.run(
-            _rounds(controllers, args.rounds, args.pause, args.first_token_ms / 1000)
-        )
+        results = asyncio.run(_rounds(paths, args.rounds, args.pause, args.first_token_ms / 1000))
+        for name in paths:
+            report.paths[name] = PathReport()
         for name, ctl in controllers.items():
-            spent = (ctl.cpu_seconds() - cpu[name]) * 1000 / args.rounds
-            report.paths[name] = PathReport(controller_cpu_ms_per_request=round(spent, 3))
-    names = [DIRECT, *controllers]
+            served = args.rounds * sum(1 for asked, _ in paths.values() if asked is ctl)
+            spent = (ctl.cpu_seconds() - cpu[name]) * 1000 / served
+            report.paths[name].controller_cpu_ms_per_request = round(spent, 3)
+    names = [DIRECT, *paths]
     ok = [
         {name: results[name][i].ttft for name in names}
         for i in range(args.rounds)
@@ -217,12 +243,16 @@ def run(args: argparse.Namespace, report: Report) -> None:
         return value * 1000
 
     report.direct_ms = _summary([ms(DIRECT, row) for row in ok])
-    for name in controllers:
+    for name in paths:
         report.paths[name].ttft_ms = _summary([ms(name, row) for row in ok])
         report.paths[name].added_ms = _summary([ms(name, row) - ms(DIRECT, row) for row in ok])
     if "baseline" in controllers:
         report.controller_minus_baseline_ms = _summary(
             [ms("controller", row) - ms("baseline", row) for row in ok]
+        )
+    if MANAGED in paths:
+        report.managed_minus_controller_ms = _summary(
+            [ms(MANAGED, row) - ms("controller", row) for row in ok]
         )
 
 
@@ -243,16 +273,20 @@ def _print(report: Report) -> None:
         print(f"baseline: the controller of {report.baseline}")
     print(f"{'TTFT (ms)':<34}{'p50':>9}{'p95':>9}{'mean':>9}")
     rows = [("direct (stand-in server)", report.direct_ms)]
+    shown = {MANAGED: "controller, managed key"}
     for name, path in report.paths.items():
-        rows.append((f"{name} + synthetic agent", path.ttft_ms))
+        rows.append((f"{shown.get(name, name)} + synthetic agent", path.ttft_ms))
     for name, path in report.paths.items():
-        rows.append((f"added by the {name}", path.added_ms))
+        rows.append((f"added by the {shown.get(name, name)}", path.added_ms))
     if report.controller_minus_baseline_ms:
         rows.append(("controller - baseline (paired)", report.controller_minus_baseline_ms))
+    if report.managed_minus_controller_ms:
+        rows.append(("managed - controller (paired)", report.managed_minus_controller_ms))
     for label, row in rows:
         print(f"{label:<34}{row['p50']:>9.3f}{row['p95']:>9.3f}{row['mean']:>9.3f}")
     for name, path in report.paths.items():
-        print(f"{name} CPU per request: {path.controller_cpu_ms_per_request:.3f} ms")
+        if path.controller_cpu_ms_per_request is not None:
+            print(f"{name} CPU per request: {path.controller_cpu_ms_per_request:.3f} ms")
     print(f"failed rounds: {report.failures}")
 
 
@@ -275,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="another checkout (e.g. a git worktree of an earlier commit) whose controller "
         "runs side by side with this one's",
+    )
+    parser.add_argument(
+        "--managed-key",
+        action="store_true",
+        help="also ask this checkout's controller with a managed key (path 'managed')",
     )
     parser.add_argument(
         "--database-url",
