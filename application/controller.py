@@ -9,6 +9,7 @@ unreachable, keeping unfinished jobs as last saved and telling listeners where a
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Unpack
@@ -52,6 +53,8 @@ KINDS: dict[type[Aggregate], str] = {
     RegisteredModel: "model",
     ApiKey: "api_key",
 }
+
+log = logging.getLogger(__name__)
 
 
 def sha256_text(text: str) -> str:
@@ -663,7 +666,12 @@ class Controller(Application[UUID]):
             payload["chars"] = len(delta.text)
         return payload
 
-    def complete(self, job_id: UUID | str, outcome: JobOutcome) -> int:
+    def complete(
+        self, job_id: UUID | str, outcome: JobOutcome, *, chunk: Sequence[Delta] = ()
+    ) -> int:
+        """Ends the job as completed (JOB_COMPLETED), after ``chunk``, its last deltas not yet
+        recorded, in the same transaction (as every ending below)."""
+
         def act(job: Job) -> None:
             job.complete(
                 finish_reason=outcome.finish_reason,
@@ -674,21 +682,38 @@ class Controller(Application[UUID]):
                 cached_prompt_tokens=outcome.cached_prompt_tokens,
             )
 
-        return self._ending(job_id, act, "completed")
+        return self._ending(job_id, act, "completed", chunk)
 
-    def fail(self, job_id: UUID | str, reason: str, error_code: str = "") -> int:
-        return self._ending(job_id, lambda j: j.fail(reason, error_code), "failed")
+    def fail(
+        self, job_id: UUID | str, reason: str, error_code: str = "", *, chunk: Sequence[Delta] = ()
+    ) -> int:
+        return self._ending(job_id, lambda j: j.fail(reason, error_code), "failed", chunk)
 
-    def reject(self, job_id: UUID | str, reason: str, error_code: str) -> int:
+    def reject(
+        self, job_id: UUID | str, reason: str, error_code: str, *, chunk: Sequence[Delta] = ()
+    ) -> int:
         """Ends the job as the client's error (JOB_REJECTED)."""
-        return self._ending(job_id, lambda j: j.reject(reason, error_code), "rejected")
+        return self._ending(job_id, lambda j: j.reject(reason, error_code), "rejected", chunk)
 
-    def cancel(self, job_id: UUID | str, reason: str) -> int:
-        return self._ending(job_id, lambda j: j.cancel(reason), "cancelled")
+    def cancel(self, job_id: UUID | str, reason: str, *, chunk: Sequence[Delta] = ()) -> int:
+        return self._ending(job_id, lambda j: j.cancel(reason), "cancelled", chunk)
 
-    def _ending(self, job_id: UUID | str, act: Callable[[Job], object], outcome: str) -> int:
+    def _ending(
+        self,
+        job_id: UUID | str,
+        act: Callable[[Job], object],
+        outcome: str,
+        chunk: Sequence[Delta] = (),
+    ) -> int:
+        payloads = [self._delta_payload(d) for d in chunk]
+
         def command() -> list[Aggregate]:
             job = self.aggregates.load(Job, job_id)
+            if payloads and job.state in EXECUTION_PHASE_STATES:
+                try:
+                    job.record_chunk(payloads)  # its last tokens, then its ending
+                except InvalidCommand as e:  # refused before anything changed: the ending stands
+                    log.warning("job %s: %d last deltas dropped: %s", job_id, len(payloads), e)
             act(job)
             changed: dict[UUID, Aggregate] = {job.id: job}
             self._release_nodes(job, changed, outcome=outcome)

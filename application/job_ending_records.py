@@ -1,5 +1,6 @@
-"""Recording a job's ending: its last tokens and its ending event are written, retried until
-the store takes them, and then its slots and RPC workers are freed for the next placement."""
+"""Recording a job's ending: its last tokens and its ending event are written in one
+transaction, retried until the store takes them, and then its slots and RPC workers are freed
+for the next placement."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class EndingRecorder:
         tell: Callable[[], None] = lambda: None,
         wait: bool = True,
     ) -> None:
-        """Records the job's last token chunk and its ending (``end(job_id, *args)``), then
+        """Records the job's last token chunk and its ending in one transaction
+        (``end(job_id, *args, chunk=...)``, a Controller ending command), then
         frees its slots. The client hears the ending (``tell``) once it is written, or at
         once when the store cannot take it now: the write is then retried with backoff until
         the store takes it (an outage, or version conflicts lost to other writers: each
@@ -96,17 +98,21 @@ class EndingRecorder:
         name = getattr(end, "__name__", "ending")
         delay, told = ENDING_RETRY_FIRST, False
         try:
+            # The job's last tokens go in the ending's own transaction, on every attempt.
+            last = await self._ctx.recorder.take(job_id)
             while True:
                 try:
-                    await self._ctx.recorder.flush(job_id)
-                    await in_thread(end, job_id, *args)
+                    await in_thread(end, job_id, *args, chunk=last)
                 except (DomainError, NotFound) as e:
                     log.info("%s of job %s skipped: %s", name, job_id, e)
+                    self._ctx.recorder.put_back(job_id, last)  # recorded if the job takes them
                 except Exception as e:
                     if not (is_outage(e) or isinstance(e, ConcurrencyExhausted)):
                         # Not the store's state but a fault: reconciliation tries again later
-                        # (end_stale_jobs), rather than this in a tight loop.
+                        # (end_stale_jobs), rather than this in a tight loop; the next batch
+                        # records the tokens meanwhile.
                         log.exception("%s of job %s failed", name, job_id)
+                        self._ctx.recorder.put_back(job_id, last)
                     else:
                         if not told:
                             log.warning(

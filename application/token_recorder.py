@@ -2,8 +2,9 @@
 
 Deltas are relayed to the client the moment they arrive; this recorder only collects them
 and, every ``interval``, records one chunk per job for all jobs in one transaction. A job's
-pending deltas are flushed before its ending is recorded, so its chunks always precede
-JOB_COMPLETED / JOB_FAILED / JOB_CANCELLED in the store.
+ending takes its pending deltas (:meth:`TokenChunkRecorder.take`) and records them as its last
+chunk in the ending's own transaction, so its chunks always precede JOB_COMPLETED /
+JOB_FAILED / JOB_CANCELLED in the store, and the ending costs one transaction, not two.
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ class TokenChunkRecorder:
             batch, self._pending = self._pending, {}
             await self._record(batch)
 
-    async def flush(self, job_id: str) -> None:
-        """Records ``job_id``'s pending deltas now (before its ending is recorded)."""
+    async def take(self, job_id: str) -> list[Delta]:
+        """``job_id``'s pending deltas, no longer pending: its ending records them. Waits for a
+        batch being recorded, so that what it took is recorded after that batch."""
         async with self._lock:
-            deltas = self._pending.pop(job_id, None)
-            if deltas:
-                await self._record({job_id: deltas})
+            return self._pending.pop(job_id, [])
+
+    def put_back(self, job_id: str, deltas: list[Delta]) -> None:
+        """Deltas taken for an ending that was not recorded: pending again, before newer
+        ones (the next batch records them while the job still takes tokens)."""
+        if deltas:
+            self._put_back({job_id: deltas})
 
     def _put_back(self, batch: dict[str, list[Delta]]) -> None:
         """A batch the store could not take goes back in front of newer deltas."""

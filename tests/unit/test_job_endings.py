@@ -14,10 +14,13 @@ from uuid import UUID
 
 import pytest
 
-from application.agent_messages import SetupOutcome, SetupReported
+from application.agent_messages import SetupOutcome, SetupReported, TokensGenerated
+from application.commands import Delta
 from application.errors import ConcurrencyExhausted
 from application.job_manager import ABANDONED, ENDING_RETRY_FIRST, ENDING_RETRY_MAX
 from application.store_guard import StoreGuard, StoreUnavailable
+from domain.catalog import code_of
+from domain.job import Job
 from interfaces.controller_main import _own_unfinished_jobs
 from tests.unit.job_cluster import GUARD, Cluster, submission
 
@@ -137,6 +140,86 @@ async def test_version_conflicts_are_retried_with_a_fresh_read_not_given_up() ->
     assert _slot_free(cluster)
     item = run.queue.get_nowait()
     assert item.kind == "done"
+
+
+class Saves:
+    """The codes of the events each of the app's saves (transactions) wrote, in order."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.codes: list[list[str]] = []
+        real = cluster.app.save
+
+        def save(*aggregates: Any, **kwargs: Any) -> Any:
+            recordings = real(*aggregates, **kwargs)
+            self.codes.append([code_of(r.domain_event) for r in recordings])
+            return recordings
+
+        cluster.app.save = save  # type: ignore[method-assign]
+
+
+async def _running(cluster: Cluster) -> tuple[str, str]:
+    """A job whose setup is validated and recorded: it streams."""
+    task, node, job_id = await _dispatched(cluster)
+    await cluster.validate(node, job_id)
+    run = await asyncio.wait_for(task, GUARD)
+    await asyncio.wait_for(run.validated.wait(), GUARD)
+    return node, job_id
+
+
+async def test_the_last_tokens_and_the_ending_are_one_transaction() -> None:
+    """The deltas still pending when the job ends are its last chunk, written with its ending
+    (one transaction, not two): and before it, as every chunk precedes the ending."""
+    cluster, _ = _cluster()
+    node, job_id = await _running(cluster)
+    saves = Saves(cluster)
+    await cluster.jobs.handle(node, TokensGenerated(job_id, [Delta(0, "Hi"), Delta(1, "!")]))
+    await cluster.finish(node, job_id)
+    assert saves.codes == [["TOKEN_STREAM_CHUNK", "JOB_COMPLETED", "NODE_JOB_RELEASED"]]
+    [chunk] = [
+        e for e in cluster.app.events.get(UUID(job_id)) if isinstance(e, Job.TokenStreamChunk)
+    ]
+    assert [d["seq"] for d in chunk.deltas] == [0, 1]
+
+
+async def test_the_last_tokens_wait_out_an_outage_with_their_ending() -> None:
+    cluster, backoff = _cluster()
+    node, job_id = await _running(cluster)
+    await cluster.jobs.handle(node, TokensGenerated(job_id, [Delta(0, "Hi")]))
+    outage = Faulty(cluster, lambda: StoreUnavailable("the event store is unreachable"))
+    outage.times = 2
+    saves = Saves(cluster)
+    await cluster.finish(node, job_id)
+    await cluster.until(lambda: _state(cluster, job_id) == "COMPLETED")
+    assert len(backoff.waits) == 2
+    assert saves.codes == [["TOKEN_STREAM_CHUNK", "JOB_COMPLETED", "NODE_JOB_RELEASED"]]
+
+
+async def test_last_tokens_out_of_sequence_are_dropped_and_the_ending_stands() -> None:
+    cluster, _ = _cluster()
+    node, job_id = await _running(cluster)
+    await cluster.jobs.handle(node, TokensGenerated(job_id, [Delta(0, "Hi")]))
+    await cluster.jobs.recorder.flush_all()  # seq 0 recorded
+    cluster.jobs.recorder.add(job_id, [Delta(0, "again")])  # 0 again: refused
+    await cluster.finish(node, job_id)
+    assert _state(cluster, job_id) == "COMPLETED" and _slot_free(cluster)
+    codes = [code_of(e) for e in cluster.app.events.get(UUID(job_id))]
+    assert codes.count("TOKEN_STREAM_CHUNK") == 1
+
+
+async def test_tokens_of_an_ending_not_recorded_are_pending_again() -> None:
+    cluster, _ = _cluster()
+    node, job_id = await _running(cluster)
+    recorder = cluster.jobs.recorder
+    recorder.add(job_id, [Delta(0, "a")])
+    taken = await recorder.take(job_id)
+    recorder.add(job_id, [Delta(1, "b")])
+    recorder.put_back(job_id, taken)  # in front of what came since
+    await recorder.flush_all()
+    [chunk] = [
+        e for e in cluster.app.events.get(UUID(job_id)) if isinstance(e, Job.TokenStreamChunk)
+    ]
+    assert [d["text"] for d in chunk.deltas] == ["a", "b"]
+    await cluster.finish(node, job_id)
 
 
 async def test_reconciliation_ends_its_own_jobs_left_unfinished_after_the_grace() -> None:
