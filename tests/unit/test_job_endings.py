@@ -20,6 +20,7 @@ from application.errors import ConcurrencyExhausted
 from application.job_manager import ABANDONED, ENDING_RETRY_FIRST, ENDING_RETRY_MAX
 from application.store_guard import StoreGuard, StoreUnavailable
 from domain.catalog import code_of
+from domain.errors import IllegalTransition
 from domain.job import Job
 from interfaces.controller_main import _own_unfinished_jobs
 from tests.unit.job_cluster import GUARD, Cluster, submission
@@ -206,20 +207,22 @@ async def test_last_tokens_out_of_sequence_are_dropped_and_the_ending_stands() -
     assert codes.count("TOKEN_STREAM_CHUNK") == 1
 
 
-async def test_tokens_of_an_ending_not_recorded_are_pending_again() -> None:
+async def test_tokens_of_an_ending_refused_are_recorded_with_the_next_batch() -> None:
+    """The ending took the job's pending deltas; refused (the job's state forbids it), it is
+    skipped and they are pending again, before any that came since."""
     cluster, _ = _cluster()
     node, job_id = await _running(cluster)
-    recorder = cluster.jobs.recorder
-    recorder.add(job_id, [Delta(0, "a")])
-    taken = await recorder.take(job_id)
-    recorder.add(job_id, [Delta(1, "b")])
-    recorder.put_back(job_id, taken)  # in front of what came since
-    await recorder.flush_all()
+    await cluster.jobs.handle(node, TokensGenerated(job_id, [Delta(0, "a")]))
+    refused = Faulty(cluster, lambda: IllegalTransition("Job", "complete", "RUNNING", "test"))
+    refused.times = 1
+    await cluster.finish(node, job_id)
+    assert refused.refused == 1 and _state(cluster, job_id) == "SETUP_VALIDATED"  # no ending
+    cluster.jobs.recorder.add(job_id, [Delta(1, "b")])
+    await cluster.jobs.recorder.flush_all()
     [chunk] = [
         e for e in cluster.app.events.get(UUID(job_id)) if isinstance(e, Job.TokenStreamChunk)
     ]
     assert [d["text"] for d in chunk.deltas] == ["a", "b"]
-    await cluster.finish(node, job_id)
 
 
 async def test_reconciliation_ends_its_own_jobs_left_unfinished_after_the_grace() -> None:
