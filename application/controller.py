@@ -35,7 +35,7 @@ from application.store_guard import StoreGuard
 from common.contract import JobErrorCode
 from domain.access_refusal import AccessRefusal, RefusalTerms
 from domain.api_key import ApiKey
-from domain.errors import IllegalTransition, InvalidCommand, SlotTaken
+from domain.errors import DomainError, IllegalTransition, InvalidCommand, SlotTaken
 from domain.issued_token import IssuedToken, TokenTerms, issued_token_id
 from domain.job import Job
 from domain.model import CHAT, DEFAULT_CONTEXT_SIZE, RegisteredModel, model_id
@@ -709,10 +709,10 @@ class Controller(Application[UUID]):
 
         def command() -> list[Aggregate]:
             job = self.aggregates.load(Job, job_id)
-            if payloads and job.state in EXECUTION_PHASE_STATES:
+            if payloads:
                 try:
                     job.record_chunk(payloads)  # its last tokens, then its ending
-                except InvalidCommand as e:  # refused before anything changed: the ending stands
+                except DomainError as e:  # refused before anything changed: the ending decides
                     log.warning("job %s: %d last deltas dropped: %s", job_id, len(payloads), e)
             act(job)
             changed: dict[UUID, Aggregate] = {job.id: job}

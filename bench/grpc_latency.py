@@ -51,16 +51,6 @@ _LENGTH = struct.Struct(">I")
 
 
 @dataclass(frozen=True)
-class Certificate:
-    """A server certificate issued by a CA of the controller's kind (infrastructure/tls.py)."""
-
-    ca_pem: bytes
-    chain_file: Path
-    key_file: Path
-    server_name: str
-
-
-@dataclass(frozen=True)
 class PathResult:
     path: str
     round_trip_us: dict[str, float]
@@ -78,7 +68,7 @@ async def _echo(request_iterator: Any, context: grpc.aio.ServicerContext[Any, An
     yield b""  # a stream-stream handler is an async generator
 
 
-async def _serve_grpc(ports: Any, cert: Certificate | None) -> None:
+async def _serve_grpc(ports: Any, cert: tls.ServerTls | None) -> None:
     server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(_echo)
     server.add_generic_rpc_handlers(
@@ -87,8 +77,7 @@ async def _serve_grpc(ports: Any, cert: Certificate | None) -> None:
     if cert is None:
         ports.put(server.add_insecure_port("127.0.0.1:0"))
     else:
-        chain, key = cert.chain_file.read_bytes(), cert.key_file.read_bytes()
-        credentials = grpc.ssl_server_credentials([(key, chain)])
+        credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.chain_pem)])
         ports.put(server.add_secure_port("127.0.0.1:0", credentials))
     await server.start()
     await server.wait_for_termination()
@@ -104,7 +93,7 @@ async def _echo_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         writer.close()
 
 
-async def _serve_stream(ports: Any, cert: Certificate | None) -> None:
+async def _serve_stream(ports: Any, cert: tls.ServerTls | None) -> None:
     context = None
     if cert is not None:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -114,7 +103,7 @@ async def _serve_stream(ports: Any, cert: Certificate | None) -> None:
     await server.serve_forever()
 
 
-def _server_main(path: str, ports: Any, cert: Certificate) -> None:
+def _server_main(path: str, ports: Any, cert: tls.ServerTls) -> None:
     secure = cert if path.endswith("-tls") else None
     serve = _serve_grpc if path.startswith("grpc") else _serve_stream
     event_loop.run(serve(ports, secure))
@@ -125,7 +114,7 @@ def _server_main(path: str, ports: Any, cert: Certificate) -> None:
 RoundTrip = Callable[[], Awaitable[None]]
 
 
-async def _grpc_client(port: int, cert: Certificate | None) -> tuple[RoundTrip, Any]:
+async def _grpc_client(port: int, cert: tls.ServerTls | None) -> tuple[RoundTrip, Any]:
     if cert is None:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     else:
@@ -144,7 +133,7 @@ async def _grpc_client(port: int, cert: Certificate | None) -> tuple[RoundTrip, 
     return round_trip, channel
 
 
-async def _stream_client(port: int, cert: Certificate | None) -> tuple[RoundTrip, Any]:
+async def _stream_client(port: int, cert: tls.ServerTls | None) -> tuple[RoundTrip, Any]:
     context = None
     if cert is not None:
         context = ssl.create_default_context(cafile=None, cadata=cert.ca_pem.decode())
@@ -162,7 +151,7 @@ async def _stream_client(port: int, cert: Certificate | None) -> tuple[RoundTrip
 
 
 async def _measure(
-    ports: dict[str, int], cert: Certificate, rounds: int, pause: float, warmup: int
+    ports: dict[str, int], cert: tls.ServerTls, rounds: int, pause: float, warmup: int
 ) -> dict[str, list[float]]:
     clients: dict[str, RoundTrip] = {}
     closers: list[Any] = []
@@ -193,8 +182,7 @@ def measure(rounds: int, pause_ms: float, warmup: int = 50) -> list[PathResult]:
     """Round trips on every path, interleaved; one result per path, in :data:`PATHS` order."""
     spawn = mp.get_context("spawn")  # a process that has used gRPC cannot fork a gRPC child
     with tempfile.TemporaryDirectory(prefix="dacp-grpc-latency-") as tmp:
-        made = tls.load_or_create(Path(tmp))
-        cert = Certificate(made.ca_pem, made.chain_file, made.key_file, made.server_name)
+        cert = tls.load_or_create(Path(tmp))  # the controller's own kind of CA and certificate
         servers: list[Any] = []
         ports: dict[str, int] = {}
         try:
