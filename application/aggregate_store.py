@@ -7,10 +7,10 @@ loaded aggregates a bounded number of times: its effect is neither lost nor appl
 because the losing attempt recorded nothing. While the store is unreachable (the
 :class:`~application.store_guard.StoreGuard`) a command fails at once.
 
-Aggregates that only their own writer changes (for the controller: unfinished jobs) are kept
-as last saved, so the next command starts from them instead of a store query and a deep copy.
-A write by anyone else makes the save conflict, which drops the copy and re-runs the command
-on state loaded from the store.
+Aggregates that mostly their own writer changes (for the controller: unfinished jobs, and
+nodes) are kept as last saved, so the next command starts from them instead of a store query
+and a deep copy. A write by anyone else makes the save conflict, which drops the copy and
+re-runs the command on state loaded from the store.
 """
 
 from __future__ import annotations

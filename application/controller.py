@@ -61,11 +61,20 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _unfinished_job(aggregate: Aggregate) -> bool:
-    """Kept as last saved: a job is written by the one controller that runs it, so job
-    commands start from this copy instead of a store query and a deep copy per job and
-    command (a cost that grew with every token chunk)."""
-    return isinstance(aggregate, Job) and aggregate.state not in TERMINAL_JOB_STATES
+def _kept_fresh(aggregate: Aggregate) -> bool:
+    """Kept as last saved, so the next command starts from this copy instead of a store
+    query and a deep copy of the repository's cached one:
+
+    * an unfinished job: written by the one controller that runs it (the cost grew with
+      every token chunk);
+    * a node: written by the controller its agent is connected to, which places jobs only on
+      such nodes. Every job's dispatch and ending change its nodes, and loading a node was a
+      tenth of the controller's CPU per request. Another controller's write (an admin's
+      drain, a node moving) makes the next save here conflict, which re-runs the command on
+      the stored node."""
+    if isinstance(aggregate, Job):
+        return aggregate.state not in TERMINAL_JOB_STATES
+    return isinstance(aggregate, Node)
 
 
 class Controller(Application[UUID]):
@@ -93,7 +102,7 @@ class Controller(Application[UUID]):
         #: Fails commands fast while the store is unreachable (storage gives it a probe).
         self.guard = guard if guard is not None else StoreGuard(probe=lambda: True)
         #: Loading, saving with retries, fresh jobs and save listeners: the store mechanics.
-        self.aggregates = AggregateStore(self, self.guard, kinds=KINDS, keep_fresh=_unfinished_job)
+        self.aggregates = AggregateStore(self, self.guard, kinds=KINDS, keep_fresh=_kept_fresh)
 
     # -------------------------------------------- the store (AggregateStore's)
 

@@ -1,11 +1,14 @@
 """The event-store mechanics under the controller's commands (application/aggregate_store.py):
 re-running a command that lost a version race, giving up after a bounded number of tries,
-aggregates kept as last saved, NotFound naming the aggregate, and save listeners."""
+aggregates kept as last saved (the controller's unfinished jobs and its nodes), NotFound
+naming the aggregate, and save listeners."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
+from typing import Any
 from uuid import UUID, uuid4
 
 import pytest
@@ -16,6 +19,10 @@ from application.aggregate_store import MAX_COMMAND_ATTEMPTS, AggregateStore
 from application.controller import Controller
 from application.errors import ConcurrencyExhausted, NotFound
 from application.store_guard import StoreGuard
+from domain.catalog import code_of
+from domain.node import Node
+from domain.states import NodeState
+from tests.unit.job_cluster import GIB, GUARD, Cluster, submission
 
 
 class Counter(Aggregate):
@@ -128,3 +135,43 @@ def test_listeners_and_the_append_observer_hear_of_every_save() -> None:
     second = app.record_token("t2", expires_at=1.0, single_use=False, node_name=None, minted_by="a")
     assert positions == [first] and second > first == app.position() - 1
     assert len(durations) == 1
+
+
+async def test_a_nodes_next_jobs_start_from_its_kept_copy_not_the_store() -> None:
+    cluster = Cluster(nodes=1)
+    [node_id] = cluster.node_ids
+    node, job, _ = await cluster.running_job()
+    await cluster.finish(node, job)
+    reads: list[UUID] = []
+    real_get = cluster.app.repository.get
+
+    def counted(uid: UUID, *args: Any, **kwargs: Any) -> Any:
+        reads.append(uid)
+        return real_get(uid, *args, **kwargs)
+
+    cluster.app.repository.get = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
+    [_, (node, job)] = await cluster.primary_assigned(2)
+    await cluster.validate(node, job)
+    await asyncio.wait_for(task, GUARD)
+    await cluster.finish(node, job)
+    assert UUID(node_id) not in reads  # dispatch and ending both used the kept node
+    stored: Node = real_get(UUID(node_id))
+    assert not stored.jobs
+    codes = [code_of(e) for e in cluster.app.events.get(UUID(node_id))]
+    assert codes.count("NODE_JOB_ASSIGNED") == codes.count("NODE_JOB_RELEASED") == 2
+
+
+async def test_a_kept_node_another_controller_changed_costs_a_re_run_not_its_change() -> None:
+    cluster = Cluster(nodes=1)
+    [node_id] = cluster.node_ids
+    node, job, _ = await cluster.running_job()
+    await cluster.finish(node, job)  # the node is kept as last saved here
+    rival: Node = cluster.app.repository.get(UUID(node_id))
+    rival.stop_draining(30.0)
+    cluster.app.save(rival)  # another controller's write: the kept copy is stale now
+    resources = {"ram_total_bytes": GIB, "ram_free_bytes": GIB, "gpus": []}
+    cluster.app.report_resources(node_id, resources, [])
+    stored: Node = cluster.app.repository.get(UUID(node_id))
+    assert stored.stopping and stored.state == NodeState.DRAINING  # the rival's change stands
+    assert stored.resources == resources and stored.local_models == []  # and so does ours

@@ -29,8 +29,10 @@ GIB = 1 << 30
 
 
 def give_gpu(cluster: Cluster, node_id: str, name: str, free: int, protocol: str = "7.0.0") -> None:
-    """The node reports a GPU (and its host CPU) as llama.cpp lists them."""
-    resources = cluster._resources[node_id]
+    """The node reports a GPU (and its host CPU) as llama.cpp lists them: a new report, as
+    the agent's are (the controller keeps the node as last saved, holding the report it had)."""
+    resources = dict(cluster._resources[node_id])
+    cluster._resources[node_id] = resources
     devices = [d for d in resources.get("devices", []) if d["kind"] == "gpu"]
     devices.append(
         {
