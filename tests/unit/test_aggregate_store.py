@@ -149,7 +149,7 @@ async def test_a_nodes_next_jobs_start_from_its_kept_copy_not_the_store() -> Non
         reads.append(uid)
         return real_get(uid, *args, **kwargs)
 
-    cluster.app.repository.get = counted  # type: ignore[method-assign]
+    cluster.app.repository.get = counted  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(cluster.jobs.start(submission(), cluster.model))
     [_, (node, job)] = await cluster.primary_assigned(2)
     await cluster.validate(node, job)
