@@ -170,8 +170,17 @@ async def test_a_kept_node_another_controller_changed_costs_a_re_run_not_its_cha
     rival: Node = cluster.app.repository.get(UUID(node_id))
     rival.stop_draining(30.0)
     cluster.app.save(rival)  # another controller's write: the kept copy is stale now
+    saves: list[int] = []
+    real_save = cluster.app.save
+
+    def counted(*aggregates: Any, **kwargs: Any) -> Any:
+        saves.append(len(aggregates))
+        return real_save(*aggregates, **kwargs)
+
+    cluster.app.save = counted  # type: ignore[method-assign]
     resources = {"ram_total_bytes": GIB, "ram_free_bytes": GIB, "gpus": []}
     cluster.app.report_resources(node_id, resources, [])
+    assert saves == [1, 1]  # the kept copy's save conflicted; the re-run's was taken
     stored: Node = cluster.app.repository.get(UUID(node_id))
     assert stored.stopping and stored.state == NodeState.DRAINING  # the rival's change stands
     assert stored.resources == resources and stored.local_models == []  # and so does ours
